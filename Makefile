@@ -1,0 +1,48 @@
+# make lab   installs what is missing, then opens JupyterLab on the lab
+# make test  installs what is missing, then runs every test and every notebook
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.labkit-installed
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+# nbval: per-cell time limit in seconds (a CPU notebook runs in under 90 s in total)
+CELL_TIMEOUT ?= 300
+NBVAL := --nbval-lax --nbval-cell-timeout=$(CELL_TIMEOUT)
+
+.PHONY: install lab test test-unit test-notebooks release grade clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# constraints.txt pins torch so a CPU machine never pulls the CUDA build.
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,test]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
+	touch $@
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(LAB_ARGS)
+
+test: test-unit test-notebooks
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
+# the student copies must run top to bottom with every exercise still a stub.
+test-notebooks: $(STAMP)
+	LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PYTEST_ARGS)
+	LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks $(PYTEST_ARGS)
+
+release: $(STAMP)
+	$(BIN)/python -m labkit.release
+
+grade: $(STAMP)
+	$(BIN)/python -m labkit.grade $(or $(SUBMISSIONS),notebooks)
+
+clean:
+	rm -rf $(VENV) grades .pytest_cache

@@ -1,0 +1,129 @@
+"""Timing done properly, on any device.
+
+A timing runs the callable a few times to warm up (caches, allocator, lazy init), then
+``repeats`` times for real, and reports the median and the spread (interquartile range).
+On a GPU each call is bracketed by CUDA events and synchronized, because kernel launches
+return before the work is done; on the CPU ``time.perf_counter`` is exact enough.
+
+``compare`` times two callables side by side, alternating A B A B, so that drift in the
+machine (turbo, thermal, other processes) hits both alike; quote the ratio of medians.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from labkit.device import device_name, get_device, synchronize
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one callable, and the device they were taken on."""
+
+    label: str
+    device: str
+    times_s: tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def spread_s(self) -> float:
+        """Interquartile range (75th minus 25th percentile) of the repeats."""
+        if len(self.times_s) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.times_s, n=4, method="inclusive")
+        return q3 - q1
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    def __str__(self) -> str:
+        return (f"{self.label}: median {format_seconds(self.median_s)} "
+                f"(IQR {format_seconds(self.spread_s)}, n={len(self.times_s)}) on {self.device}")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two timings taken alternately in one run; ``speedup`` is how many times faster b is."""
+
+    a: Timing
+    b: Timing
+
+    @property
+    def speedup(self) -> float:
+        return self.a.median_s / self.b.median_s
+
+    def __str__(self) -> str:
+        return f"{self.a}\n{self.b}\n{self.b.label} is {self.speedup:.2f}x as fast as {self.a.label}"
+
+
+def format_seconds(seconds: float) -> str:
+    """1.5e-05 -> '15.0 us', 0.25 -> '250.0 ms'."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.1f} {unit}"
+    return f"{seconds * 1e9:.0f} ns"
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """A function that runs ``fn`` once and returns its duration in seconds on ``device``."""
+    if device.type == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return cuda_time
+
+    def wall_time(fn: Callable[[], Any]) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - start
+    return wall_time
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be 0 or more")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1")
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, label: str = "fn",
+            device: torch.device | str | None = None) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones."""
+    _check_counts(warmup, repeats)
+    device = torch.device(device) if device is not None else get_device()
+    run_once = _timer(device)
+    for _ in range(warmup):
+        fn()
+    times = tuple(run_once(fn) for _ in range(repeats))
+    return Timing(label, device_name(device), times)
+
+
+def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[str, str] = ("A", "B"),
+            warmup: int = 2, repeats: int = 10, device: torch.device | str | None = None) -> Comparison:
+    """Time two callables alternately (A B A B ...) and return both timings."""
+    _check_counts(warmup, repeats)
+    device = torch.device(device) if device is not None else get_device()
+    run_once = _timer(device)
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        times_a.append(run_once(fn_a))
+        times_b.append(run_once(fn_b))
+    name = device_name(device)
+    return Comparison(Timing(labels[0], name, tuple(times_a)), Timing(labels[1], name, tuple(times_b)))

@@ -1,0 +1,90 @@
+"""Check an exercise inline: ``labkit.check("ex00.1", matmul_intensity)``.
+
+The check runs the exercise's cases (from ``labkit.exercises``), prints a verdict with the
+first failure and a hint, and returns a ``Result``. Points are all or nothing: every case
+must pass. With ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises
+``ExerciseFailed``; otherwise the notebook carries on, so a student copy with unsolved stubs
+still runs top to bottom.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from labkit.exercises import Exercise, get
+
+PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
+_MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
+
+
+class ExerciseFailed(AssertionError):
+    """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise does not pass."""
+
+
+@dataclass
+class Result:
+    """The outcome of one exercise for one submission."""
+
+    exercise: str
+    status: str  # passed, failed, not attempted; the grader adds error, timeout, crashed, missing
+    points: float
+    max_points: int
+    passed: int = 0
+    total: int = 0
+    message: str = ""
+
+    def verdict(self) -> str:
+        mark = _MARK.get(self.status, "FAIL")
+        cases = f"{self.passed}/{self.total} cases pass, " if self.total else ""
+        head = f"[{mark}] {self.exercise}: {self.status} ({cases}{self.points:g}/{self.max_points} points)"
+        return head + (f"\n    {self.message}" if self.message else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _describe_error(error: BaseException) -> str:
+    if isinstance(error, AssertionError) and str(error):
+        return str(error)
+    frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (line {frame[0].lineno} of {frame[0].name})" if frame else ""
+    return f"raised {type(error).__name__}: {error}{where}"
+
+
+def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
+    """Run every case of ``exercise`` on ``fn``; all must pass for the points."""
+    if not callable(fn):
+        return Result(exercise.id, FAILED, 0, exercise.points,
+                      message=f"expected the function {exercise.function}, got {type(fn).__name__}")
+    cases = exercise.cases()
+    first_failure, passed = "", 0
+    for number, case in enumerate(cases, 1):
+        try:
+            case.run(fn)
+            passed += 1
+        except NotImplementedError:
+            return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
+                          f"{exercise.function} still raises NotImplementedError: replace it with your code")
+        except Exception as error:  # a student's bug of any kind is a failed case, not a crash
+            first_failure = first_failure or f"case {number} ({case.label}): {_describe_error(error)}"
+    if passed == len(cases):
+        return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
+    return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
+                  f"first failure, {first_failure}\n    hint: {exercise.hint}")
+
+
+def strict() -> bool:
+    """Whether checks raise on failure (``LABKIT_STRICT=1``)."""
+    return os.environ.get("LABKIT_STRICT", "0").strip().lower() in ("1", "true", "yes")
+
+
+def check(exercise_id: str, fn: Callable[..., Any]) -> Result:
+    """Run an exercise's cases on ``fn``, print the verdict, and return the result."""
+    exercise = get(exercise_id)
+    result = run_cases(exercise, fn)
+    print(f"{exercise.title} -- {result.verdict()}")
+    if strict() and result.status != PASSED:
+        raise ExerciseFailed(result.verdict())
+    return result

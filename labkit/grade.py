@@ -1,0 +1,247 @@
+"""Grade submissions: ``python -m labkit.grade PATH...``.
+
+A PATH is one notebook, a folder of notebooks (one student's submission), or a folder of
+student folders (a class). Every exercise of every notebook runs in a fresh Python process
+with a time limit: the notebook's cells tagged ``setup`` first, then the exercise cell, then
+the exercise's cases (the same ones ``labkit.check`` runs) on the function the cell defines.
+A crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that
+exercise's points and nothing more. The grader prints a points table and writes
+``grades.json`` (every result with its reason) and ``grades.csv`` (a row per student, a
+column per exercise).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit import notebook
+from labkit.check import Result, run_cases
+from labkit.exercises import EXERCISES, Exercise, for_lab, get
+
+ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
+_OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to files while graded
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One student's copy of one notebook."""
+
+    student: str
+    path: Path
+    lab: str
+
+
+def _lab_of(path: Path) -> str | None:
+    """The notebook number, from the file name (``03_paged-Copy1.ipynb``) or its exercises."""
+    match = re.match(r"(\d\d)_", path.name)
+    if match:
+        return match.group(1)
+    try:
+        ids = [i for c in notebook.read(path)["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
+    except ValueError:
+        return None
+    return get(ids[0]).lab if ids else None
+
+
+def _notebooks_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.ipynb") if p.is_file())
+
+
+def find_submissions(paths: list[Path]) -> list[Submission]:
+    """Every (student, notebook) under the given paths; a student is the folder a notebook is in."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            found += _notebooks_in(path)
+            for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                found += _notebooks_in(sub)
+        else:
+            raise FileNotFoundError(f"{path} does not exist")
+    submissions = []
+    for nb_path in found:
+        lab = _lab_of(nb_path)
+        if lab is None:
+            print(f"skipping {nb_path}: no NN_ prefix and no known exercise in it", file=sys.stderr)
+        else:
+            submissions.append(Submission(nb_path.resolve().parent.name, nb_path, lab))
+    return submissions
+
+
+def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
+    """Run one exercise in a fresh process; return its result, whatever the process did."""
+    with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps({**spec, "result": str(result_path)}), encoding="utf-8")
+        env = {**os.environ, "LABKIT_STRICT": "0", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "labkit.grade", "--worker", str(spec_path)],
+                                cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"status": TIMEOUT, "message": f"stopped after {timeout_s:g} s: an endless loop, "
+                                                    "or far too slow"}
+        _kill_leftovers(proc.pid)
+        if result_path.exists():
+            return json.loads(result_path.read_text(encoding="utf-8"))
+        how = (f"killed by signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+               else f"exited with code {proc.returncode}")
+        return {"status": CRASHED, "message": f"the process {how} before reporting a result "
+                                              "(os._exit, a crash, or too much output?)"}
+
+
+def _kill_leftovers(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _exercise_cell(nb: notebook.Notebook, exercise: Exercise) -> str | None:
+    """The source of the exercise's cell; the last one if a student duplicated it."""
+    sources = [notebook.source(c) for c in nb["cells"] if notebook.exercise_id(c) == exercise.id]
+    return sources[-1] if sources else None
+
+
+def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[str, Result]:
+    """Grade every exercise of one submitted notebook."""
+    exercises = for_lab(sub.lab)
+    try:
+        nb = notebook.read(sub.path)
+    except ValueError as error:
+        return {ex.id: Result(ex.id, ERROR, 0, ex.points, message=str(error)) for ex in exercises}
+    setup = [notebook.source(c) for c in notebook.code_cells(nb, "setup")]
+    results = {}
+    for ex in exercises:
+        cell = _exercise_cell(nb, ex)
+        if cell is None:
+            results[ex.id] = Result(ex.id, MISSING, 0, ex.points,
+                                    message=f"no cell tagged 'exercise' for {ex.id} (was it deleted?)")
+            continue
+        spec = {"exercise": ex.id, "setup": setup, "cell": cell}
+        outcome = _run_worker(spec, sub.path.resolve().parent, timeout_s or ex.timeout_s)
+        results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome})
+    return results
+
+
+def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = None
+          ) -> dict[str, dict[str, Result]]:
+    """Grade every submission under ``paths``: {student: {exercise id: Result}}."""
+    submissions = find_submissions(paths)
+    if not submissions:
+        raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), submissions))
+    columns = sorted({ex.id for sub in submissions for ex in for_lab(sub.lab)})
+    book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
+    for sub, results in graded:
+        book[sub.student].update(results)
+    for student, results in book.items():
+        for ex_id in columns:
+            if ex_id not in results:
+                ex = get(ex_id)
+                results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
+    return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+def _total(results: dict[str, Result]) -> tuple[float, int]:
+    return sum(r.points for r in results.values()), sum(r.max_points for r in results.values())
+
+
+def table(book: dict[str, dict[str, Result]]) -> str:
+    """A points table, then the reason for every exercise that did not pass."""
+    columns = list(next(iter(book.values())))
+    width = max(len("student"), *(len(s) for s in book))
+    lines = ["  ".join(["student".ljust(width), *(c.rjust(7) for c in columns), "  total"])]
+    for student, results in book.items():
+        got, most = _total(results)
+        cells = [f"{results[c].points:g}/{results[c].max_points}".rjust(7) for c in columns]
+        lines.append("  ".join([student.ljust(width), *cells, f"{got:g}/{most}".rjust(7)]))
+    notes = [f"{student} {r.exercise}: {r.status}" + (f": {r.message}" if r.message else "")
+             for student, results in book.items() for r in results.values() if r.status != "passed"]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
+    """grades.json (every result) and grades.csv (points, a row per student)."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out / "grades.json", out / "grades.csv"
+    report = {s: {"total": _total(r)[0], "max": _total(r)[1],
+                  "exercises": {e: res.to_dict() for e, res in r.items()}} for s, r in book.items()}
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    columns = list(next(iter(book.values())))
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student", *columns, "total", "max"])
+        for student, results in book.items():
+            writer.writerow([student, *(f"{results[c].points:g}" for c in columns), *map(str, _total(results))])
+    return json_path, csv_path
+
+
+def _worker(spec_path: str) -> None:
+    """Inside the fresh process: run setup and exercise cells as IPython would, then the cases."""
+    import resource
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    exercise = get(spec["exercise"])
+    shell = InteractiveShell.instance(colors="nocolor")
+    outcome = {"status": ERROR, "message": ""}
+    for kind, src in [*(("a setup cell", s) for s in spec["setup"]), ("the exercise cell", spec["cell"])]:
+        ran = shell.run_cell(src, store_history=False)
+        error = ran.error_before_exec or ran.error_in_exec
+        if error is not None:
+            outcome["message"] = f"{kind} raised {type(error).__name__}: {error}"
+            break
+    else:
+        fn = shell.user_ns.get(exercise.function)
+        if fn is None:
+            outcome["message"] = f"the exercise cell does not define {exercise.function}"
+        else:
+            result = run_cases(exercise, fn)
+            outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
+    Path(spec["result"]).write_text(json.dumps(outcome), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.grade", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", type=Path, help="notebooks, a student's folder, or a class folder")
+    parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json/csv go")
+    parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
+    parser.add_argument("--jobs", type=int, help="exercises graded at once (default: CPU count)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return 0
+    if not args.paths:
+        parser.error("give at least one notebook or folder to grade")
+    try:
+        book = grade(args.paths, args.timeout, args.jobs)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(table(book))
+    json_path, csv_path = write_reports(book, args.out)
+    print(f"\nwrote {json_path} and {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

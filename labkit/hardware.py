@@ -1,0 +1,106 @@
+"""How fast is this machine, and the roofline that says what bounds a kernel.
+
+A kernel doing F floating-point operations while moving B bytes to and from memory has
+arithmetic intensity I = F / B (FLOP per byte). On a machine with peak compute P (FLOP/s)
+and memory bandwidth W (bytes/s) it can run at most at
+
+    attainable(I) = min(P, I * W)
+
+Below the ridge point I* = P / W a kernel is memory-bound (more bandwidth helps, more FLOPs
+do not); above it, compute-bound. ``probe`` measures W and P for the device at hand in a
+few seconds: W from a large tensor copy, P from a square matmul.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from labkit.bench import measure
+from labkit.device import device_name, get_device
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A machine on the roofline: memory size, bandwidth and peak matmul rate."""
+
+    name: str
+    memory_bytes: float
+    bandwidth: float  # bytes per second
+    peak_flops: float  # FLOP per second, dense, in `dtype`
+    dtype: str
+    measured: bool = False  # True when probed on this machine, False for a datasheet preset
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOP per byte at which the machine turns from memory-bound to compute-bound."""
+        return self.peak_flops / self.bandwidth
+
+    def attainable(self, intensity: float) -> float:
+        """Highest FLOP/s a kernel of this arithmetic intensity can reach here."""
+        return attainable_flops(intensity, self.peak_flops, self.bandwidth)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of (m x k) @ (k x n): one multiply and one add per term."""
+    return 2 * m * n * k
+
+
+def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float) -> float:
+    """Bytes moved by (m x k) @ (k x n) if each operand and the result cross memory once."""
+    return bytes_per_element * (m * k + k * n + m * n)
+
+
+def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2) -> float:
+    """Arithmetic intensity (FLOP per byte) of (m x k) @ (k x n)."""
+    return matmul_flops(m, n, k) / matmul_bytes(m, n, k, bytes_per_element)
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    """The roofline: min(peak, intensity * bandwidth)."""
+    if intensity < 0 or peak_flops <= 0 or bandwidth <= 0:
+        raise ValueError(f"need intensity >= 0 and positive peak and bandwidth, got "
+                         f"intensity={intensity}, peak_flops={peak_flops}, bandwidth={bandwidth}")
+    return min(peak_flops, intensity * bandwidth)
+
+
+def _probe_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def _memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of a large copy: each copy reads ``nbytes`` and writes ``nbytes``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=device, label="copy")
+    return 2 * src.numel() * 4 / timing.median_s
+
+
+def measure_matmul_rate(device: torch.device, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP per second of an n x n by n x n matmul in ``dtype``."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    timing = measure(lambda: a @ b, warmup=2, repeats=repeats, device=device, label="matmul")
+    return matmul_flops(n, n, n) / timing.median_s
+
+
+def probe(device: torch.device | str | None = None) -> Hardware:
+    """Measure this device's memory bandwidth and matmul rate (a few seconds)."""
+    device = torch.device(device) if device is not None else get_device()
+    on_gpu = device.type != "cpu"
+    dtype = _probe_dtype(device)
+    bandwidth = measure_bandwidth(device, nbytes=(1 << 30) if on_gpu else (256 << 20))
+    peak = measure_matmul_rate(device, n=8192 if on_gpu else 1024, dtype=dtype)
+    return Hardware(name=device_name(device), memory_bytes=_memory_bytes(device), bandwidth=bandwidth,
+                    peak_flops=peak, dtype=str(dtype).removeprefix("torch."), measured=True)
