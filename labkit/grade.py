@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from labkit import notebook
@@ -29,7 +31,7 @@ from labkit.check import Result, run_cases
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
-_OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to files while graded
+_OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 
 
 @dataclass(frozen=True)
@@ -79,35 +81,45 @@ def find_submissions(paths: list[Path]) -> list[Submission]:
     return submissions
 
 
+_PRELOAD = ["torch", "labkit", "labkit.grade", "IPython.core.interactiveshell"]
+
+
+@lru_cache(maxsize=1)
+def _context() -> multiprocessing.context.BaseContext:
+    """Fresh processes that start in milliseconds: a fork server that has imported torch once."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
     """Run one exercise in a fresh process; return its result, whatever the process did."""
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps({**spec, "result": str(result_path)}), encoding="utf-8")
-        env = {**os.environ, "LABKIT_STRICT": "0", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "labkit.grade", "--worker", str(spec_path)],
-                                cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        result_path = Path(tmp) / "result.json"
+        proc = _context().Process(target=_worker, args=(spec, str(cwd), str(result_path)), daemon=True)
+        proc.start()
+        proc.join(timeout_s)
+        timed_out = proc.is_alive()
+        _kill_group(proc.pid)
+        proc.join()
+        if timed_out:
             return {"status": TIMEOUT, "message": f"stopped after {timeout_s:g} s: an endless loop, "
                                                     "or far too slow"}
-        _kill_leftovers(proc.pid)
         if result_path.exists():
             return json.loads(result_path.read_text(encoding="utf-8"))
-        how = (f"killed by signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-               else f"exited with code {proc.returncode}")
+        how = (f"killed by signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+               else f"exited with code {proc.exitcode}")
         return {"status": CRASHED, "message": f"the process {how} before reporting a result "
                                               "(os._exit, a crash, or too much output?)"}
 
 
-def _kill_leftovers(pgid: int) -> None:
+def _kill_group(pgid: int) -> None:
+    """Kill the worker and anything it started (it leads its own process group)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -192,14 +204,24 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
     return json_path, csv_path
 
 
-def _worker(spec_path: str) -> None:
-    """Inside the fresh process: run setup and exercise cells as IPython would, then the cases."""
+def _isolate(cwd: str) -> None:
+    """In the worker: own process group, no terminal output, a cap on files written."""
     import resource
 
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.update(LABKIT_STRICT="0", MPLBACKEND="Agg")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+
+
+def _worker(spec: dict, cwd: str, result_path: str) -> None:
+    """Inside the fresh process: run setup and exercise cells as IPython would, then the cases."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
-    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    _isolate(cwd)
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     outcome = {"status": ERROR, "message": ""}
@@ -216,7 +238,7 @@ def _worker(spec_path: str) -> None:
         else:
             result = run_cases(exercise, fn)
             outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    Path(spec["result"]).write_text(json.dumps(outcome), encoding="utf-8")
+    Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,11 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json/csv go")
     parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
     parser.add_argument("--jobs", type=int, help="exercises graded at once (default: CPU count)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        _worker(args.worker)
-        return 0
     if not args.paths:
         parser.error("give at least one notebook or folder to grade")
     try:

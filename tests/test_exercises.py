@@ -1,0 +1,85 @@
+"""Exercises: solutions pass, released stubs and wrong answers do not, checks print and raise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import notebook
+from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, ExerciseFailed, check, run_cases
+from labkit.exercises import EXERCISES, get
+from labkit.exercises.spec import assert_matches
+
+
+def _cells(folder, root) -> dict[str, str]:
+    cells = {}
+    for path in sorted((root / folder).glob("*.ipynb")):
+        for cell in notebook.read(path)["cells"]:
+            if (ex_id := notebook.exercise_id(cell)) is not None:
+                assert ex_id not in cells, f"{ex_id} appears twice in {folder}/"
+                assert path.name.startswith(get(ex_id).lab + "_"), f"{ex_id} sits in {path.name}"
+                cells[ex_id] = notebook.source(cell)
+    return cells
+
+
+def _define(source: str, name: str):
+    namespace: dict = {}
+    exec(compile(source, "<exercise cell>", "exec"), namespace)
+    return namespace[name]
+
+
+def test_every_exercise_has_one_cell_in_solutions_and_notebooks(root):
+    assert set(_cells("solutions", root)) == set(EXERCISES)
+    assert set(_cells("notebooks", root)) == set(EXERCISES)
+
+
+@pytest.mark.parametrize("ex_id", sorted(EXERCISES))
+def test_solution_passes(root, ex_id):
+    fn = _define(_cells("solutions", root)[ex_id], get(ex_id).function)
+    result = run_cases(get(ex_id), fn)
+    assert result.status == PASSED, result.verdict()
+    assert result.points == get(ex_id).points
+
+
+@pytest.mark.parametrize("ex_id", sorted(EXERCISES))
+def test_released_stub_scores_nothing(root, ex_id):
+    fn = _define(_cells("notebooks", root)[ex_id], get(ex_id).function)
+    result = run_cases(get(ex_id), fn)
+    assert result.status == NOT_ATTEMPTED and result.points == 0
+
+
+@pytest.mark.parametrize("ex_id", sorted(EXERCISES))
+@pytest.mark.parametrize("constant", [0, 1.0, None])
+def test_a_constant_answer_fails(ex_id, constant):
+    assert run_cases(get(ex_id), lambda *a, **k: constant).status == FAILED
+
+
+def test_a_plausible_mistake_fails_with_the_case_and_a_hint():
+    flops_over_weights = lambda m, n, k, b=2: 2 * m * n * k / (b * k * n)  # forgets A and C
+    result = run_cases(get("ex00.1"), flops_over_weights)
+    assert result.status == FAILED and result.passed < result.total
+    assert "first failure, case" in result.message and "hint:" in result.message
+
+
+def test_check_prints_and_only_raises_when_strict(monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_STRICT", "0")
+    result = check("ex00.2", lambda i, p, b: 0.0)
+    assert result.status == FAILED and "[FAIL] ex00.2" in capsys.readouterr().out
+    monkeypatch.setenv("LABKIT_STRICT", "1")
+    with pytest.raises(ExerciseFailed, match="ex00.2"):
+        check("ex00.2", lambda i, p, b: 0.0)
+    assert check("ex00.2", lambda i, p, b: min(p, i * b)).status == PASSED
+    with pytest.raises(KeyError, match="known: ex00.1"):
+        check("ex99.9", print)
+
+
+def test_a_function_that_is_not_callable_fails():
+    assert run_cases(get("ex00.1"), 42).status == FAILED
+
+
+def test_assert_matches_compares_by_kind():
+    assert_matches((1.0, torch.ones(2)), (1.0 + 1e-9, torch.ones(2)), 1e-6, 1e-9)
+    assert_matches({"a": [1, 2]}, {"a": (1, 2)}, 0, 0)
+    for got, expected in [(torch.ones(2), torch.zeros(2)), ([1], torch.ones(1)), (True, 1),
+                          ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
+        with pytest.raises(AssertionError):
+            assert_matches(got, expected, 1e-6, 1e-9)

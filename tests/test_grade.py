@@ -1,0 +1,108 @@
+"""The grader: full points on solutions/, zero on notebooks/, and it survives broken submissions."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from labkit import notebook
+from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, grade, table
+
+CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
+BROKEN_EX1 = {
+    "loops": "def matmul_intensity(m, n, k, b=2):\n    while True:\n        pass\n",
+    "raises": "raise RuntimeError('boom')\n",
+    "syntax": "def matmul_intensity(m, n, k, b=2)\n    return 1\n",
+    "exits": "import sys\nsys.exit(3)\n",
+    "hard_exits": "import os\ndef matmul_intensity(m, n, k, b=2):\n    os._exit(7)\n",
+    "wrong": "def matmul_intensity(m, n, k, b=2):\n    return 2 * m * n * k / (b * n * k)\n",
+    "renamed": "def intensity(m, n, k, b=2):\n    return 1.0\n",
+    "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+}
+
+
+def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00_welcome.ipynb"):
+    nb = notebook.read(template)
+    kept = []
+    for cell in nb["cells"]:
+        ex_id = notebook.exercise_id(cell)
+        if ex_id == "ex00.1" and drop_ex1:
+            continue
+        if ex_id == "ex00.1" and ex1_source is not None:
+            notebook.set_source(cell, ex1_source)
+        if ex_id == "ex00.2":
+            notebook.set_source(cell, CORRECT_ROOFLINE)
+        kept.append(cell)
+    nb["cells"] = kept
+    (folder / student).mkdir(parents=True)
+    notebook.write(nb, folder / student / name)
+
+
+def test_solutions_score_full_points_and_stubs_zero(root):
+    book = grade([root / "solutions", root / "notebooks"])
+    assert {s: [r.status for r in res.values()] for s, res in book.items()} == {
+        "solutions": ["passed", "passed"], "notebooks": ["not attempted", "not attempted"]}
+    assert sum(r.points for r in book["solutions"].values()) == 3
+    assert sum(r.points for r in book["notebooks"].values()) == 0
+
+
+@pytest.fixture(scope="module")
+def class_folder(tmp_path_factory):
+    from tests.conftest import ROOT
+    folder = tmp_path_factory.mktemp("class")
+    template = ROOT / "notebooks/00_welcome.ipynb"
+    for student, source in BROKEN_EX1.items():
+        _submit(folder, student, template, source)
+    _submit(folder, "deleted", template, drop_ex1=True)
+    _submit(folder, "copy_renamed", template, BROKEN_EX1["magic"], name="my_work.ipynb")
+    (folder / "garbage").mkdir()
+    (folder / "garbage/00_welcome.ipynb").write_text("{ this is not json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def class_book(class_folder):
+    return grade([class_folder], timeout_s=8)
+
+
+@pytest.mark.parametrize("student, status, says", [
+    ("loops", TIMEOUT, "stopped after 8 s"),
+    ("raises", ERROR, "RuntimeError: boom"),
+    ("syntax", ERROR, "SyntaxError"),
+    ("exits", ERROR, "SystemExit: 3"),
+    ("hard_exits", CRASHED, "exited with code 7"),
+    ("wrong", "failed", "hint:"),
+    ("renamed", ERROR, "does not define matmul_intensity"),
+    ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
+    ("magic", "passed", ""),
+    ("copy_renamed", "passed", ""),
+    ("garbage", ERROR, "not a readable notebook"),
+])
+def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
+    result = class_book[student]["ex00.1"]
+    assert result.status == status and says in result.message
+    if student != "garbage":
+        assert class_book[student]["ex00.2"].status == "passed", "the other exercise keeps its points"
+
+
+def test_the_table_and_reports(class_folder, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "labkit.grade", str(class_folder / "magic"),
+                          str(class_folder / "wrong"), "--out", str(tmp_path), "--timeout", "30"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "magic" in run.stdout and "3/3" in run.stdout and "wrong ex00.1: failed" in run.stdout
+    rows = list(csv.DictReader((tmp_path / "grades.csv").open()))
+    assert rows == [{"student": "magic", "ex00.1": "2", "ex00.2": "1", "total": "3", "max": "3"},
+                    {"student": "wrong", "ex00.1": "0", "ex00.2": "1", "total": "1", "max": "3"}]
+    report = json.loads((tmp_path / "grades.json").read_text())
+    assert report["wrong"]["exercises"]["ex00.1"]["status"] == "failed"
+
+
+def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
+    assert "loops" in table(class_book)
+    run = subprocess.run([sys.executable, "-m", "labkit.grade", str(tmp_path / "nowhere")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "does not exist" in run.stderr

@@ -1,0 +1,100 @@
+"""Release: solution regions become stubs, outputs go, and --check catches a stale notebooks/."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from labkit import notebook
+from labkit.release import main, release_notebook, stale, strip_solutions
+
+SOLVED = '''def f(x):
+    """Doc."""
+    ### BEGIN SOLUTION
+    y = x + 1
+    return y
+    ### END SOLUTION
+
+def g():
+    if True:
+        ### BEGIN SOLUTION
+        return 2
+        ### END SOLUTION
+'''
+
+
+def test_each_region_becomes_one_raise_at_its_indentation():
+    out = strip_solutions(SOLVED, "ex00.1", "test")
+    assert out.splitlines() == [
+        "def f(x):", '    """Doc."""',
+        '    raise NotImplementedError("ex00.1: replace this line with your code")', "",
+        "def g():", "    if True:",
+        '        raise NotImplementedError("ex00.1: replace this line with your code")']
+
+
+@pytest.mark.parametrize("broken, complaint", [
+    ("### BEGIN SOLUTION\nx = 1\n", "never closed"),
+    ("### END SOLUTION\n", "never opened"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside another"),
+])
+def test_broken_markers_are_refused(broken, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        strip_solutions(broken, "ex00.1", "nb cell 3")
+
+
+def _nb(*cells):
+    return {"cells": list(cells), "metadata": {"widgets": {"state": {}}}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def _code(text, tags=(), exercise=None, outputs=()):
+    meta = {"tags": list(tags)} | ({"labkit": {"exercise": exercise}} if exercise else {})
+    return {"cell_type": "code", "metadata": meta, "source": text, "outputs": list(outputs), "execution_count": 4}
+
+
+def test_release_clears_outputs_and_widget_state():
+    nb = _nb(_code("print(1)", outputs=[{"output_type": "stream", "name": "stdout", "text": "1"}]),
+             _code(SOLVED, ["exercise"], "ex00.1"))
+    student = release_notebook(nb, "00_x.ipynb")
+    assert all(c["outputs"] == [] and c["execution_count"] is None for c in student["cells"])
+    assert "widgets" not in student["metadata"]
+    assert "return y" not in notebook.source(student["cells"][1])
+    assert nb["cells"][0]["outputs"], "the instructor notebook itself is left alone"
+
+
+@pytest.mark.parametrize("cell, complaint", [
+    (_code(SOLVED), "not tagged 'exercise'"),
+    (_code("def f(): pass", ["exercise"], "ex00.1"), "no '### BEGIN SOLUTION'"),
+    (_code(SOLVED, ["exercise"], "ex42.1"), "not defined in labkit.exercises"),
+])
+def test_instructor_mistakes_are_named(cell, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        release_notebook(_nb(cell), "00_x.ipynb")
+
+
+def test_the_repository_is_released_and_holds_no_outputs(root):
+    run = subprocess.run([sys.executable, "-m", "labkit.release", "--check"], cwd=root,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for path in [*root.glob("solutions/*.ipynb"), *root.glob("notebooks/*.ipynb")]:
+        for cell in notebook.read(path)["cells"]:
+            assert not cell.get("outputs") and not cell.get("execution_count"), f"{path} holds outputs"
+    student = (root / "notebooks/00_welcome.ipynb").read_text()
+    assert "BEGIN SOLUTION" not in student and "flops = 2 * m * n * k" not in student
+
+
+def test_check_reports_stale_and_orphan_notebooks(root, tmp_path, capsys):
+    shutil.copytree(root / "solutions", tmp_path / "solutions")
+    shutil.copytree(root / "notebooks", tmp_path / "notebooks")
+    paths = ["--solutions", str(tmp_path / "solutions"), "--notebooks", str(tmp_path / "notebooks")]
+    assert main(["--check", *paths]) == 0
+    welcome = tmp_path / "notebooks/00_welcome.ipynb"
+    welcome.write_text(welcome.read_text().replace("Welcome", "Hello"))
+    shutil.copy(welcome, tmp_path / "notebooks/99_orphan.ipynb")
+    assert main(["--check", *paths]) == 1
+    problems = stale(tmp_path / "solutions", tmp_path / "notebooks")
+    assert any("00_welcome.ipynb is out of date" in p for p in problems)
+    assert any("99_orphan.ipynb has no instructor notebook" in p for p in problems)
+    assert main(paths) == 0 and main(["--check", *paths]) == 1  # the orphan is reported, not deleted
+    assert "out of date" not in capsys.readouterr().out.splitlines()[-1]
