@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.labkit-installed
 LAB_ARGS ?=
+# jupyter refuses to run as root unless told; containers often run as root
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 PYTEST_ARGS ?=
 # nbval: per-cell time limit in seconds (a CPU notebook runs in under 90 s in total)
 CELL_TIMEOUT ?= 300
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(LAB_ARGS)
+	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
 test: test-unit test-notebooks
 

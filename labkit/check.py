@@ -1,7 +1,7 @@
 """Check an exercise inline: ``labkit.check("ex00.1", matmul_intensity)``.
 
-The check runs the exercise's cases (from ``labkit.exercises``), prints a verdict with the
-first failure and a hint, and returns a ``Result``. Points are all or nothing: every case
+The check runs the exercise's cases (from ``labkit.exercises``) and prints a verdict with
+the first failure and a hint; ``run_cases`` returns the same verdict as a ``Result``. Points are all or nothing: every case
 must pass. With ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises
 ``ExerciseFailed``; otherwise the notebook carries on, so a student copy with unsolved stubs
 still runs top to bottom.
@@ -80,11 +80,10 @@ def strict() -> bool:
     return os.environ.get("LABKIT_STRICT", "0").strip().lower() in ("1", "true", "yes")
 
 
-def check(exercise_id: str, fn: Callable[..., Any]) -> Result:
-    """Run an exercise's cases on ``fn``, print the verdict, and return the result."""
+def check(exercise_id: str, fn: Callable[..., Any]) -> None:
+    """Run an exercise's cases on ``fn`` and print the verdict."""
     exercise = get(exercise_id)
     result = run_cases(exercise, fn)
     print(f"{exercise.title} -- {result.verdict()}")
     if strict() and result.status != PASSED:
         raise ExerciseFailed(result.verdict())
-    return result

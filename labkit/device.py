@@ -88,14 +88,18 @@ def package_version(name: str) -> str | None:
         return None
 
 
+_LAB_PACKAGES = ("triton", "jupyterlab", "ipywidgets", "matplotlib", "plotly", "anywidget")
+
+
 def describe() -> dict[str, str | None]:
-    """What the lab runs on: versions, the chosen device, and whether triton is there."""
+    """What the lab runs on: the device, and the versions of torch and the lab's packages
+    (None for one that is not installed, such as triton on a Mac)."""
     device = get_device()
     return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "triton": package_version("triton"),
         "device": str(device),
         "device name": device_name(device),
         "LABKIT_DEVICE": os.environ.get("LABKIT_DEVICE"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        **{name: package_version(name) for name in _LAB_PACKAGES},
     }

@@ -65,7 +65,7 @@ def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> f
     return min(peak_flops, intensity * bandwidth)
 
 
-def _probe_dtype(device: torch.device) -> torch.dtype:
+def probe_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "mps":
@@ -99,7 +99,7 @@ def probe(device: torch.device | str | None = None) -> Hardware:
     """Measure this device's memory bandwidth and matmul rate (a few seconds)."""
     device = torch.device(device) if device is not None else get_device()
     on_gpu = device.type != "cpu"
-    dtype = _probe_dtype(device)
+    dtype = probe_dtype(device)
     bandwidth = measure_bandwidth(device, nbytes=(1 << 30) if on_gpu else (256 << 20))
     peak = measure_matmul_rate(device, n=8192 if on_gpu else 1024, dtype=dtype)
     return Hardware(name=device_name(device), memory_bytes=_memory_bytes(device), bandwidth=bandwidth,

@@ -39,3 +39,18 @@ def test_probe_measures_positive_rates_on_this_device():
     assert hw.bandwidth > 1e8 and hw.peak_flops > 1e8  # anything alive beats 0.1 GB/s and 0.1 GFLOP/s
     assert hw.dtype == "float32" and hw.memory_bytes > 0
     assert hw.attainable(hw.ridge_intensity * 10) == pytest.approx(hw.peak_flops)
+
+
+def test_roofline_plot_draws_each_machine_and_labels_the_measured_one():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz import plot_roofline
+
+    me = Hardware("this cpu", 1e9, 20e9, 100e9, "float32", measured=True)
+    fig = plot_roofline([me, gpu("H100-SXM")], points=[("decode", 1.0)])
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["this cpu (measured, float32)", "H100 SXM 80GB (datasheet, bf16)"]
+    roof = ax.get_lines()[0].get_ydata()
+    assert roof.max() == pytest.approx(0.1)  # 100 GFLOP/s, in TFLOP/s
+    assert any("decode" in t.get_text() for t in ax.texts)

@@ -1,0 +1,141 @@
+"""Load a model and its tokenizer: one of the lab's shipped checkpoints, or a Hugging Face
+Llama-architecture checkpoint from a local folder (config.json, tokenizer.json and
+safetensors weights, sharded or not). Nothing is downloaded, and pickles are never read.
+
+    model, tokenizer = labkit.load("target")            # shipped with the lab
+    model, tokenizer = labkit.load("~/models/SmolLM2-135M")  # your own, from disk
+
+``LABKIT_MODEL`` names the model the notebooks use (default ``target``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from labkit.device import get_device
+from labkit.model import ModelConfig, Transformer
+
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+TOKENIZER = CHECKPOINTS / "tokenizer.json"
+
+# Hugging Face Llama parameter names -> labkit's, per layer and for the rest.
+_HF_LAYER = {
+    "self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
+    "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
+    "mlp.down_proj": "mlp.down", "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+}
+_HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+
+
+def save_checkpoint(model: Transformer, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``model.safetensors`` and ``config.json`` (labkit's own parameter names)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+             if not (model.config.tie_embeddings and k == "lm_head.weight")}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
+
+
+def _build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
+           dtype: torch.dtype) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_checkpoint(folder: Path, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> Transformer:
+    """A model saved by ``save_checkpoint``."""
+    config = ModelConfig(**json.loads((folder / "config.json").read_text()))
+    return _build(config, load_file(str(folder / "model.safetensors")), device or get_device(), dtype)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """labkit's config for a Hugging Face ``config.json``; other architectures get a clear error."""
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"model_type={hf.get('model_type')!r} is not supported: labkit loads "
+                         "Llama-architecture checkpoints (model_type 'llama')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{flag}=True is not supported: labkit's Llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; labkit's MLP is SwiGLU (silu)")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rope_type={kind!r} is not supported (only default and llama3)")
+    config = ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling={k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings")} if kind == "llama3" else None,
+    )
+    if hf.get("head_dim", config.head_dim) != config.head_dim:
+        raise ValueError(f"head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads "
+                         f"= {config.head_dim}, which labkit's attention assumes")
+    return config
+
+
+def _hf_name(name: str) -> str | None:
+    stem, _, leaf = name.rpartition(".")
+    if stem in _HF_TOP:
+        return f"{_HF_TOP[stem]}.{leaf}"
+    parts = stem.split(".")
+    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in _HF_LAYER:
+        return f"blocks.{parts[2]}.{_HF_LAYER['.'.join(parts[3:])]}.{leaf}"
+    return None
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(p.name for p in folder.iterdir())
+        raise FileNotFoundError(f"no .safetensors weights in {folder} (found: {found}); "
+                                "labkit never loads pickled .bin checkpoints")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def load_hf(folder: str | Path, device: torch.device | None = None,
+            dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
+    """A Hugging Face Llama checkpoint from a local folder, as a labkit model."""
+    folder = Path(folder).expanduser()
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    state = {new: t for name, t in _read_safetensors(folder).items() if (new := _hf_name(name))}
+    model = _build(config, state, device or get_device(), dtype)
+    tokenizer_file = folder / "tokenizer.json"
+    return model, Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
+
+
+def load(name: str | None = None, device: torch.device | str | None = None,
+         dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
+    """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``) or a local
+    Hugging Face folder; ``LABKIT_MODEL`` when no name is given."""
+    name = name or os.environ.get("LABKIT_MODEL", "target")
+    device = torch.device(device) if device is not None else get_device()
+    if Path(name).expanduser().is_dir():
+        return load_hf(name, device, dtype)
+    folder = CHECKPOINTS / name
+    if not (folder / "model.safetensors").exists():
+        shipped = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
+        raise FileNotFoundError(f"no checkpoint {name!r}: not a folder on disk, and not one of the "
+                                f"shipped checkpoints {shipped}")
+    return load_checkpoint(folder, device, dtype), Tokenizer.from_file(str(TOKENIZER))

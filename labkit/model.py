@@ -1,0 +1,247 @@
+"""A Llama-style decoder-only transformer, written from scratch.
+
+    x = embed(tokens)
+    for each layer:   x = x + attention(rms_norm(x));   x = x + mlp(rms_norm(x))
+    logits = lm_head(rms_norm(x))
+
+- RMSNorm:  y = x / sqrt(mean(x^2) + eps) * weight
+- Rotary embeddings (RoPE): in each head, the pair (x_i, x_{i + d/2}) is rotated by the angle
+  position * theta^(-2i/d), so the dot product of a query and a key depends on their distance.
+- SwiGLU MLP:  mlp(x) = W_down(silu(W_gate x) * W_up x)
+- Attention has ``n_heads`` query heads and ``n_kv_heads`` key/value heads; each KV head is
+  shared by a group of n_heads / n_kv_heads query heads. MHA when the two are equal, MQA when
+  there is one KV head, GQA in between.
+
+The model knows nothing of how keys and values are stored. ``forward`` takes token ids, their
+positions and, optionally, a cache object with the ``KVCache`` interface: the contiguous cache
+here, or the paged cache of a later lab. Without a cache it attends causally among the tokens
+it is given. Position -1 marks padding in a batch of sequences of different lengths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PAD_POSITION = -1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the model; checked on creation, with errors that name the problem."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = None  # Llama-3's: factor, low/high_freq_factor, original context
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head: 1 for MHA, n_heads for MQA."""
+        return self.n_heads // self.n_kv_heads
+
+
+class KVCache(Protocol):
+    """Where attention keeps keys and values between forward calls."""
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Store new keys and values ``[B, n_kv_heads, T, head_dim]`` at ``positions`` ``[B, T]``
+        (-1: padding, not stored). Return what the new queries may attend to: keys and values
+        ``[B, n_kv_heads, S, head_dim]`` and a boolean mask ``[B, 1, T, S]``, True where allowed."""
+        ...
+
+
+def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
+    """[B, 1, T, S]: a query sees every real key at its own position or before. A padding query
+    sees everything, so that its (ignored) output stays finite."""
+    q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]
+    return ((k <= q) & (k >= 0)) | (q < 0)
+
+
+class ContiguousKVCache:
+    """One preallocated buffer per layer and sequence: ``[layers, batch, n_kv_heads, max_len, head_dim]``.
+
+    Simple and fast, but every sequence reserves ``max_len`` slots up front, used or not: the
+    waste that the paged cache removes.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.max_len = max_len or config.max_seq_len
+        shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rows, cols = (positions >= 0).nonzero(as_tuple=True)
+        slots = positions[rows, cols]
+        if slots.numel() and int(slots.max()) >= self.max_len:
+            raise ValueError(f"position {int(slots.max())} does not fit a cache of max_len={self.max_len}")
+        self.k[layer, rows, :, slots] = k[rows, :, cols].to(self.k.dtype)
+        self.v[layer, rows, :, slots] = v[rows, :, cols].to(self.v.dtype)
+        if layer == 0 and slots.numel():
+            self.lengths.scatter_reduce_(0, rows, slots + 1, reduce="amax")
+        length = int(self.lengths.max())
+        key_positions = torch.arange(length, device=positions.device).expand(len(self.lengths), -1)
+        key_positions = torch.where(key_positions < self.lengths[:, None], key_positions, PAD_POSITION)
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length], causal_mask(positions, key_positions)
+
+    def truncate(self, lengths: Tensor | list[int]) -> None:
+        """Forget everything past ``lengths`` tokens per sequence (speculative decoding's rollback)."""
+        self.lengths = torch.minimum(self.lengths, torch.as_tensor(lengths, device=self.lengths.device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_frequencies(config: ModelConfig) -> Tensor:
+    """theta^(-2i/d) for each pair, with Llama-3's long-context scaling when configured: wavelengths
+    longer than the original context / low_freq_factor are slowed by ``factor``, shorter than
+    context / high_freq_factor are kept, and those between are blended."""
+    d = config.head_dim
+    freq = config.rope_theta ** -(torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
+    if config.rope_scaling is None:
+        return freq.float()
+    s = config.rope_scaling
+    old_context, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelength = 2 * math.pi / freq
+    blend = ((old_context / wavelength - low) / (high - low)).clamp(0, 1)
+    return ((1 - blend) * freq / factor + blend * freq).float()
+
+
+def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of position * frequency, each [B, 1, T, head_dim] (halves repeated)."""
+    angles = positions.clamp(min=0).float()[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wk = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None) -> Tensor:
+        c = self.config
+        batch, length, _ = x.shape
+        q = self.wq(x).view(batch, length, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, length, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, length, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            keys, values, mask = k, v, causal_mask(positions, positions)
+        else:
+            keys, values, mask = cache.update(self.layer, k, v, positions)
+        keys = keys.to(q.dtype).repeat_interleave(c.group_size, dim=1)
+        values = values.to(q.dtype).repeat_interleave(c.group_size, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.inv_freq = rope_frequencies(config)  # fp32, kept out of .to(dtype) on purpose
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Logits ``[B, T, vocab]`` for token ids ``[B, T]`` at ``positions`` ``[B, T]``
+        (default 0..T-1; -1 for padding), reading and extending ``cache`` if one is given."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
+        if tokens.numel() and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past the context limit "
+                             f"max_seq_len={self.config.max_seq_len}")
+        rope = rope_angles(positions, self.inv_freq)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, rope, cache)
+        return self.lm_head(self.norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -1,0 +1,83 @@
+"""Hugging Face round trip: a random LlamaForCausalLM saved to disk loads into labkit with the
+same logits. transformers is the independent reference for the whole forward pass."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from labkit.load import config_from_hf, load
+
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _save_hf(folder, shard: bool = False, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**BASE, **overrides})
+    hf = LlamaForCausalLM(config).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    hf.save_pretrained(folder, max_shard_size="40KB" if shard else "10GB")
+    return hf
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(num_key_value_heads=8),
+    dict(num_key_value_heads=1, tie_word_embeddings=True),
+    dict(rope_parameters=LLAMA3_ROPE),
+], ids=["gqa", "mha", "mqa-tied", "llama3-rope"])
+def test_logits_match_transformers(tmp_path, overrides):
+    hf = _save_hf(tmp_path, **overrides)
+    model, tokenizer = load(str(tmp_path), device="cpu")
+    assert tokenizer is None  # no tokenizer.json was saved
+    tokens = torch.randint(0, 101, (2, 40))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoints_load(tmp_path):
+    hf = _save_hf(tmp_path, shard=True)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model, _ = load(str(tmp_path), device="cpu")
+    tokens = torch.randint(0, 101, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="gpt2"), "model_type='gpt2' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn' is not supported"),
+])
+def test_unsupported_checkpoints_get_a_clear_error(change, message):
+    hf = {**LlamaConfig(**BASE).to_dict(), **change}
+    hf.pop("rope_parameters")  # the older config.json style: rope_theta and rope_scaling
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+def test_older_config_style_reads_llama3_rope_scaling():
+    hf = LlamaConfig(**BASE).to_dict()
+    hf.pop("rope_parameters")
+    llama3 = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    config = config_from_hf({**hf, "rope_theta": 500000.0, "rope_scaling": llama3})
+    assert config.rope_theta == 500000.0 and config.rope_scaling["factor"] == 8.0
+
+
+def test_a_folder_without_safetensors_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig(**BASE).to_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="never loads pickled"):
+        load(str(tmp_path), device="cpu")
+
+
+def test_unknown_names_list_the_shipped_checkpoints():
+    with pytest.raises(FileNotFoundError, match="no checkpoint 'nonesuch'"):
+        load("nonesuch")

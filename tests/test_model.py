@@ -1,0 +1,91 @@
+"""The decoder: config checks, cache against no cache, batching with padding, GQA grouping."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.model import ContiguousKVCache, ModelConfig, Transformer
+
+TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+
+
+def _model(n_kv_heads: int = 2, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(n_kv_heads=n_kv_heads, **TINY)).eval()
+    for p in model.parameters():  # larger than the default init, so that mistakes show
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_heads=5), "d_model=32 is not a multiple of n_heads=5"),
+    (dict(n_kv_heads=3), "n_heads=4 is not a multiple of n_kv_heads=3"),
+    (dict(d_model=12, n_heads=4), "head_dim=3"),
+    (dict(n_layers=0), "n_layers=0 must be at least 1"),
+])
+def test_bad_configs_name_the_problem(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**TINY, "n_kv_heads": 2, **change})
+
+
+def test_positions_past_the_context_are_refused():
+    model = _model()
+    with pytest.raises(ValueError, match="past the context limit max_seq_len=64"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[63, 64]]))
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
+        model(torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_cached_decoding_matches_recomputing_everything(n_kv_heads):
+    model = _model(n_kv_heads)
+    tokens = torch.randint(0, 97, (2, 12))
+    full = model(tokens)
+    cache = ContiguousKVCache(model.config, batch_size=2, max_len=16)
+    steps = [model(tokens[:, :5], torch.arange(5).expand(2, -1), cache)]
+    for t in range(5, 12):
+        steps.append(model(tokens[:, t:t + 1], torch.full((2, 1), t), cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert cache.lengths.tolist() == [12, 12]
+
+
+def test_a_padded_batch_equals_each_sequence_alone():
+    model = _model()
+    a, b = torch.randint(0, 97, (1, 7)), torch.randint(0, 97, (1, 4))
+    tokens = torch.cat([a, torch.cat([b, torch.zeros(1, 3, dtype=torch.long)], 1)])
+    positions = torch.tensor([list(range(7)), [0, 1, 2, 3, -1, -1, -1]])
+    cache = ContiguousKVCache(model.config, batch_size=2, max_len=10)
+    batched = model(tokens, positions, cache)
+    torch.testing.assert_close(batched[0], model(a)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batched[1, :4], model(b)[0], rtol=1e-4, atol=1e-4)
+    assert cache.lengths.tolist() == [7, 4]
+    # decode one more token for each, at their own next positions
+    nxt = torch.randint(0, 97, (2, 1))
+    step = model(nxt, torch.tensor([[7], [4]]), cache)
+    torch.testing.assert_close(step[1, 0], model(torch.cat([b, nxt[1:]], 1))[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group():
+    gqa = _model(n_kv_heads=2)
+    mha = Transformer(ModelConfig(n_kv_heads=4, **TINY)).eval()
+    state = gqa.state_dict()
+    head_dim = 8
+    for name in list(state):
+        if name.endswith(("attn.wk.weight", "attn.wv.weight")):
+            heads = state[name].view(2, head_dim, 32)
+            state[name] = heads.repeat_interleave(2, dim=0).reshape(4 * head_dim, 32)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 97, (1, 9))
+    torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_rolls_the_cache_back():
+    model = _model()
+    tokens = torch.randint(0, 97, (1, 8))
+    cache = ContiguousKVCache(model.config, batch_size=1, max_len=8)
+    model(tokens[:, :6], None, cache)
+    cache.truncate([4])
+    again = model(tokens[:, 4:8], torch.arange(4, 8)[None], cache)
+    torch.testing.assert_close(again, model(tokens)[:, 4:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="does not fit a cache of max_len=8"):
+        model(tokens[:, :1], torch.tensor([[8]]), cache)
