@@ -27,7 +27,7 @@ def main() -> None:
     print("\ncopy size   bandwidth (GB/s, read + write)")
     for mib in (4, 32, 256, 1024):
         print(f"{mib:>5} MiB   {measure_bandwidth(device, mib << 20) / 1e9:8.1f}")
-    print(f"\nmatmul n    {dtype} GFLOP/s")
+    print(f"\nmatmul n    {str(dtype).removeprefix('torch.')} GFLOP/s")
     for n in (128, 256, 512, 1024, 2048):
         print(f"{n:>8}   {measure_matmul_rate(device, n, dtype) / 1e9:10.1f}")
     print("\nprobe() three times: bandwidth GB/s, matmul GFLOP/s, ridge FLOP/byte")

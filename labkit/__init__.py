@@ -6,7 +6,8 @@ One module per technique; the notebooks in ``notebooks/`` import them. Start wit
 from labkit.bench import compare, measure
 from labkit.check import check
 from labkit.device import describe, get_device
+from labkit.load import load
 
 __version__ = "0.1.0"
 
-__all__ = ["check", "compare", "describe", "get_device", "measure", "__version__"]
+__all__ = ["check", "compare", "describe", "get_device", "load", "measure", "__version__"]

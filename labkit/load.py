@@ -25,12 +25,13 @@ from labkit.model import ModelConfig, Transformer
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 TOKENIZER = CHECKPOINTS / "tokenizer.json"
 
-# Hugging Face Llama parameter names -> labkit's, per layer and for the rest.
+# Hugging Face Llama parameter names -> labkit's; labkit stacks q, k, v (and gate, up) row-wise.
 _HF_LAYER = {
-    "self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
-    "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
-    "mlp.down_proj": "mlp.down", "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+    "self_attn.o_proj": "attn.wo", "mlp.down_proj": "mlp.down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
 }
+_HF_STACKED = {"attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")}
 _HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 
 
@@ -102,6 +103,56 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
+def state_from_hf(tensors: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama weights under labkit's names, with q/k/v and gate/up stacked."""
+    state = {new: t for name, t in tensors.items() if (new := _hf_name(name))}
+    for i in range(n_layers):
+        for ours, theirs in _HF_STACKED.items():
+            parts = [tensors.get(f"model.layers.{i}.{name}.weight") for name in theirs]
+            if all(p is not None for p in parts):
+                state[f"blocks.{i}.{ours}.weight"] = torch.cat(parts)
+    return state
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` for a labkit model (the inverse of ``config_from_hf``)."""
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
+          "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+          "num_key_value_heads": config.n_kv_heads, "max_position_embeddings": config.max_seq_len,
+          "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+          "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False}
+    if config.rope_scaling:
+        hf["rope_scaling"] = {"rope_type": "llama3", **config.rope_scaling}
+    return hf
+
+
+def save_hf(model: Transformer, folder: Path, tokenizer: Tokenizer | None = None) -> None:
+    """Write a labkit model as a Hugging Face Llama checkpoint (config.json, safetensors)."""
+    c = model.config
+    layer_names = {ours: theirs for theirs, ours in _HF_LAYER.items()}
+    top_names = {ours: theirs for theirs, ours in _HF_TOP.items()}
+    sizes = {"attn.wqkv": [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim],
+             "mlp.gate_up": [c.d_ff, c.d_ff]}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        stem, _, leaf = name.rpartition(".")
+        if stem.startswith("blocks."):
+            _, layer, inner = stem.split(".", 2)
+            if inner in _HF_STACKED:
+                for theirs, piece in zip(_HF_STACKED[inner], tensor.split(sizes[inner])):
+                    state[f"model.layers.{layer}.{theirs}.{leaf}"] = piece
+            else:
+                state[f"model.layers.{layer}.{layer_names[inner]}.{leaf}"] = tensor
+        elif not (c.tie_embeddings and stem == "lm_head"):
+            state[f"{top_names[stem]}.{leaf}"] = tensor
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(hf_config(c), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(folder / "tokenizer.json"))
+
+
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -119,7 +170,7 @@ def load_hf(folder: str | Path, device: torch.device | None = None,
     """A Hugging Face Llama checkpoint from a local folder, as a labkit model."""
     folder = Path(folder).expanduser()
     config = config_from_hf(json.loads((folder / "config.json").read_text()))
-    state = {new: t for name, t in _read_safetensors(folder).items() if (new := _hf_name(name))}
+    state = state_from_hf(_read_safetensors(folder), config.n_layers)
     model = _build(config, state, device or get_device(), dtype)
     tokenizer_file = folder / "tokenizer.json"
     return model, Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None

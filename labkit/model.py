@@ -7,7 +7,8 @@
 - RMSNorm:  y = x / sqrt(mean(x^2) + eps) * weight
 - Rotary embeddings (RoPE): in each head, the pair (x_i, x_{i + d/2}) is rotated by the angle
   position * theta^(-2i/d), so the dot product of a query and a key depends on their distance.
-- SwiGLU MLP:  mlp(x) = W_down(silu(W_gate x) * W_up x)
+- SwiGLU MLP:  mlp(x) = W_down(silu(W_gate x) * W_up x)  (W_gate and W_up stored as one matrix,
+  as are W_q, W_k and W_v: one matmul instead of three is faster when a step is one token)
 - Attention has ``n_heads`` query heads and ``n_kv_heads`` key/value heads; each KV head is
   shared by a group of n_heads / n_kv_heads query heads. MHA when the two are equal, MQA when
   there is one KV head, GQA in between.
@@ -100,18 +101,24 @@ class ContiguousKVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer == 0:  # the slots and the mask are the same for every layer of one forward
+            self._step = self._plan(positions)
+        rows, cols, slots, mask = self._step
+        self.k[layer, rows, :, slots] = k[rows, :, cols].to(self.k.dtype)
+        self.v[layer, rows, :, slots] = v[rows, :, cols].to(self.v.dtype)
+        length = mask.shape[-1]
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length], mask
+
+    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Where this forward's tokens go, and what each of them may attend to afterwards."""
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         slots = positions[rows, cols]
         if slots.numel() and int(slots.max()) >= self.max_len:
             raise ValueError(f"position {int(slots.max())} does not fit a cache of max_len={self.max_len}")
-        self.k[layer, rows, :, slots] = k[rows, :, cols].to(self.k.dtype)
-        self.v[layer, rows, :, slots] = v[rows, :, cols].to(self.v.dtype)
-        if layer == 0 and slots.numel():
-            self.lengths.scatter_reduce_(0, rows, slots + 1, reduce="amax")
-        length = int(self.lengths.max())
-        key_positions = torch.arange(length, device=positions.device).expand(len(self.lengths), -1)
+        self.lengths.scatter_reduce_(0, rows, slots + 1, reduce="amax")
+        key_positions = torch.arange(int(self.lengths.max()), device=positions.device).expand(len(self.lengths), -1)
         key_positions = torch.where(key_positions < self.lengths[:, None], key_positions, PAD_POSITION)
-        return self.k[layer, :, :, :length], self.v[layer, :, :, :length], causal_mask(positions, key_positions)
+        return rows, cols, slots, causal_mask(positions, key_positions)
 
     def truncate(self, lengths: Tensor | list[int]) -> None:
         """Forget everything past ``lengths`` tokens per sequence (speculative decoding's rollback)."""
@@ -129,8 +136,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
 def rope_frequencies(config: ModelConfig) -> Tensor:
@@ -166,38 +172,37 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.config, self.layer = config, layer
-        kv_dim = config.n_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.wk = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, kv_dim, bias=False)
+        # q, k and v come out of one matrix: rows for the n_heads query heads, then for the
+        # n_kv_heads key heads, then for the n_kv_heads value heads
+        self.wqkv = nn.Linear(config.d_model, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim, bias=False)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None) -> Tensor:
         c = self.config
         batch, length, _ = x.shape
-        q = self.wq(x).view(batch, length, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, length, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, length, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        heads = self.wqkv(x).view(batch, length, -1, c.head_dim).transpose(1, 2)
+        qk = apply_rope(heads[:, :c.n_heads + c.n_kv_heads], *rope)
+        q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
+        v = heads[:, c.n_heads + c.n_kv_heads:]
         if cache is None:
             keys, values, mask = k, v, causal_mask(positions, positions)
         else:
             keys, values, mask = cache.update(self.layer, k, v, positions)
-        keys = keys.to(q.dtype).repeat_interleave(c.group_size, dim=1)
-        values = values.to(q.dtype).repeat_interleave(c.group_size, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # each KV head serves group_size consecutive query heads
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                             enable_gqa=c.group_size > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.up = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # gate rows, then up rows
         self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -224,6 +229,15 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.inv_freq = rope_frequencies(config)  # fp32, kept out of .to(dtype) on purpose
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Small normal weights; the projections that write into the residual stream are scaled
+        down by sqrt(2 * n_layers), so the stream's variance does not grow with depth."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("wo.weight", "down.weight")) else 1
+                nn.init.normal_(p, std=std * scale)
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
         """Logits ``[B, T, vocab]`` for token ids ``[B, T]`` at ``positions`` ``[B, T]``

@@ -91,7 +91,7 @@ def test_each_broken_submission_costs_only_its_exercise(class_book, student, sta
 def test_the_table_and_reports(class_folder, tmp_path):
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(class_folder / "magic"),
                           str(class_folder / "wrong"), "--out", str(tmp_path), "--timeout", "30"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "magic" in run.stdout and "3/3" in run.stdout and "wrong ex00.1: failed" in run.stdout
     rows = list(csv.DictReader((tmp_path / "grades.csv").open()))

@@ -81,3 +81,30 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
 def test_unknown_names_list_the_shipped_checkpoints():
     with pytest.raises(FileNotFoundError, match="no checkpoint 'nonesuch'"):
         load("nonesuch")
+
+
+def test_greedy_generation_matches_transformers_token_for_token(tmp_path):
+    from labkit.generate import SamplingParams, stream
+
+    hf = _save_hf(tmp_path)
+    model, _ = load(str(tmp_path), device="cpu")
+    prompt = [3, 14, 15, 92, 65]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(stream(model, prompt, SamplingParams(max_new_tokens=30))) == expected
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_labkit_model_saved_as_hugging_face_loads_in_transformers(tmp_path, tied):
+    from labkit.load import save_hf
+    from labkit.model import ModelConfig, Transformer
+
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(vocab_size=60, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    d_ff=48, max_seq_len=64, tie_embeddings=tied)).eval()
+    save_hf(model, tmp_path)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 60, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)

@@ -71,9 +71,10 @@ def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group():
     state = gqa.state_dict()
     head_dim = 8
     for name in list(state):
-        if name.endswith(("attn.wk.weight", "attn.wv.weight")):
-            heads = state[name].view(2, head_dim, 32)
-            state[name] = heads.repeat_interleave(2, dim=0).reshape(4 * head_dim, 32)
+        if name.endswith("attn.wqkv.weight"):
+            q, k, v = state[name].split([4 * head_dim, 2 * head_dim, 2 * head_dim])
+            copy = lambda kv: kv.view(2, head_dim, 32).repeat_interleave(2, dim=0).reshape(4 * head_dim, 32)
+            state[name] = torch.cat([q, copy(k), copy(v)])
     mha.load_state_dict(state)
     tokens = torch.randint(0, 97, (1, 9))
     torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,88 @@
+"""labkit's cached greedy decode against transformers' generate(), same weights, this device.
+
+    python benchmarks/decode_vs_transformers.py [--model target] [--new-tokens 128] [--repeats 5]
+
+The shipped model is written out as a Hugging Face Llama checkpoint and loaded with
+``LlamaForCausalLM``; both generate greedily from the same prompt, batch 1, the same number of
+new tokens, in fp32, timed alternately (labkit, transformers, labkit, ...). The outputs must be
+identical token for token. Also times the draft's decode step against the target's.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM
+
+import labkit
+from labkit.bench import compare
+from labkit.device import device_name
+from labkit.generate import SamplingParams, stream
+from labkit.load import save_hf
+from labkit.model import ContiguousKVCache
+
+PROMPT = "import os\n\n\ndef read_config(path):\n"
+
+
+def decode_step(model: torch.nn.Module, context: int = 100):
+    """One cached single-token forward at position ``context``, ready to be timed."""
+    cache = ContiguousKVCache(model.config, 1, context + 1)
+    with torch.no_grad():
+        model(torch.zeros(1, context, dtype=torch.long), None, cache)
+    token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[context]])
+
+    def step() -> None:
+        with torch.no_grad():
+            model(token, position, cache)
+            cache.truncate([context])
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="target")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cpu")
+    model, tokenizer = labkit.load(args.model, device=device)
+    prompt = tokenizer.encode(PROMPT).ids
+    params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, Path(tmp))
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def run_labkit() -> list[int]:
+        return list(stream(model, prompt, params))
+
+    def run_hf() -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    same = run_labkit() == run_hf()
+    result = compare(run_labkit, run_hf, labels=("labkit", "transformers"), warmup=1,
+                     repeats=args.repeats, device=device)
+    print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}  "
+          f"model {args.model} ({model.num_parameters():,} parameters)  prompt {len(prompt)} tokens")
+    print(f"greedy outputs identical: {same}")
+    print(f"\n{'':<14}{'median s':>10}{'IQR s':>8}{'tokens/s':>10}")
+    for timing in (result.a, result.b):
+        print(f"{timing.label:<14}{timing.median_s:>10.3f}{timing.spread_s:>8.3f}"
+              f"{args.new_tokens / timing.median_s:>10.1f}")
+    print(f"labkit / transformers tokens/s: {1 / result.speedup:.2f}")
+
+    draft, _ = labkit.load("draft", device=device)
+    steps = compare(decode_step(model), decode_step(draft), labels=(args.model, "draft"),
+                    warmup=5, repeats=100, device=device)
+    print(f"\ndecode step at position 100: {args.model} {steps.a.median_s * 1e3:.2f} ms, "
+          f"draft {steps.b.median_s * 1e3:.2f} ms, draft / {args.model} = {1 / steps.speedup:.3f}")
+
+
+if __name__ == "__main__":
+    main()

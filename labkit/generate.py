@@ -1,0 +1,124 @@
+"""Generating text, one token at a time: without a cache, or with one.
+
+- Naive: every step runs the whole sequence so far through the model. For a prompt of P
+  tokens and N new tokens that is P + (P+1) + ... + (P+N-1) = N*P + N(N-1)/2 tokens processed.
+- Cached: the prompt goes through once (prefill), then each step feeds only the newest token
+  (decode), its keys and values appended to a KV cache: P + N - 1 tokens processed.
+
+Choosing the next token: greedy takes the argmax. Sampling divides the logits by the
+temperature, keeps the ``top_k`` most likely tokens and the smallest set whose probability
+reaches ``top_p``, renormalises and draws. Temperature 0 means greedy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from labkit.model import ContiguousKVCache, KVCache, Transformer
+
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or positive")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be 0 (no limit) or positive")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class Counters:
+    """What a generation loop did: tokens run through the model, and forward calls."""
+
+    tokens_processed: int = 0
+    forward_calls: int = 0
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set to -inf every logit outside the top-k and outside the top-p nucleus ([..., vocab])."""
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """The next token id for each row of ``logits`` ([batch, vocab])."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
+           use_cache: bool = True, cache: KVCache | None = None, eos_id: int | None = None,
+           counters: Counters | None = None) -> Iterator[int]:
+    """Yield new token ids one at a time. With ``use_cache`` (default) the prompt is prefilled
+    into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    total = len(prompt) + params.max_new_tokens - 1
+    if total > model.config.max_seq_len:
+        raise ValueError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones exceed the "
+                         f"context limit max_seq_len={model.config.max_seq_len}")
+    device = next(model.parameters()).device
+    counters = counters if counters is not None else Counters()
+    generator = _generator(params, device)
+    if use_cache and cache is None:
+        cache = ContiguousKVCache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
+    tokens = torch.tensor([list(prompt)], device=device)
+    fed = tokens  # what the next forward call runs
+    with torch.no_grad():
+        for step in range(params.max_new_tokens):
+            start = tokens.shape[1] - fed.shape[1]
+            positions = torch.arange(start, tokens.shape[1], device=device)[None]
+            logits = model(fed, positions, cache if use_cache else None)[:, -1]
+            counters.tokens_processed += fed.shape[1]
+            counters.forward_calls += 1
+            token = next_token(logits, params, generator)
+            yield int(token)
+            if params.stop_at_eos and eos_id is not None and int(token) == eos_id:
+                return
+            tokens = torch.cat([tokens, token[:, None]], dim=1)
+            fed = token[:, None] if use_cache else tokens
+
+
+def eos_id_of(tokenizer: Tokenizer) -> int | None:
+    """The tokenizer's end-of-text token id, under any of the usual names."""
+    return next((i for name in EOS_NAMES if (i := tokenizer.token_to_id(name)) is not None), None)
+
+
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, params: SamplingParams = SamplingParams(),
+             *, use_cache: bool = True) -> str:
+    """The text the model writes after ``prompt``."""
+    ids = tokenizer.encode(prompt).ids
+    new = list(stream(model, ids, params, use_cache=use_cache, eos_id=eos_id_of(tokenizer)))
+    return tokenizer.decode(new)

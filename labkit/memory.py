@@ -1,0 +1,106 @@
+"""Where the memory goes when serving a model: its weights, and the KV cache.
+
+Every layer keeps a key and a value vector per KV head for every token of every sequence:
+
+    KV cache bytes = 2 (K and V) x layers x kv_heads x head_dim x tokens x batch x bytes per element
+
+MHA has as many KV heads as query heads, GQA a few (each shared by a group of query heads),
+MQA one. DeepSeek's multi-head latent attention (MLA) caches instead one compressed latent per
+token and layer, ``kv_lora_rank + qk_rope_head_dim`` elements, shared by all heads:
+
+    MLA cache bytes = layers x (kv_lora_rank + rope_dim) x tokens x batch x bytes per element
+
+What fits on a GPU with ``memory`` bytes used up to a fraction ``utilization``:
+
+    largest batch = floor((utilization x memory - weight bytes) / KV bytes of one sequence)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit.hardware import Hardware
+from labkit.model import ModelConfig
+
+GIB = 2**30
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory planning needs to know of a model: its size and its attention's shape."""
+
+    name: str
+    n_params: float
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_context: int
+    mla_latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim; 0 for MHA/GQA/MQA
+
+    def with_kv_heads(self, n_kv_heads: int) -> ModelShape:
+        """The same model with another number of KV heads (MHA, GQA or MQA)."""
+        if n_kv_heads < 1 or self.n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={self.n_heads}")
+        return ModelShape(**{**self.__dict__, "n_kv_heads": n_kv_heads, "mla_latent_dim": 0})
+
+
+def shape_of(name: str, config: ModelConfig, n_params: float) -> ModelShape:
+    """A labkit model's shape, for the same formulas as the published presets."""
+    return ModelShape(name, n_params, config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim,
+                      config.max_seq_len)
+
+
+def bytes_per_element(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def kv_bytes_per_token(model: ModelShape, dtype: str = "fp16") -> float:
+    """KV-cache bytes one token of one sequence takes, over all layers."""
+    per_layer = model.mla_latent_dim or 2 * model.n_kv_heads * model.head_dim
+    return model.n_layers * per_layer * bytes_per_element(dtype)
+
+
+def kv_cache_bytes(model: ModelShape, seq_len: int, batch: int = 1, dtype: str = "fp16") -> float:
+    """KV-cache bytes for ``batch`` sequences of ``seq_len`` tokens."""
+    if seq_len < 0 or batch < 0:
+        raise ValueError(f"seq_len={seq_len} and batch={batch} must not be negative")
+    return kv_bytes_per_token(model, dtype) * seq_len * batch
+
+
+def weight_bytes(model: ModelShape, dtype: str = "bf16") -> float:
+    return model.n_params * bytes_per_element(dtype)
+
+
+def kv_tokens_per_gib(model: ModelShape, dtype: str = "fp16") -> float:
+    """How many tokens of KV cache one GiB holds."""
+    return GIB / kv_bytes_per_token(model, dtype)
+
+
+def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilization: float) -> float:
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization={utilization} must be in (0, 1]")
+    free = utilization * gpu.memory_bytes - weight_bytes(model, weight_dtype)
+    if free <= 0:
+        need = weight_bytes(model, weight_dtype) / GIB
+        raise ValueError(f"{model.name} weights in {weight_dtype} ({need:.1f} GiB) do not fit "
+                         f"{utilization:.0%} of {gpu.name}'s {gpu.memory_bytes / GIB:.1f} GiB")
+    return free
+
+
+def max_batch(model: ModelShape, gpu: Hardware, seq_len: int, weight_dtype: str = "bf16",
+              kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
+    """The most sequences of ``seq_len`` tokens whose KV cache fits beside the weights."""
+    free = _free_for_kv(model, gpu, weight_dtype, utilization)
+    return math.floor(free / kv_cache_bytes(model, seq_len, 1, kv_dtype))
+
+
+def max_context(model: ModelShape, gpu: Hardware, batch: int = 1, weight_dtype: str = "bf16",
+                kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
+    """The longest context ``batch`` sequences can each have, capped at the model's limit."""
+    free = _free_for_kv(model, gpu, weight_dtype, utilization)
+    return min(model.max_context, math.floor(free / (batch * kv_bytes_per_token(model, kv_dtype))))

@@ -1,0 +1,185 @@
+"""Train one of the lab's models: ``python -m labkit.train --preset target``.
+
+Next-token prediction on the standard-library corpus with AdamW, linear warm-up then cosine
+decay, gradient clipping, all seeded. Writes, in ``labkit/checkpoints/NAME/`` (or ``--out``):
+``model.safetensors`` (bf16) and ``config.json``, ``loss.png`` (the loss curves) and
+``MODEL_CARD.md`` (parameters, tokens seen, wall time, machine, validation loss, perplexity).
+
+The presets: ``target`` (about 14M parameters, GQA 8/2), ``draft`` (one layer, for
+speculative decoding: a decode step is mostly fixed per-operation cost on a CPU, so depth is
+what makes it cheap), and ``mha``, ``gqa``, ``mqa``: three models identical but for ``n_kv_heads``,
+trained on the same tokens, for the memory lab.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import matplotlib
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from labkit.corpus import token_ids
+from labkit.device import device_name, get_device
+from labkit.load import CHECKPOINTS, TOKENIZER, save_checkpoint
+from labkit.model import ModelConfig, Transformer
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: ModelConfig
+    tokens: int  # training budget
+    batch_size: int = 4
+    seq_len: int = 512
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    eval_every: int = 100
+
+
+def _config(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int) -> ModelConfig:
+    return ModelConfig(vocab_size=4096, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, d_ff=d_ff, max_seq_len=1024, tie_embeddings=True)
+
+
+PRESETS: dict[str, Preset] = {
+    "target": Preset(_config(384, 8, 8, 2, 1024), tokens=2_400_000),
+    "draft": Preset(_config(128, 1, 4, 2, 384), tokens=2_400_000, lr=3e-3),
+    "mha": Preset(_config(192, 4, 8, 8, 512), tokens=1_000_000, lr=3e-3),
+    "gqa": Preset(_config(192, 4, 8, 2, 512), tokens=1_000_000, lr=3e-3),
+    "mqa": Preset(_config(192, 4, 8, 1, 512), tokens=1_000_000, lr=3e-3),
+}
+
+
+def random_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of the corpus: inputs and the same shifted by one token."""
+    starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=generator)
+    windows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+@torch.no_grad()
+def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
+                    batch_size: int = 16) -> float:
+    """Mean next-token loss over the first ``max_windows`` disjoint windows of ``ids``."""
+    model.eval()
+    count = min(max_windows, (len(ids) - 1) // seq_len)
+    device = next(model.parameters()).device
+    total = 0.0
+    for first in range(0, count, batch_size):
+        starts = range(first * seq_len, min(first + batch_size, count) * seq_len, seq_len)
+        x = torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
+        y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts]).to(device)
+        logits = model(x)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+    model.train()
+    return total / (count * seq_len)
+
+
+def learning_rate(step: int, steps: int, preset: Preset) -> float:
+    if step < preset.warmup_steps:
+        return preset.lr * (step + 1) / preset.warmup_steps
+    progress = (step - preset.warmup_steps) / max(1, steps - preset.warmup_steps)
+    return preset.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _plot(history: dict[str, list[tuple[int, float]]], title: str, path: Path) -> None:
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in history.items():
+        ax.plot(*zip(*points), label=label, marker="o" if label == "validation" else None, lw=1)
+    ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats / token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _card(name: str, preset: Preset, model: Transformer, stats: dict) -> str:
+    return f"""# labkit `{name}` model
+
+A Llama-style decoder trained from scratch by `python -m labkit.train --preset {name}`
+on the Python {platform.python_version()} standard library (byte-level BPE, 4096 tokens).
+
+| | |
+|---|---|
+| parameters | {model.num_parameters():,} |
+| layers / d_model / heads / KV heads / d_ff | {preset.config.n_layers} / {preset.config.d_model} / {preset.config.n_heads} / {preset.config.n_kv_heads} / {preset.config.d_ff} |
+| tokens seen | {stats['tokens']:,} ({stats['steps']} steps of {preset.batch_size} x {preset.seq_len}) |
+| wall time | {stats['seconds'] / 60:.1f} min |
+| machine | {stats['machine']}, torch {torch.__version__} |
+| validation loss | {stats['val_loss']:.4f} nats/token |
+| validation perplexity | {math.exp(stats['val_loss']):.2f} |
+| date | {stats['date']} |
+| seed | {stats['seed']} |
+
+Config: `{asdict(preset.config)}`
+
+![loss curve](loss.png)
+"""
+
+
+def train(name: str, out: Path | None = None, tokens: int | None = None, seed: int = 0,
+          device: torch.device | None = None) -> dict:
+    """Train preset ``name`` and write its checkpoint, loss curve and model card; return the stats."""
+    preset = PRESETS[name] if tokens is None else replace(PRESETS[name], tokens=tokens)
+    out = out or CHECKPOINTS / name
+    device = device or get_device()
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    train_ids, val_ids = token_ids(tokenizer, "train"), token_ids(tokenizer, "validation")
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = Transformer(preset.config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    steps = preset.tokens // (preset.batch_size * preset.seq_len)
+    history: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
+    start = time.perf_counter()
+    for step in (bar := tqdm(range(steps), desc=f"train {name}", file=sys.stdout, mininterval=5)):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, steps, preset)
+        x, y = (t.to(device) for t in random_batch(train_ids, preset.batch_size, preset.seq_len, generator))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seen = (step + 1) * preset.batch_size * preset.seq_len
+        history["train"].append((seen, loss.item()))
+        if (step + 1) % preset.eval_every == 0 or step + 1 == steps:
+            history["validation"].append((seen, validation_loss(model, val_ids, max_windows=32)))
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history['validation'][-1][1]:.3f}")
+    stats = {"tokens": steps * preset.batch_size * preset.seq_len, "steps": steps, "seed": seed,
+             "seconds": time.perf_counter() - start, "machine": device_name(device),
+             "val_loss": validation_loss(model, val_ids, max_windows=256), "date": str(datetime.date.today())}
+    save_checkpoint(model, out)
+    _plot(history, f"labkit {name}: {model.num_parameters() / 1e6:.1f}M parameters", out / "loss.png")
+    (out / "MODEL_CARD.md").write_text(_card(name, preset, model, stats))
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--out", type=Path, help="default: labkit/checkpoints/PRESET")
+    parser.add_argument("--tokens", type=int, help="override the preset's token budget")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    stats = train(args.preset, args.out, args.tokens, args.seed)
+    print(f"{args.preset}: validation loss {stats['val_loss']:.4f}, perplexity {math.exp(stats['val_loss']):.2f}, "
+          f"{stats['seconds'] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

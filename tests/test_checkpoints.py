@@ -1,0 +1,63 @@
+"""The shipped checkpoints: all five there, within 50 MB, with cards, and the target writes Python."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import labkit
+from labkit.generate import SamplingParams, generate
+from labkit.load import CHECKPOINTS
+
+PRESETS = ("target", "draft", "mha", "gqa", "mqa")
+
+
+def _config(name: str) -> dict:
+    return json.loads((CHECKPOINTS / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_checkpoint_ships_weights_config_card_and_curve(name):
+    folder = CHECKPOINTS / name
+    for file in ("model.safetensors", "config.json", "MODEL_CARD.md", "loss.png"):
+        assert (folder / file).is_file(), f"{folder / file} is missing"
+    card = (folder / "MODEL_CARD.md").read_text()
+    for field in ("parameters", "tokens seen", "wall time", "machine", "validation loss", "validation perplexity"):
+        assert f"| {field} |" in card
+    assert not list(folder.glob("*.bin")) and not list(folder.glob("*.pt")), "weights are safetensors only"
+
+
+def test_all_checkpoints_together_fit_in_50_mb():
+    total = sum(p.stat().st_size for p in CHECKPOINTS.rglob("*") if p.is_file())
+    assert total <= 50 * 2**20, f"checkpoints take {total / 2**20:.1f} MiB"
+
+
+def test_the_memory_lab_trio_differs_only_in_kv_heads():
+    configs = {name: _config(name) for name in ("mha", "gqa", "mqa")}
+    assert [c.pop("n_kv_heads") for c in configs.values()] == [8, 2, 1]
+    assert configs["mha"] == configs["gqa"] == configs["mqa"]
+    seen = {re.search(r"\| tokens seen \| ([\d,]+)", (CHECKPOINTS / n / "MODEL_CARD.md").read_text()).group(1)
+            for n in configs}
+    assert len(seen) == 1, "trained on different token budgets"
+
+
+def test_target_and_draft_share_the_tokenizer_and_sizes_are_as_promised():
+    target, draft = _config("target"), _config("draft")
+    assert target["vocab_size"] == draft["vocab_size"] == 4096
+    assert (target["n_heads"], target["n_kv_heads"]) == (8, 2)
+    model, tokenizer = labkit.load("target", device="cpu")
+    assert 12e6 <= model.num_parameters() <= 18e6
+    assert tokenizer.get_vocab_size() == target["vocab_size"]
+
+
+def test_target_writes_python_looking_code():
+    model, tokenizer = labkit.load("target", device="cpu")
+    torch.manual_seed(0)
+    text = generate(model, tokenizer, "class Config:\n    def __init__(self, path):\n",
+                    SamplingParams(max_new_tokens=160))
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) >= 4, text
+    assert all((len(line) - len(line.lstrip(" "))) % 4 == 0 for line in lines), f"odd indentation:\n{text}"
+    assert re.search(r"\b(self\.\w+|return|def \w+\()", text), f"no Python to be seen:\n{text}"

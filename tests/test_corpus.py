@@ -1,0 +1,27 @@
+"""The corpus split and the shipped tokenizer."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from labkit.corpus import EOS, source_files, split_of, stdlib_root
+from labkit.load import TOKENIZER
+
+
+def test_split_is_by_file_disjoint_and_about_five_percent():
+    train, validation = source_files("train"), source_files("validation")
+    assert not set(train) & set(validation)
+    assert 0.02 < len(validation) / (len(train) + len(validation)) < 0.10
+    assert all(split_of(p.relative_to(stdlib_root()).as_posix()) == "validation" for p in validation)
+    assert not any("site-packages" in p.parts for p in train)
+    with pytest.raises(ValueError, match="choose 'train' or 'validation'"):
+        source_files("test")
+
+
+def test_shipped_tokenizer_round_trips_python_exactly():
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    assert 4000 <= tokenizer.get_vocab_size() <= 4200 and tokenizer.token_to_id(EOS) is not None
+    text = source_files("validation")[0].read_text(encoding="utf-8", errors="replace")[:3000]
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text) / 2.5, "BPE should pack Python into well under one token per 2.5 characters"

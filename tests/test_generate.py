@@ -1,0 +1,76 @@
+"""Generation: naive equals cached, the token counters, sampling filters, seeds, EOS, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.generate import Counters, SamplingParams, filter_logits, next_token, stream
+from labkit.model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                                max_seq_len=128)).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def test_naive_and_cached_greedy_agree_and_count_as_the_closed_form(model):
+    prompt = list(range(10))
+    naive, cached = Counters(), Counters()
+    params = SamplingParams(max_new_tokens=100)
+    out_naive = list(stream(model, prompt, params, use_cache=False, counters=naive))
+    out_cached = list(stream(model, prompt, params, counters=cached))
+    assert out_naive == out_cached and len(out_cached) == 100
+    assert naive.tokens_processed == 5950 and cached.tokens_processed == 109
+    assert naive.forward_calls == cached.forward_calls == 100
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(model):
+    run = lambda seed: list(stream(model, [1, 2, 3], SamplingParams(30, temperature=1.0, seed=seed)))
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_eos_stops_generation(model):
+    greedy = list(stream(model, [4, 5], SamplingParams(20)))
+    stopped = list(stream(model, [4, 5], SamplingParams(20), eos_id=greedy[3]))
+    assert stopped == greedy[:greedy.index(greedy[3]) + 1]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    keep = lambda out: torch.isfinite(out)[0].tolist()
+    assert keep(filter_logits(logits, 2, 1.0)) == [False, True, False, True]
+    assert keep(filter_logits(logits, 0, 0.8)) == [False, True, False, True]  # 0.5 + 0.3 reaches 0.8
+    assert keep(filter_logits(logits, 0, 0.81)) == [False, True, True, True]
+    assert keep(filter_logits(logits, 0, 0.4)) == [False, True, False, False]  # the top token always stays
+
+
+def test_sampling_follows_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([next_token(logits.expand(1000, -1), SamplingParams(temperature=1.0), generator)
+                         for _ in range(20)]).flatten()
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1), "temperature=-1"),
+    (dict(top_k=-2), "top_k=-2"), (dict(top_p=0), "top_p=0"),
+])
+def test_bad_sampling_params(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
+
+
+def test_too_long_and_empty_requests(model):
+    with pytest.raises(ValueError, match="exceed the context limit max_seq_len=128"):
+        next(stream(model, [1] * 100, SamplingParams(max_new_tokens=40)))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(stream(model, [], SamplingParams()))
