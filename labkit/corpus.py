@@ -3,13 +3,15 @@
 The corpus is Python source that every machine has: the standard library of the running
 interpreter (site-packages excluded). Files are split into train and validation by a hash of
 their path inside the library, so the split is the same on every machine with the same Python.
-The tokenizer is a byte-level BPE (about 4k tokens) trained on the train split; files are
-joined with an end-of-text token.
+The tokenizer is a byte-level BPE (4096 tokens) trained on the train split by
+``python -m labkit.corpus``; files are joined with an end-of-text token.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
+import platform
 import sysconfig
 import tokenize
 from pathlib import Path
@@ -20,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
 VALIDATION_PERCENT = 5
+VOCAB_SIZE = 4096
 
 
 def stdlib_root() -> Path:
@@ -53,7 +56,7 @@ def read_texts(split: str) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int = 4096) -> Tokenizer:
+def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     """A byte-level BPE tokenizer trained on the train split."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,8 +73,9 @@ def cache_dir() -> Path:
 
 def token_ids(tokenizer: Tokenizer, split: str) -> torch.Tensor:
     """The whole split as one 1-D tensor of token ids, files joined by EOS (cached on disk)."""
-    digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:12]
-    path = cache_dir() / f"{split}-{stdlib_root().name}-{digest}.safetensors"
+    files = "\n".join(p.relative_to(stdlib_root()).as_posix() for p in source_files(split))
+    key = "\n".join([tokenizer.to_str(), platform.python_version(), str(stdlib_root()), files])
+    path = cache_dir() / f"{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
     if path.exists():
         return load_file(str(path))["ids"].long()
     eos = tokenizer.token_to_id(EOS)
@@ -83,3 +87,20 @@ def token_ids(tokenizer: Tokenizer, split: str) -> torch.Tensor:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"ids": tensor}, str(path))
     return tensor.long()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit.corpus``: train the tokenizer on the train split and write it."""
+    from labkit.load import TOKENIZER
+
+    parser = argparse.ArgumentParser(prog="python -m labkit.corpus", description=main.__doc__)
+    parser.add_argument("--out", type=Path, default=TOKENIZER)
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    train_tokenizer(args.vocab_size).save(str(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import tempfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -71,13 +72,16 @@ def find_submissions(paths: list[Path]) -> list[Submission]:
                 found += _notebooks_in(sub)
         else:
             raise FileNotFoundError(f"{path} does not exist")
+    folders = {p.resolve().parent for p in found}
+    clash = Counter(f.name for f in folders)
     submissions = []
     for nb_path in found:
         lab = _lab_of(nb_path)
+        folder = nb_path.resolve().parent
         if lab is None:
             print(f"skipping {nb_path}: no NN_ prefix and no known exercise in it", file=sys.stderr)
-        else:
-            submissions.append(Submission(nb_path.resolve().parent.name, nb_path, lab))
+        else:  # a student is their folder's name, or its full path where two folders share a name
+            submissions.append(Submission(folder.name if clash[folder.name] == 1 else str(folder), nb_path, lab))
     return submissions
 
 
@@ -160,14 +164,27 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), submissions))
     columns = sorted({ex.id for sub in submissions for ex in for_lab(sub.lab)})
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
-    for sub, results in graded:
-        book[sub.student].update(results)
+    for (student, lab), copies in _by_student_and_lab(graded).items():
+        best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
+        if len(copies) > 1:
+            names = ", ".join(sub.path.name for sub, _ in copies)
+            print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
+                  f"{best_sub.path.name}", file=sys.stderr)
+        book[student].update(best)
     for student, results in book.items():
         for ex_id in columns:
             if ex_id not in results:
                 ex = get(ex_id)
                 results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+def _by_student_and_lab(graded: list[tuple[Submission, dict[str, Result]]]
+                        ) -> dict[tuple[str, str], list[tuple[Submission, dict[str, Result]]]]:
+    groups: dict[tuple[str, str], list[tuple[Submission, dict[str, Result]]]] = {}
+    for sub, results in graded:
+        groups.setdefault((sub.student, sub.lab), []).append((sub, results))
+    return groups
 
 
 def _total(results: dict[str, Result]) -> tuple[float, int]:
@@ -204,13 +221,14 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
     return json_path, csv_path
 
 
-def _isolate(cwd: str) -> None:
-    """In the worker: own process group, no terminal output, a cap on files written."""
+def _isolate(cwd: str, scratch: str) -> None:
+    """In the worker: own process group, no terminal output, a cap on files written, and an
+    IPython profile of its own (so the user's history is not written to)."""
     import resource
 
     os.setsid()
     os.chdir(cwd)
-    os.environ.update(LABKIT_STRICT="0", MPLBACKEND="Agg")
+    os.environ.update(LABKIT_STRICT="0", MPLBACKEND="Agg", IPYTHONDIR=scratch)
     resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -221,7 +239,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     """Inside the fresh process: run setup and exercise cells as IPython would, then the cases."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    _isolate(cwd)
+    _isolate(cwd, str(Path(result_path).parent))
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     outcome = {"status": ERROR, "message": ""}
@@ -246,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks, a student's folder, or a class folder")
     parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json/csv go")
     parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
-    parser.add_argument("--jobs", type=int, help="exercises graded at once (default: CPU count)")
+    parser.add_argument("--jobs", type=int, help="notebooks graded at once (default: CPU count)")
     args = parser.parse_args(argv)
     if not args.paths:
         parser.error("give at least one notebook or folder to grade")

@@ -182,11 +182,11 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     Hugging Face folder; ``LABKIT_MODEL`` when no name is given."""
     name = name or os.environ.get("LABKIT_MODEL", "target")
     device = torch.device(device) if device is not None else get_device()
-    if Path(name).expanduser().is_dir():
+    shipped = CHECKPOINTS / name
+    if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
+        return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
+    if (Path(name).expanduser() / "config.json").exists():
         return load_hf(name, device, dtype)
-    folder = CHECKPOINTS / name
-    if not (folder / "model.safetensors").exists():
-        shipped = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
-        raise FileNotFoundError(f"no checkpoint {name!r}: not a folder on disk, and not one of the "
-                                f"shipped checkpoints {shipped}")
-    return load_checkpoint(folder, device, dtype), Tokenizer.from_file(str(TOKENIZER))
+    names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
+    raise FileNotFoundError(f"no checkpoint {name!r}: not a folder with a config.json, and not one of "
+                            f"the shipped checkpoints {names}")

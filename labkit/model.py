@@ -157,7 +157,7 @@ def rope_frequencies(config: ModelConfig) -> Tensor:
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """cos and sin of position * frequency, each [B, 1, T, head_dim] (halves repeated)."""
-    angles = positions.clamp(min=0).float()[..., None] * inv_freq.to(positions.device)
+    angles = positions.clamp(min=0).float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos(), angles.sin()
 
@@ -251,6 +251,8 @@ class Transformer(nn.Module):
         if tokens.numel() and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the context limit "
                              f"max_seq_len={self.config.max_seq_len}")
+        if self.inv_freq.device != positions.device:  # follows the model, but stays fp32
+            self.inv_freq = self.inv_freq.to(positions.device)
         rope = rope_angles(positions, self.inv_freq)
         x = self.embed(tokens)
         for block in self.blocks:

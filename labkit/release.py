@@ -24,6 +24,10 @@ def strip_solutions(text: str, exercise: str, where: str) -> str:
     out, inside = [], False
     for number, line in enumerate(text.splitlines(keepends=True), 1):
         marker = line.strip()
+        if marker.startswith(BEGIN) or marker.startswith(END):
+            marker = BEGIN if marker.startswith(BEGIN) else END  # "### END SOLUTION  # note" counts too
+        elif BEGIN in line or END in line:
+            raise ValueError(f"{where}: line {number} has a solution marker that is not alone on its line")
         if marker == BEGIN:
             if inside:
                 raise ValueError(f"{where}: line {number} opens a solution inside another one")

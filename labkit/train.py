@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from labkit.corpus import token_ids
+from labkit.corpus import VOCAB_SIZE, token_ids
 from labkit.device import device_name, get_device
 from labkit.load import CHECKPOINTS, TOKENIZER, save_checkpoint
 from labkit.model import ModelConfig, Transformer
@@ -45,7 +45,7 @@ class Preset:
 
 
 def _config(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int) -> ModelConfig:
-    return ModelConfig(vocab_size=4096, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+    return ModelConfig(vocab_size=VOCAB_SIZE, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, d_ff=d_ff, max_seq_len=1024, tie_embeddings=True)
 
 
@@ -110,7 +110,7 @@ def _card(name: str, preset: Preset, model: Transformer, stats: dict) -> str:
     return f"""# labkit `{name}` model
 
 A Llama-style decoder trained from scratch by `python -m labkit.train --preset {name}`
-on the Python {platform.python_version()} standard library (byte-level BPE, 4096 tokens).
+on the Python {platform.python_version()} standard library (byte-level BPE, {preset.config.vocab_size} tokens).
 
 | | |
 |---|---|
@@ -143,6 +143,8 @@ def train(name: str, out: Path | None = None, tokens: int | None = None, seed: i
     model = Transformer(preset.config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps = preset.tokens // (preset.batch_size * preset.seq_len)
+    if steps < 1:
+        raise ValueError(f"tokens={preset.tokens} is less than one batch of {preset.batch_size} x {preset.seq_len}")
     history: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
     start = time.perf_counter()
     for step in (bar := tqdm(range(steps), desc=f"train {name}", file=sys.stdout, mininterval=5)):

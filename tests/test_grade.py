@@ -58,6 +58,8 @@ def class_folder(tmp_path_factory):
         _submit(folder, student, template, source)
     _submit(folder, "deleted", template, drop_ex1=True)
     _submit(folder, "copy_renamed", template, BROKEN_EX1["magic"], name="my_work.ipynb")
+    _submit(folder, "two_copies", template, BROKEN_EX1["wrong"])  # the original is wrong, its copy right
+    notebook.write(notebook.read(folder / "magic/00_welcome.ipynb"), folder / "two_copies/00_welcome-Copy1.ipynb")
     (folder / "garbage").mkdir()
     (folder / "garbage/00_welcome.ipynb").write_text("{ this is not json")
     return folder
@@ -79,6 +81,7 @@ def class_book(class_folder):
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
     ("copy_renamed", "passed", ""),
+    ("two_copies", "passed", ""),
     ("garbage", ERROR, "not a readable notebook"),
 ])
 def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
@@ -99,6 +102,13 @@ def test_the_table_and_reports(class_folder, tmp_path):
                     {"student": "wrong", "ex00.1": "0", "ex00.2": "1", "total": "1", "max": "3"}]
     report = json.loads((tmp_path / "grades.json").read_text())
     assert report["wrong"]["exercises"]["ex00.1"]["status"] == "failed"
+
+
+def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):
+    for group in ("monday", "tuesday"):
+        _submit(tmp_path / group, "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    book = grade([tmp_path / "monday", tmp_path / "tuesday"])
+    assert sorted(book) == [str((tmp_path / g / "alice").resolve()) for g in ("monday", "tuesday")]
 
 
 def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):

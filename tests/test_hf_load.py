@@ -79,8 +79,31 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
 
 
 def test_unknown_names_list_the_shipped_checkpoints():
-    with pytest.raises(FileNotFoundError, match="no checkpoint 'nonesuch'"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint 'nonesuch'.*shipped checkpoints"):
         load("nonesuch")
+
+
+def test_labkit_model_selects_a_folder_with_its_tokenizer(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from labkit.load import TOKENIZER, save_hf
+
+    hf_dir = tmp_path / "my-llama"
+    _save_hf(hf_dir)
+    model, _ = load(str(hf_dir), device="cpu")
+    save_hf(model, hf_dir, Tokenizer.from_file(str(TOKENIZER)))
+    monkeypatch.setenv("LABKIT_MODEL", str(hf_dir))
+    again, tokenizer = load(device="cpu")
+    assert tokenizer is not None and tokenizer.get_vocab_size() == 4096
+    tokens = torch.randint(0, 101, (1, 8))
+    torch.testing.assert_close(again(tokens), model(tokens))
+
+
+def test_a_local_folder_named_like_a_checkpoint_does_not_shadow_it(tmp_path, monkeypatch):
+    (tmp_path / "draft").mkdir()
+    monkeypatch.chdir(tmp_path)
+    model, _ = load("draft", device="cpu")
+    assert model.config.n_layers == 1
 
 
 def test_greedy_generation_matches_transformers_token_for_token(tmp_path):

@@ -90,3 +90,27 @@ def test_truncate_rolls_the_cache_back():
     torch.testing.assert_close(again, model(tokens)[:, 4:], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not fit a cache of max_len=8"):
         model(tokens[:, :1], torch.tensor([[8]]), cache)
+
+
+class ListCache:
+    """A second cache implementation, as plain as can be: per layer, a growing list of (k, v)
+    for one sequence. The model must work with it exactly as with the contiguous cache."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(self, layer, k, v, positions):
+        self.layers.setdefault(layer, []).append((k, v))
+        keys = torch.cat([kk for kk, _ in self.layers[layer]], dim=2)
+        values = torch.cat([vv for _, vv in self.layers[layer]], dim=2)
+        seen = torch.arange(keys.shape[2])[None, None, None, :]
+        return keys, values, seen <= positions[:, None, :, None]
+
+
+def test_attention_works_through_any_cache_implementation():
+    model = _model()
+    tokens = torch.randint(0, 97, (1, 10))
+    cache = ListCache()
+    out = [model(tokens[:, :6], None, cache)] + [model(tokens[:, t:t + 1], torch.tensor([[t]]), cache)
+                                                  for t in range(6, 10)]
+    torch.testing.assert_close(torch.cat(out, 1), model(tokens), rtol=1e-4, atol=1e-4)

@@ -25,6 +25,12 @@ def g():
 '''
 
 
+def test_markers_with_trailing_comments_still_hide_the_solution():
+    out = strip_solutions("def f():\n    ### BEGIN SOLUTION  # noqa\n    return 42\n    ### END SOLUTION # x\n",
+                          "ex00.1", "test")
+    assert "42" not in out and "NotImplementedError" in out
+
+
 def test_each_region_becomes_one_raise_at_its_indentation():
     out = strip_solutions(SOLVED, "ex00.1", "test")
     assert out.splitlines() == [
@@ -38,6 +44,7 @@ def test_each_region_becomes_one_raise_at_its_indentation():
     ("### BEGIN SOLUTION\nx = 1\n", "never closed"),
     ("### END SOLUTION\n", "never opened"),
     ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside another"),
+    ("x = 1  ### BEGIN SOLUTION\n", "not alone on its line"),
 ])
 def test_broken_markers_are_refused(broken, complaint):
     with pytest.raises(ValueError, match=complaint):

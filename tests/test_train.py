@@ -20,6 +20,11 @@ def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path):
     assert load_checkpoint(runs[0], device="cpu").num_parameters() == 721_280
 
 
+def test_a_budget_under_one_batch_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tokens=100 is less than one batch of 4 x 512"):
+        main(["--preset", "draft", "--tokens", "100", "--out", str(tmp_path)])
+
+
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
     preset = Preset(PRESETS["draft"].config, tokens=0, lr=1.0, warmup_steps=10)
     assert learning_rate(0, 100, preset) == pytest.approx(0.1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -66,9 +67,11 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if got != expected:
             raise AssertionError(f"expected {_short(expected)}, got {_short(got)}")
     elif isinstance(expected, (int, float)):
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
+        if isinstance(got, torch.Tensor) and got.dim() == 0:
+            got = got.item()  # a 0-d tensor is a number too
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):
             raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
-        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+        if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
             raise AssertionError(f"expected {expected:.6g}, got {got:.6g}")
     elif isinstance(expected, dict):
         if not isinstance(got, dict) or set(got) != set(expected):
