@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-import torch
 
 import labkit
 from labkit.generate import SamplingParams, generate
@@ -54,10 +53,10 @@ def test_target_and_draft_share_the_tokenizer_and_sizes_are_as_promised():
 
 def test_target_writes_python_looking_code():
     model, tokenizer = labkit.load("target", device="cpu")
-    torch.manual_seed(0)
     text = generate(model, tokenizer, "class Config:\n    def __init__(self, path):\n",
                     SamplingParams(max_new_tokens=160))
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) >= 4, text
     assert all((len(line) - len(line.lstrip(" "))) % 4 == 0 for line in lines), f"odd indentation:\n{text}"
-    assert re.search(r"\b(self\.\w+|return|def \w+\()", text), f"no Python to be seen:\n{text}"
+    assert re.search(r"\bdef \w+\(", text) and re.search(r"\breturn\b", text), f"no def and return:\n{text}"
+    assert re.search(r"\bself\.\w+", text), f"no attribute access:\n{text}"
