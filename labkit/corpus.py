@@ -44,10 +44,10 @@ def source_files(split: str) -> list[Path]:
     return sorted(p for p in files if split_of(p.relative_to(root).as_posix()) == split)
 
 
-def read_texts(split: str) -> list[str]:
+def read_texts(files: list[Path]) -> list[str]:
     """Each file's text, decoded as Python declares it; unreadable files are skipped."""
     texts = []
-    for path in source_files(split):
+    for path in files:
         try:
             with tokenize.open(path) as f:
                 texts.append(f.read())
@@ -63,7 +63,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(read_texts("train"), trainer=trainer)
+    tokenizer.train_from_iterator(read_texts(source_files("train")), trainer=trainer)
     return tokenizer
 
 
@@ -73,14 +73,15 @@ def cache_dir() -> Path:
 
 def token_ids(tokenizer: Tokenizer, split: str) -> torch.Tensor:
     """The whole split as one 1-D tensor of token ids, files joined by EOS (cached on disk)."""
-    files = "\n".join(p.relative_to(stdlib_root()).as_posix() for p in source_files(split))
-    key = "\n".join([tokenizer.to_str(), platform.python_version(), str(stdlib_root()), files])
+    files = source_files(split)
+    names = "\n".join(p.relative_to(stdlib_root()).as_posix() for p in files)
+    key = "\n".join([tokenizer.to_str(), platform.python_version(), str(stdlib_root()), names])
     path = cache_dir() / f"{split}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
     if path.exists():
         return load_file(str(path))["ids"].long()
     eos = tokenizer.token_to_id(EOS)
     ids: list[int] = []
-    for encoding in tokenizer.encode_batch(read_texts(split)):
+    for encoding in tokenizer.encode_batch(read_texts(files)):
         ids.extend(encoding.ids)
         ids.append(eos)
     tensor = torch.tensor(ids, dtype=torch.int32)

@@ -94,12 +94,11 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
     generator = _generator(params, device)
     if use_cache and cache is None:
         cache = ContiguousKVCache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
-    tokens = torch.tensor([list(prompt)], device=device)
-    fed = tokens  # what the next forward call runs
+    fed = torch.tensor([list(prompt)], device=device)  # what the next forward call runs
+    length = len(prompt)  # tokens in the sequence so far
     with torch.no_grad():
-        for step in range(params.max_new_tokens):
-            start = tokens.shape[1] - fed.shape[1]
-            positions = torch.arange(start, tokens.shape[1], device=device)[None]
+        for _ in range(params.max_new_tokens):
+            positions = torch.arange(length - fed.shape[1], length, device=device)[None]
             logits = model(fed, positions, cache if use_cache else None)[:, -1]
             counters.tokens_processed += fed.shape[1]
             counters.forward_calls += 1
@@ -107,8 +106,8 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
             yield int(token)
             if params.stop_at_eos and eos_id is not None and int(token) == eos_id:
                 return
-            tokens = torch.cat([tokens, token[:, None]], dim=1)
-            fed = token[:, None] if use_cache else tokens
+            length += 1
+            fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
 
 
 def eos_id_of(tokenizer: Tokenizer) -> int | None:
