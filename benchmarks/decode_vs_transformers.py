@@ -20,25 +20,10 @@ from transformers import LlamaForCausalLM
 import labkit
 from labkit.bench import compare
 from labkit.device import device_name
-from labkit.generate import SamplingParams, stream
+from labkit.generate import SamplingParams, decode_step, stream
 from labkit.load import save_hf
-from labkit.model import ContiguousKVCache
 
 PROMPT = "import os\n\n\ndef read_config(path):\n"
-
-
-def decode_step(model: torch.nn.Module, context: int = 100):
-    """One cached single-token forward at position ``context``, ready to be timed."""
-    cache = ContiguousKVCache(model.config, 1, context + 1)
-    with torch.no_grad():
-        model(torch.zeros(1, context, dtype=torch.long), None, cache)
-    token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[context]])
-
-    def step() -> None:
-        with torch.no_grad():
-            model(token, position, cache)
-            cache.truncate([context])
-    return step
 
 
 def main() -> None:
@@ -78,7 +63,7 @@ def main() -> None:
     print(f"labkit / transformers tokens/s: {1 / result.speedup:.2f}")
 
     draft, _ = labkit.load("draft", device=device)
-    steps = compare(decode_step(model), decode_step(draft), labels=(args.model, "draft"),
+    steps = compare(decode_step(model, 100), decode_step(draft, 100), labels=(args.model, "draft"),
                     warmup=5, repeats=100, device=device)
     print(f"\ndecode step at position 100: {args.model} {steps.a.median_s * 1e3:.2f} ms, "
           f"draft {steps.b.median_s * 1e3:.2f} ms, draft / {args.model} = {1 / steps.speedup:.3f}")

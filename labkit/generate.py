@@ -12,11 +12,11 @@ reaches ``top_p``, renormalises and draws. Temperature 0 means greedy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer
-from torch import Tensor
+from torch import Tensor, nn
 
 from labkit.model import ContiguousKVCache, KVCache, Transformer
 
@@ -49,6 +49,19 @@ class Counters:
 
     tokens_processed: int = 0
     forward_calls: int = 0
+
+
+class CountingModel(nn.Module):
+    """Wraps a model and records how many tokens (per sequence) each forward call carried."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.calls: list[int] = []
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        self.calls.append(tokens.shape[1])
+        return self.model(tokens, positions, cache)
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -108,6 +121,25 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
                 return
             length += 1
             fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
+
+
+def decode_step(model: Transformer, context: int) -> Callable[[], Tensor]:
+    """One cached decode step, a single token at position ``context`` after ``context`` cached
+    ones, as a callable to time that returns the logits: each call forgets its own token, so every call
+    does the same work."""
+    device = next(model.parameters()).device
+    cache = ContiguousKVCache(model.config, 1, context + 1, dtype=next(model.parameters()).dtype, device=device)
+    with torch.no_grad():
+        model(torch.zeros(1, context, dtype=torch.long, device=device), None, cache)
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    position = torch.tensor([[context]], device=device)
+
+    def step() -> Tensor:
+        with torch.no_grad():
+            logits = model(token, position, cache)
+        cache.truncate([context])
+        return logits
+    return step
 
 
 def eos_id_of(tokenizer: Tokenizer) -> int | None:

@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PAD_POSITION = -1
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -104,20 +102,23 @@ class ContiguousKVCache:
         if layer == 0:  # the slots and the mask are the same for every layer of one forward
             self._step = self._plan(positions)
         rows, cols, slots, mask = self._step
-        self.k[layer, rows, :, slots] = k[rows, :, cols].to(self.k.dtype)
-        self.v[layer, rows, :, slots] = v[rows, :, cols].to(self.v.dtype)
+        self.k[layer, rows, :, slots] = k[rows, :, cols].type_as(self.k)
+        self.v[layer, rows, :, slots] = v[rows, :, cols].type_as(self.v)
         length = mask.shape[-1]
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length], mask
 
     def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Where this forward's tokens go, and what each of them may attend to afterwards."""
+        """Where this forward's tokens go, and what each of them may attend to afterwards. Slot s
+        holds position s, so a query at position p sees slots 0..p: causality alone hides the
+        slots past the end of a shorter sequence in the batch."""
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         slots = positions[rows, cols]
-        if slots.numel() and int(slots.max()) >= self.max_len:
-            raise ValueError(f"position {int(slots.max())} does not fit a cache of max_len={self.max_len}")
-        self.lengths.scatter_reduce_(0, rows, slots + 1, reduce="amax")
-        key_positions = torch.arange(int(self.lengths.max()), device=positions.device).expand(len(self.lengths), -1)
-        key_positions = torch.where(key_positions < self.lengths[:, None], key_positions, PAD_POSITION)
+        lengths = self.lengths.scatter_reduce(0, rows, slots + 1, reduce="amax")
+        longest = int(lengths.max())  # on the host: it sets how many slots attention reads
+        if longest > self.max_len:
+            raise ValueError(f"position {longest - 1} does not fit a cache of max_len={self.max_len}")
+        self.lengths = lengths
+        key_positions = torch.arange(longest, device=positions.device)[None]
         return rows, cols, slots, causal_mask(positions, key_positions)
 
     def truncate(self, lengths: Tensor | list[int]) -> None:
@@ -130,13 +131,16 @@ class ContiguousKVCache:
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last dimension; torch computes it in fp32
+    for bf16 and fp16 inputs."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_frequencies(config: ModelConfig) -> Tensor:
@@ -155,17 +159,19 @@ def rope_frequencies(config: ModelConfig) -> Tensor:
     return ((1 - blend) * freq / factor + blend * freq).float()
 
 
-def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """cos and sin of position * frequency, each [B, 1, T, head_dim] (halves repeated)."""
-    angles = positions.clamp(min=0).float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+def rope_table(config: ModelConfig) -> Tensor:
+    """cos and sin of position * frequency for every position, fp32 ``[max_seq_len, 2 * head_dim]``:
+    cos for both halves of a head, then sin with its first half negated (see ``apply_rope``)."""
+    positions = torch.arange(config.max_seq_len, dtype=torch.float32, device="cpu")
+    angles = positions[:, None] * rope_frequencies(config)
+    return torch.cat([angles.cos(), angles.cos(), -angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """Rotate each pair (x_i, x_{i + d/2}) of a head: x_i cos - x_{i + d/2} sin, x_{i + d/2} cos + x_i sin.
+    Rolling a head by d/2 puts each element's partner in its place, and ``sin`` comes with its
+    first half negated, so that is x * cos + roll(x) * sin; in fp32, as cos and sin are."""
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -189,7 +195,7 @@ class Attention(nn.Module):
         else:
             keys, values, mask = cache.update(self.layer, k, v, positions)
         # each KV head serves group_size consecutive query heads
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, keys.type_as(q), values.type_as(q), attn_mask=mask,
                                              enable_gqa=c.group_size > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
 
@@ -228,7 +234,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.inv_freq = rope_frequencies(config)  # fp32, kept out of .to(dtype) on purpose
+        self.rope = rope_table(config)  # fp32, kept out of .to(dtype) on purpose
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -251,9 +257,9 @@ class Transformer(nn.Module):
         if tokens.numel() and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the context limit "
                              f"max_seq_len={self.config.max_seq_len}")
-        if self.inv_freq.device != positions.device:  # follows the model, but stays fp32
-            self.inv_freq = self.inv_freq.to(positions.device)
-        rope = rope_angles(positions, self.inv_freq)
+        if self.rope.device != positions.device:  # follows the model, but stays fp32
+            self.rope = self.rope.to(positions.device)
+        rope = self.rope[positions.clamp(min=0)][:, None].chunk(2, dim=-1)  # cos, sin: [B, 1, T, head_dim]
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, rope, cache)

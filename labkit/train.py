@@ -52,9 +52,9 @@ def _config(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: in
 PRESETS: dict[str, Preset] = {
     "target": Preset(_config(384, 8, 8, 2, 1024), tokens=2_400_000),
     "draft": Preset(_config(128, 1, 4, 2, 384), tokens=2_400_000, lr=3e-3),
-    "mha": Preset(_config(192, 4, 8, 8, 512), tokens=1_000_000, lr=3e-3),
-    "gqa": Preset(_config(192, 4, 8, 2, 512), tokens=1_000_000, lr=3e-3),
-    "mqa": Preset(_config(192, 4, 8, 1, 512), tokens=1_000_000, lr=3e-3),
+    "mha": Preset(_config(192, 4, 8, 8, 512), tokens=2_000_000, lr=3e-3),
+    "gqa": Preset(_config(192, 4, 8, 2, 512), tokens=2_000_000, lr=3e-3),
+    "mqa": Preset(_config(192, 4, 8, 1, 512), tokens=2_000_000, lr=3e-3),
 }
 
 
@@ -69,17 +69,20 @@ def random_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: to
 @torch.no_grad()
 def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
                     batch_size: int = 16) -> float:
-    """Mean next-token loss over the first ``max_windows`` disjoint windows of ``ids``."""
+    """Mean next-token loss over ``max_windows`` windows of ``ids`` spread evenly over all of it
+    (disjoint when there is room), so that a few windows already sample the whole split."""
     model.eval()
     count = min(max_windows, (len(ids) - 1) // seq_len)
+    stride = (len(ids) - 1 - seq_len) // max(count - 1, 1)
     device = next(model.parameters()).device
     total = 0.0
-    for first in range(0, count, batch_size):
-        starts = range(first * seq_len, min(first + batch_size, count) * seq_len, seq_len)
-        x = torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
-        y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts]).to(device)
-        logits = model(x)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+    with torch.no_grad():
+        for first in range(0, count, batch_size):
+            starts = [i * stride for i in range(first, min(first + batch_size, count))]
+            x = torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
+            y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts]).to(device)
+            logits = model(x)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
     model.train()
     return total / (count * seq_len)
 
@@ -119,7 +122,7 @@ on the Python {platform.python_version()} standard library (byte-level BPE, {pre
 | tokens seen | {stats['tokens']:,} ({stats['steps']} steps of {preset.batch_size} x {preset.seq_len}) |
 | wall time | {stats['seconds'] / 60:.1f} min |
 | machine | {stats['machine']}, torch {torch.__version__} |
-| validation loss | {stats['val_loss']:.4f} nats/token |
+| validation loss | {stats['val_loss']:.4f} nats/token (256 windows of 256 tokens, evenly spread) |
 | validation perplexity | {math.exp(stats['val_loss']):.2f} |
 | date | {stats['date']} |
 | seed | {stats['seed']} |

@@ -87,3 +87,51 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
+
+
+def test_lab01_plausible_mistakes_fail():
+    import math
+
+    from labkit.generate import SamplingParams, stream
+
+    textbook = lambda p, n: (n * p + n * (n + 1) // 2, p + n)  # feeds the last token back in
+    assert run_cases(get("ex01.1"), textbook).status == FAILED
+
+    def tiled_heads(q, k_new, v_new, k_cache, v_cache):  # KV head j % kv serves query head j: wrong
+        keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+        group = q.shape[1] // keys.shape[1]
+        scores = q @ keys.repeat(1, group, 1, 1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return scores.softmax(-1) @ values.repeat(1, group, 1, 1), keys, values
+    result = run_cases(get("ex01.2"), tiled_heads)
+    assert result.status == FAILED and 0 < result.passed < result.total  # MHA and MQA cases still pass
+
+    def naive(model, prompt, new_tokens):  # right tokens, no cache
+        return list(stream(model, prompt, SamplingParams(new_tokens, stop_at_eos=False), use_cache=False))
+    result = run_cases(get("ex01.3"), naive)
+    assert result.status == FAILED and "cached generation runs" in result.message
+
+
+def test_lab02_plausible_mistakes_fail():
+    import math
+
+    keys_only = lambda layers, heads, dim, tokens, batch, b: layers * heads * dim * tokens * batch * b  # forgets V
+    assert run_cases(get("ex02.1"), keys_only).status == FAILED
+
+    def no_mask(q, k, v):  # attends to the future too
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+    result = run_cases(get("ex02.2"), no_mask)
+    assert result.status == FAILED and result.passed == 1  # only the one-token case passes
+
+    def tiled_heads(q, k, v):  # query head i uses KV head i % n_kv_heads: wrong grouping
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        future = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+        return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    result = run_cases(get("ex02.2"), tiled_heads)
+    assert result.status == FAILED and 0 < result.passed < result.total
+
+    all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
+    assert run_cases(get("ex02.3"), all_memory).status == FAILED

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.generate import Counters, SamplingParams, filter_logits, next_token, stream
+from labkit.generate import Counters, SamplingParams, decode_step, filter_logits, next_token, stream
 from labkit.model import ModelConfig, Transformer
 
 
@@ -74,3 +74,12 @@ def test_too_long_and_empty_requests(model):
         next(stream(model, [1] * 100, SamplingParams(max_new_tokens=40)))
     with pytest.raises(ValueError, match="prompt is empty"):
         next(stream(model, [], SamplingParams()))
+
+
+def test_decode_step_repeats_the_same_step_on_a_prefilled_cache(model):
+    step = decode_step(model, 7)
+    with torch.no_grad():
+        full = model(torch.zeros(1, 8, dtype=torch.long))[:, -1:]
+    first, second = step(), step()
+    torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, second)

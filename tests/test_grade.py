@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from labkit import notebook
+from labkit.exercises import EXERCISES
 from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, grade, table
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
@@ -43,9 +44,10 @@ def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00
 
 def test_solutions_score_full_points_and_stubs_zero(root):
     book = grade([root / "solutions", root / "notebooks"])
-    assert {s: [r.status for r in res.values()] for s, res in book.items()} == {
-        "solutions": ["passed", "passed"], "notebooks": ["not attempted", "not attempted"]}
-    assert sum(r.points for r in book["solutions"].values()) == 3
+    assert set(book["solutions"]) == set(book["notebooks"]) == set(EXERCISES)
+    assert {s: {r.status for r in res.values()} for s, res in book.items()} == {
+        "solutions": {"passed"}, "notebooks": {"not attempted"}}
+    assert sum(r.points for r in book["solutions"].values()) == sum(ex.points for ex in EXERCISES.values())
     assert sum(r.points for r in book["notebooks"].values()) == 0
 
 

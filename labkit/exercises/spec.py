@@ -25,11 +25,16 @@ class Case:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     rtol: float = 1e-6
     atol: float = 1e-9
+    after: Callable[..., None] | None = None  # inspects the arguments after the call (how it was done)
 
     def run(self, fn: Callable[..., Any]) -> None:
-        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong."""
-        got = fn(*copy.deepcopy(self.args), **copy.deepcopy(dict(self.kwargs)))
+        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong,
+        or if ``after``, given those arguments after the call, finds it was done the wrong way."""
+        args, kwargs = copy.deepcopy(self.args), copy.deepcopy(dict(self.kwargs))
+        got = fn(*args, **kwargs)
         assert_matches(got, self.expected, self.rtol, self.atol)
+        if self.after is not None:
+            self.after(*args, **kwargs)
 
 
 @dataclass(frozen=True)

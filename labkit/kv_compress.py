@@ -1,0 +1,183 @@
+"""Shrinking the KV cache beyond GQA/MQA: keep fewer tokens, or fewer bits per value.
+
+- Fewer tokens: attention sinks plus a sliding window (StreamingLLM, Xiao et al. 2023). A query
+  at position p attends to the first ``sinks`` tokens, kept forever, and to the last ``window``
+  ones, itself included:
+
+      allowed(p, j) = j <= p  and  (j < sinks  or  p - window < j)
+
+  so each layer holds at most sinks + window tokens, however long the text. The paper found
+  that a plain sliding window (no sinks) breaks down once the first tokens leave it: softmax
+  must put its weight somewhere, and trained models park much of it on the first tokens,
+  whatever those say.
+- Fewer bits: each key and value vector x (one token, one KV head) is stored as int8 with one
+  fp32 scale:
+
+      scale = max|x| / 127,   q = round(x / scale) in [-127, 127],   x ~ q * scale
+
+  at most scale / 2 off per element, in (head_dim + 4) / (4 * head_dim) of the fp32 bytes
+  (about a quarter; (head_dim + 4) / (2 * head_dim), about a half, of fp16).
+
+Both are caches with the model's ``KVCache`` interface: the model does not change.
+``cached_perplexity`` measures what each costs in quality.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.model import ContiguousKVCache, KVCache, ModelConfig, Transformer
+
+INT8_MAX = 127
+
+
+def sink_window_mask(query_positions: Tensor, key_positions: Tensor, sinks: int, window: int) -> Tensor:
+    """[T, S]: True where a query at position p may see a key at position j (j <= p, and j < sinks
+    or p - window < j)."""
+    q, k = query_positions[:, None], key_positions[None, :]
+    return (k <= q) & ((k < sinks) | (k > q - window))
+
+
+class SinkCache:
+    """Attention sinks plus a sliding window: per layer, the first ``sinks`` tokens and the last
+    ``window`` ones, ``[batch, n_kv_heads, <= sinks + window, head_dim]``.
+
+    Keys keep the rotary angles of their absolute positions (the model rotates them before they
+    reach the cache). That is exact here, as a labkit model is never run past its context. The
+    paper instead numbers positions by slot inside the cache, so that a model can stream text
+    longer than it was trained on; this version does not need that.
+
+    All rows of a batch must be at the same positions (no padding): one set of kept positions
+    serves every sequence.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, sinks: int = 4, window: int = 256,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if sinks < 0:
+            raise ValueError(f"sinks={sinks} must be 0 (a plain sliding window) or more")
+        if window < 1:
+            raise ValueError(f"window={window} must be at least 1: a query always sees its own token")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        self.sinks, self.window, self.batch_size = sinks, window, batch_size
+        empty = torch.zeros(batch_size, config.n_kv_heads, 0, config.head_dim, dtype=dtype, device=device)
+        self.k = [empty] * config.n_layers
+        self.v = [empty] * config.n_layers
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # of the tokens held, in order
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer == 0:  # what to keep and the mask are the same for every layer of one forward
+            self._step = self._plan(positions)
+        keep, mask = self._step
+        keys = torch.cat([self.k[layer], k.to(self.k[layer].dtype)], dim=2)
+        values = torch.cat([self.v[layer], v.to(self.v[layer].dtype)], dim=2)
+        self.k[layer], self.v[layer] = keys[:, :, keep], values[:, :, keep]
+        return keys, values, mask
+
+    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The mask over the held keys followed by the new ones, and which of them to keep."""
+        if positions.shape[0] != self.batch_size:
+            raise ValueError(f"positions has {positions.shape[0]} rows; this cache holds batch_size={self.batch_size}")
+        if (positions < 0).any():
+            raise ValueError("SinkCache takes no padding (position -1): give every row the same positions, "
+                             "or use one cache per sequence")
+        differs = (positions != positions[:1]).any(dim=1)
+        if differs.any():
+            raise ValueError(f"SinkCache needs every row of the batch at the same positions, but row "
+                             f"{int(differs.nonzero()[0])} differs from row 0: use one cache per sequence")
+        query = positions[0]
+        if self.positions.numel() and int(query.min()) <= int(self.positions.max()):
+            raise ValueError(f"position {int(query.min())} is not after the last one held "
+                             f"({int(self.positions.max())}): a SinkCache only appends")
+        keys = torch.cat([self.positions, query])
+        mask = sink_window_mask(query, keys, self.sinks, self.window)
+        keep = (keys < self.sinks) | (keys > int(query.max()) - self.window)  # what later queries can see
+        self.positions = keys[keep]
+        return keep, mask[None, None].expand(self.batch_size, 1, -1, -1)
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one layer holds between forward calls."""
+        return self.sinks + self.window
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values held now, over all layers."""
+        return sum(t.nbytes for t in self.k + self.v)
+
+
+def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """int8 values and fp32 scales ``[..., 1]``, one per vector along the last dimension. An
+    all-zero vector gets scale 1 (its values are 0 whatever the scale)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float() / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """fp32 vectors back from int8 values and their scales ``[..., 1]``."""
+    if q.dtype != torch.int8:
+        raise ValueError(f"q must be int8 (from quantize_int8), got {q.dtype}")
+    return q.float() * scale
+
+
+class Int8KVCache(ContiguousKVCache):
+    """The contiguous cache with int8 keys and values, ``[layers, batch, n_kv_heads, max_len,
+    head_dim]``, and an fp32 scale per vector, ``[layers, batch, n_kv_heads, max_len, 1]``.
+
+    ``update`` hands attention the dequantized keys and values, in the dtype of the new ones.
+    Dequantizing the whole cache at every step costs time: this saves memory, not time, unless
+    a kernel reads int8 directly.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(config, batch_size, max_len, dtype=torch.int8, device=device)
+        scale_shape = (*self.k.shape[:-1], 1)
+        self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+        self.v_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer == 0:  # the slots and the mask are the same for every layer of one forward
+            self._step = self._plan(positions)
+        rows, cols, slots, mask = self._step
+        for stored, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            stored[layer, rows, :, slots], scales[layer, rows, :, slots] = quantize_int8(new[rows, :, cols])
+        length = mask.shape[-1]
+        keys = dequantize_int8(self.k[layer, :, :, :length], self.k_scale[layer, :, :, :length])
+        values = dequantize_int8(self.v[layer, :, :, :length], self.v_scale[layer, :, :, :length])
+        return keys.to(k.dtype), values.to(v.dtype), mask
+
+    @property
+    def nbytes(self) -> int:
+        """int8 keys and values plus their fp32 scales."""
+        return super().nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+
+
+def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: KVCache, chunk: int = 32) -> float:
+    """exp(mean negative log-likelihood) of each token given those before it, the sequence fed
+    through ``cache`` (fresh, batch size 1) ``chunk`` tokens per forward call at positions 0, 1, ...:
+    the model's perplexity when its attention reads only what the cache gives back."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(tokens, device=device).long()
+    if ids.dim() != 1:
+        raise ValueError(f"tokens must be one sequence (1-D), got shape {tuple(ids.shape)}")
+    n = len(ids)
+    if n < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens (one to read, one to predict), got {n}")
+    if n > model.config.max_seq_len:
+        raise ValueError(f"{n} tokens do not fit the context limit max_seq_len={model.config.max_seq_len}")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be at least 1")
+    nll = 0.0
+    with torch.no_grad():
+        for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
+            end = min(start + chunk, n - 1)
+            positions = torch.arange(start, end, device=device)[None]
+            logits = model(ids[None, start:end], positions, cache)[0]
+            nll += F.cross_entropy(logits.float(), ids[start + 1:end + 1], reduction="sum").item()
+    return math.exp(nll / (n - 1))

@@ -1,0 +1,181 @@
+"""KV-cache compression: the sink + window cache against full attention and against a mask built
+by hand, its bounded memory, int8 storage against fp32, perplexity against a plain forward."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.exercises.lab01 import random_model
+from labkit.generate import SamplingParams, stream
+from labkit.kv_compress import Int8KVCache, SinkCache, cached_perplexity, dequantize_int8, quantize_int8
+from labkit.model import ContiguousKVCache, ModelConfig, Transformer
+
+
+def _tokens(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _feed(model: Transformer, tokens: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """Logits of every position, the tokens fed ``chunk`` at a time through ``cache``."""
+    batch, n = tokens.shape
+    out = []
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            positions = torch.arange(start, min(start + chunk, n)).expand(batch, -1)
+            out.append(model(tokens[:, start:start + chunk], positions, cache))
+    return torch.cat(out, dim=1)
+
+
+class HandMaskCache:
+    """For one forward over the whole text: its own keys, under the sink + window rule written out
+    one (query, key) pair at a time."""
+
+    def __init__(self, sinks: int, window: int) -> None:
+        self.sinks, self.window = sinks, window
+
+    def update(self, layer, k, v, positions):
+        rows = [[[key <= p and (key < self.sinks or key > p - self.window) for key in row] for p in row]
+                for row in positions.tolist()]
+        return k, v, torch.tensor(rows)[:, None]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_window_covering_the_sequence_is_full_attention(batch):
+    model = random_model(8, 2, seed=0)
+    tokens = _tokens(40, batch=batch)
+    with torch.no_grad():
+        full = model(tokens)
+    cache = SinkCache(model.config, batch_size=batch, sinks=4, window=64)
+    torch.testing.assert_close(_feed(model, tokens, cache, chunk=7), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cached_perplexity_equals_a_plain_forward():
+    model = random_model(4, 4, seed=1)
+    tokens = _tokens(60, seed=1)
+    with torch.no_grad():
+        expected = math.exp(F.cross_entropy(model(tokens)[0, :-1], tokens[0, 1:]).item())
+    got = cached_perplexity(model, tokens[0], ContiguousKVCache(model.config, 1), chunk=16)
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert cached_perplexity(model, tokens[0].tolist(), ContiguousKVCache(model.config, 1)) == pytest.approx(got)
+
+
+@pytest.mark.parametrize("sinks, window", [(4, 16), (0, 8), (2, 1)])
+def test_a_small_window_matches_a_hand_built_mask_in_any_chunking(sinks, window):
+    model = random_model(8, 2, seed=2)
+    tokens = _tokens(48, seed=2)
+    with torch.no_grad():
+        reference = model(tokens, cache=HandMaskCache(sinks, window))
+        full = model(tokens)
+    assert not torch.allclose(reference, full, atol=1e-2)  # the window does cut something here
+    cache = SinkCache(model.config, sinks=sinks, window=window)
+    torch.testing.assert_close(_feed(model, tokens, cache, chunk=5), reference, rtol=1e-4, atol=1e-4)
+    reference_ppl = math.exp(F.cross_entropy(reference[0, :-1], tokens[0, 1:]).item())
+    for chunk in (1, 3, 7, 64):
+        ppl = cached_perplexity(model, tokens[0], SinkCache(model.config, sinks=sinks, window=window), chunk)
+        assert ppl == pytest.approx(reference_ppl, rel=1e-4)
+
+
+def test_memory_stays_bounded():
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=512)
+    model = Transformer(config).eval()
+    batch, n = 2, 300
+    cache = SinkCache(config, batch_size=batch, sinks=4, window=32)
+    with torch.no_grad():
+        for start, end in [(0, 50), (50, 51), (51, 130), (130, 300)]:
+            model(_tokens(end - start, seed=start, batch=batch), torch.arange(start, end).expand(batch, -1), cache)
+            assert all(k.shape[2] <= cache.max_tokens for k in cache.k + cache.v)
+    assert cache.max_tokens == 36
+    assert [k.shape for k in cache.k + cache.v] == [(batch, 2, 36, 8)] * (2 * config.n_layers)
+    assert cache.positions.tolist() == [0, 1, 2, 3] + list(range(n - 32, n))
+    assert cache.nbytes == 2 * config.n_layers * batch * config.n_kv_heads * 36 * config.head_dim * 4
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=generator) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 2] = 0
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == (3, 5, 1)
+    error = (dequantize_int8(q, scale) - x).abs()
+    assert (error <= scale / 2 * (1 + 1e-5)).all()
+    assert q.abs().amax(-1).tolist() == [[127] * 5, [127, 127, 0, 127, 127], [127] * 5]  # scale = max|x| / 127
+    assert (q[1, 2] == 0).all() and (scale > 0).all() and torch.isfinite(scale).all()  # x / scale is defined
+    with pytest.raises(ValueError, match="q must be int8"):
+        dequantize_int8(q.float(), scale)
+
+
+def test_int8_cache_stays_close_to_fp32_when_generating():
+    model = random_model(8, 2, seed=3)
+    model.reset_parameters(std=0.1)  # std 0.3 amplifies every rounding error tenfold
+    prompt = _tokens(8, seed=3)[0].tolist()
+    greedy = list(stream(model, prompt, SamplingParams(max_new_tokens=40, stop_at_eos=False)))
+    tokens = torch.tensor([prompt + greedy])
+    exact = _feed(model, tokens, ContiguousKVCache(model.config, 1), chunk=1)  # one decode step per token
+    int8 = _feed(model, tokens, Int8KVCache(model.config, 1), chunk=1)
+    assert 0 < (int8 - exact).norm() / exact.norm() < 2e-2
+    same = (int8.argmax(-1) == exact.argmax(-1)).float().mean()
+    assert same >= 0.9, f"int8 picks the fp32 greedy token at only {same:.0%} of the steps"
+
+
+def test_int8_cache_returns_the_incoming_dtype_and_a_padded_mask():
+    config = random_model(4, 2, seed=4).config
+    cache = Int8KVCache(config, 2, max_len=8)
+    k = torch.randn(2, 2, 3, config.head_dim, dtype=torch.bfloat16)
+    keys, values, mask = cache.update(0, k, k, torch.tensor([[0, 1, 2], [0, -1, -1]]))
+    assert keys.dtype == values.dtype == torch.bfloat16 and cache.k.dtype == torch.int8
+    torch.testing.assert_close(keys[0], k[0], rtol=2e-2, atol=2e-2)
+    k = torch.randn(2, 2, 1, config.head_dim)
+    keys, _, _ = cache.update(0, k, k, torch.tensor([[3], [1]]))
+    expected = dequantize_int8(*quantize_int8(k))
+    assert keys.dtype == torch.float32
+    assert torch.equal(keys[0, :, 3], expected[0, :, 0]) and torch.equal(keys[1, :, 1], expected[1, :, 0])
+    assert mask[1, 0].tolist() == [[True, False, False], [True, True, True], [True, True, True]]
+
+
+def test_int8_cache_bytes_are_values_plus_scales():
+    config = random_model(4, 2, seed=5).config  # head_dim 16
+    layers, heads, dim, batch, length = config.n_layers, config.n_kv_heads, config.head_dim, 3, 100
+    int8, fp32 = Int8KVCache(config, batch, length), ContiguousKVCache(config, batch, length)
+    assert int8.nbytes == 2 * layers * batch * heads * length * (dim * 1 + 4)
+    assert int8.nbytes / fp32.nbytes == (dim + 4) / (4 * dim)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sinks=-1), r"sinks=-1 must be 0 \(a plain sliding window\) or more"),
+    (dict(window=0), "window=0 must be at least 1"),
+    (dict(batch_size=0), "batch_size=0 must be at least 1"),
+])
+def test_bad_sink_cache_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SinkCache(random_model(4, 2, seed=0).config, **kwargs)
+
+
+def test_sink_cache_refuses_rows_at_different_positions():
+    model = random_model(4, 2, seed=0)
+    tokens = _tokens(3, batch=2)
+    with pytest.raises(ValueError, match="row 1 differs from row 0"):
+        model(tokens, torch.tensor([[0, 1, 2], [1, 2, 3]]), SinkCache(model.config, batch_size=2))
+    with pytest.raises(ValueError, match="takes no padding"):
+        model(tokens, torch.tensor([[0, 1, 2], [0, 1, -1]]), SinkCache(model.config, batch_size=2))
+    with pytest.raises(ValueError, match="positions has 2 rows; this cache holds batch_size=1"):
+        model(tokens, None, SinkCache(model.config, batch_size=1))
+    cache = SinkCache(model.config)
+    model(tokens[:1], None, cache)
+    with pytest.raises(ValueError, match=r"position 1 is not after the last one held \(2\)"):
+        model(tokens[:1, :1], torch.tensor([[1]]), cache)
+
+
+def test_perplexity_input_errors():
+    model = random_model(4, 2, seed=0)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        cached_perplexity(model, [5], ContiguousKVCache(model.config, 1))
+    with pytest.raises(ValueError, match="129 tokens do not fit the context limit max_seq_len=128"):
+        cached_perplexity(model, [5] * 129, ContiguousKVCache(model.config, 1))
+    with pytest.raises(ValueError, match=r"one sequence \(1-D\)"):
+        cached_perplexity(model, _tokens(5, batch=2), ContiguousKVCache(model.config, 2))
+    with pytest.raises(ValueError, match="chunk=0 must be at least 1"):
+        cached_perplexity(model, [5, 6], ContiguousKVCache(model.config, 1), chunk=0)
