@@ -67,24 +67,30 @@ def random_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: to
 
 
 @torch.no_grad()
-def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
-                    batch_size: int = 16) -> float:
-    """Mean next-token loss over ``max_windows`` windows of ``ids`` spread evenly over all of it
-    (disjoint when there is room), so that a few windows already sample the whole split."""
+def window_losses(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
+                  batch_size: int = 16) -> torch.Tensor:
+    """Mean next-token loss of each of ``max_windows`` windows of ``ids``, spread evenly over all
+    of it (disjoint when there is room), so that a few windows already sample the whole split."""
+    was_training = model.training
     model.eval()
     count = min(max_windows, (len(ids) - 1) // seq_len)
     stride = (len(ids) - 1 - seq_len) // max(count - 1, 1)
     device = next(model.parameters()).device
-    total = 0.0
-    with torch.no_grad():
-        for first in range(0, count, batch_size):
-            starts = [i * stride for i in range(first, min(first + batch_size, count))]
-            x = torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
-            y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts]).to(device)
-            logits = model(x)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
-    model.train()
-    return total / (count * seq_len)
+    losses = []
+    for first in range(0, count, batch_size):
+        starts = [i * stride for i in range(first, min(first + batch_size, count))]
+        x = torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
+        y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts]).to(device)
+        loss = F.cross_entropy(model(x).transpose(1, 2).float(), y, reduction="none")  # [windows, seq_len]
+        losses.append(loss.mean(dim=1).cpu())
+    model.train(was_training)
+    return torch.cat(losses)
+
+
+def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
+                    batch_size: int = 16) -> float:
+    """Mean next-token loss over the windows of ``window_losses``."""
+    return window_losses(model, ids, seq_len, max_windows, batch_size).mean().item()
 
 
 def learning_rate(step: int, steps: int, preset: Preset) -> float:

@@ -114,8 +114,12 @@ def test_lab01_plausible_mistakes_fail():
 def test_lab02_plausible_mistakes_fail():
     import math
 
-    keys_only = lambda layers, heads, dim, tokens, batch, b: layers * heads * dim * tokens * batch * b  # forgets V
+    size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+    keys_only = lambda layers, heads, kv, dim, tokens, batch, dtype: layers * kv * dim * tokens * batch * size[dtype]
     assert run_cases(get("ex02.1"), keys_only).status == FAILED
+    query_heads = lambda layers, heads, kv, dim, tokens, batch, dtype: 2 * layers * heads * dim * tokens * batch * size[dtype]
+    result = run_cases(get("ex02.1"), query_heads)  # right only where the model is MHA
+    assert result.status == FAILED and 0 < result.passed < result.total
 
     def no_mask(q, k, v):  # attends to the future too
         group = q.shape[1] // k.shape[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from labkit.load import load_checkpoint
 from labkit.train import PRESETS, Preset, learning_rate, main
@@ -32,3 +33,21 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert learning_rate(10, 100, preset) == pytest.approx(1.0)
     assert learning_rate(55, 100, preset) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert learning_rate(100, 100, preset) == pytest.approx(0.1)
+
+
+def test_window_losses_spread_over_the_ids_and_keep_the_mode():
+    import torch.nn.functional as F
+
+    from labkit.exercises.lab01 import random_model
+    from labkit.train import validation_loss, window_losses
+
+    model = random_model(4, 2, seed=0).train()
+    ids = torch.randint(0, 97, (5000,), generator=torch.Generator().manual_seed(0))
+    losses = window_losses(model, ids, seq_len=64, max_windows=10, batch_size=4)
+    assert model.training and losses.shape == (10,)
+    stride = (len(ids) - 1 - 64) // 9  # first window at 0, last ending at the end of the ids
+    with torch.no_grad():
+        expected = [F.cross_entropy(model.eval()(ids[s:s + 64][None])[0], ids[s + 1:s + 65]).item()
+                    for s in range(0, 10 * stride, stride)]
+    torch.testing.assert_close(losses, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert validation_loss(model.train(), ids, 64, 10) == pytest.approx(sum(expected) / 10, rel=1e-5)

@@ -22,7 +22,7 @@ def _bytes_cases() -> list[Case]:
     cases = []
     for label, name, kv_heads, tokens, batch, dtype in runs:
         shape = MODEL_PRESETS[name] if kv_heads is None else MODEL_PRESETS[name].with_kv_heads(kv_heads)
-        args = (shape.n_layers, shape.n_kv_heads, shape.head_dim, tokens, batch, memory.DTYPE_BYTES[dtype])
+        args = (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim, tokens, batch, dtype)
         cases.append(Case(label, args, memory.kv_cache_bytes(shape, tokens, batch, dtype)))
     return cases
 
@@ -70,8 +70,8 @@ EXERCISES = [
     Exercise(
         id="ex02.1", title="KV-cache bytes", points=1, function="kv_cache_bytes",
         cases=_bytes_cases,
-        hint="Every layer stores a key and a value (2) per KV head, each head_dim elements, for every "
-             "token of every sequence: multiply them all, and the bytes per element.",
+        hint="Every layer stores a key and a value (2) per KV head (not per query head), each head_dim "
+             "elements, for every token of every sequence: multiply them all, and the bytes per element.",
     ),
     Exercise(
         id="ex02.2", title="Grouped-query attention", points=2, function="gqa_attention",
