@@ -76,9 +76,10 @@ EXERCISES = [
     Exercise(
         id="ex02.2", title="Grouped-query attention", points=2, function="gqa_attention",
         cases=_gqa_cases,
-        hint="With g = query heads // KV heads, KV head j serves query heads j*g .. j*g+g-1: "
-             "repeat_interleave k and v by g along the head axis (dim 1). Mask the future with -inf "
-             "before the softmax: query i sees keys 0..i. Scale the scores by 1/sqrt(head_dim).",
+        hint="With g = query heads // KV heads, KV head j serves query heads j*g .. j*g+g-1: view q as "
+             "[batch, kv_heads, g, T, head_dim] and index k and v with [:, :, None] so they broadcast over "
+             "the group. Mask the future with -inf before the softmax (query i sees keys 0..i), scale the "
+             "scores by 1/sqrt(head_dim), and reshape the result back to [batch, n_heads, T, head_dim].",
     ),
     Exercise(
         id="ex02.3", title="The largest batch that fits", points=1, function="largest_batch",
