@@ -127,8 +127,9 @@ def decode_step(model: Transformer, context: int) -> Callable[[], Tensor]:
     """One cached decode step, a single token at position ``context`` after ``context`` cached
     ones, as a callable to time that returns the logits: each call forgets its own token, so every call
     does the same work."""
-    device = next(model.parameters()).device
-    cache = ContiguousKVCache(model.config, 1, context + 1, dtype=next(model.parameters()).dtype, device=device)
+    weight = next(model.parameters())
+    device = weight.device
+    cache = ContiguousKVCache(model.config, 1, context + 1, dtype=weight.dtype, device=device)
     with torch.no_grad():
         model(torch.zeros(1, context, dtype=torch.long, device=device), None, cache)
     token = torch.zeros(1, 1, dtype=torch.long, device=device)

@@ -129,7 +129,8 @@ class Int8KVCache(ContiguousKVCache):
     """The contiguous cache with int8 keys and values, ``[layers, batch, n_kv_heads, max_len,
     head_dim]``, and an fp32 scale per vector, ``[layers, batch, n_kv_heads, max_len, 1]``.
 
-    ``update`` hands attention the dequantized keys and values, in the dtype of the new ones.
+    It keeps the contiguous cache's ``update`` and changes only how a slot is written (quantized)
+    and read back (dequantized, in the dtype of the new keys and values).
     Dequantizing the whole cache at every step costs time: this saves memory, not time, unless
     a kernel reads int8 directly.
     """
@@ -141,16 +142,14 @@ class Int8KVCache(ContiguousKVCache):
         self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer == 0:  # the slots and the mask are the same for every layer of one forward
-            self._step = self._plan(positions)
-        rows, cols, slots, mask = self._step
+    def _write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
         for stored, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            stored[layer, rows, :, slots], scales[layer, rows, :, slots] = quantize_int8(new[rows, :, cols])
-        length = mask.shape[-1]
+            stored[layer, rows, :, slots], scales[layer, rows, :, slots] = quantize_int8(new)
+
+    def _read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         keys = dequantize_int8(self.k[layer, :, :, :length], self.k_scale[layer, :, :, :length])
         values = dequantize_int8(self.v[layer, :, :, :length], self.v_scale[layer, :, :, :length])
-        return keys.to(k.dtype), values.to(v.dtype), mask
+        return keys.to(dtype), values.to(dtype)
 
     @property
     def nbytes(self) -> int:

@@ -102,10 +102,18 @@ class ContiguousKVCache:
         if layer == 0:  # the slots and the mask are the same for every layer of one forward
             self._step = self._plan(positions)
         rows, cols, slots, mask = self._step
-        self.k[layer, rows, :, slots] = k[rows, :, cols].type_as(self.k)
-        self.v[layer, rows, :, slots] = v[rows, :, cols].type_as(self.v)
-        length = mask.shape[-1]
-        return self.k[layer, :, :, :length], self.v[layer, :, :, :length], mask
+        self._write(layer, rows, slots, k[rows, :, cols], v[rows, :, cols])
+        keys, values = self._read(layer, mask.shape[-1], k.dtype)
+        return keys, values, mask
+
+    def _write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store the new keys and values ``[tokens, n_kv_heads, head_dim]`` at (row, slot)."""
+        self.k[layer, rows, :, slots] = k.type_as(self.k)
+        self.v[layer, rows, :, slots] = v.type_as(self.v)
+
+    def _read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The first ``length`` slots of a layer, as stored (attention casts them to its dtype)."""
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
     def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Where this forward's tokens go, and what each of them may attend to afterwards. Slot s
