@@ -139,3 +139,47 @@ def test_lab02_plausible_mistakes_fail():
 
     all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
     assert run_cases(get("ex02.3"), all_memory).status == FAILED
+
+
+def test_lab03_plausible_mistakes_fail():
+    from labkit.paged import BlockPool, OutOfBlocks
+
+    def no_padding(block_tables, positions, block_size):  # -1 becomes a real slot
+        return block_tables.gather(1, positions.clamp(min=0) // block_size) * block_size + positions % block_size
+    assert run_cases(get("ex03.1"), no_padding).status == FAILED
+
+    class Leaky(BlockPool):  # frees the table but never returns blocks to the free list
+        def free(self, seq_id):
+            for block in self.tables.pop(seq_id):
+                self.ref_count[block] -= 1
+    assert run_cases(get("ex03.2"), Leaky).status == FAILED
+
+    class Greedy(BlockPool):  # takes what it can, then raises: the pool is changed
+        def allocate(self, seq_id, n_blocks):
+            blocks = [self.free_blocks.pop() for _ in range(min(n_blocks, len(self.free_blocks)))]
+            for block in blocks:
+                self.ref_count[block] = 1
+            self.tables.setdefault(seq_id, []).extend(blocks)
+            if len(blocks) < n_blocks:
+                raise OutOfBlocks("too few")
+            return blocks
+    assert run_cases(get("ex03.2"), Greedy).status == FAILED
+
+    class AlwaysCopies(BlockPool):  # copies even an exclusive block
+        def fork(self, parent, child):
+            BlockPool.fork(self, parent, child)
+
+        def copy_on_write(self, seq_id, index):
+            new, = self._take(1)
+            old, self.tables[seq_id][index], self.ref_count[new] = self.tables[seq_id][index], new, 1
+            self._release(old)
+            return old, new
+    assert run_cases(get("ex03.3"), AlwaysCopies).status == FAILED
+
+    def unmasked(q, k_pool, v_pool, block_tables, lengths):  # attends to the noise past each length
+        from labkit.paged import gather_kv
+        longest = int(lengths.max())
+        keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
+    result = run_cases(get("ex03.4"), unmasked)
+    assert result.status == FAILED and 0 < result.passed < result.total

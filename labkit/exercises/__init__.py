@@ -1,10 +1,10 @@
 """Every graded exercise of the lab, by id. Each notebook's exercises live in ``labNN.py``."""
 from __future__ import annotations
 
-from labkit.exercises import lab00, lab01, lab02
-from labkit.exercises.spec import Case, Exercise
+from labkit.exercises import lab00, lab01, lab02, lab03
+from labkit.exercises.spec import Case, Exercise, Scenario
 
-EXERCISES: dict[str, Exercise] = {ex.id: ex for lab in (lab00, lab01, lab02) for ex in lab.EXERCISES}
+EXERCISES: dict[str, Exercise] = {ex.id: ex for lab in (lab00, lab01, lab02, lab03) for ex in lab.EXERCISES}
 
 
 def get(exercise_id: str) -> Exercise:
@@ -20,4 +20,4 @@ def for_lab(lab: str) -> list[Exercise]:
     return [ex for ex in EXERCISES.values() if ex.lab == lab]
 
 
-__all__ = ["Case", "Exercise", "EXERCISES", "get", "for_lab"]
+__all__ = ["Case", "Exercise", "Scenario", "EXERCISES", "get", "for_lab"]

@@ -1,7 +1,8 @@
 """What an exercise is: an id, its points, the function a student writes, and test cases.
 
 A case calls the student's function on fixed arguments and compares the result with the
-value the reference implementation in labkit returned. The inline check (``labkit.check``)
+value the reference implementation in labkit returned; a scenario drives a student's class
+through a sequence of operations and checks it after each. The inline check (``labkit.check``)
 and the grader (``labkit.grade``) run the very same cases.
 """
 from __future__ import annotations
@@ -38,6 +39,18 @@ class Case:
 
 
 @dataclass(frozen=True)
+class Scenario:
+    """A case that drives the student's class through a sequence of operations: ``play`` raises
+    AssertionError, naming the operation, at the first thing that goes wrong."""
+
+    label: str
+    play: Callable[[Any], None]
+
+    def run(self, fn: Callable[..., Any]) -> None:
+        self.play(fn)
+
+
+@dataclass(frozen=True)
 class Exercise:
     """A graded exercise: ``ex00.1`` is exercise 1 of notebook 00."""
 
@@ -45,7 +58,7 @@ class Exercise:
     title: str
     points: int
     function: str  # the name the student's cell defines
-    cases: Callable[[], Sequence[Case]]  # built on demand: cases may hold tensors
+    cases: Callable[[], Sequence[Case | Scenario]]  # built on demand: cases may hold tensors
     hint: str
     timeout_s: float = 60.0
 

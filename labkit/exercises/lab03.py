@@ -1,0 +1,262 @@
+"""Notebook 03 (paged attention): slot mapping, a reference-counted pool, fork with copy on
+write, attention through block tables."""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.paged import BlockPool, OutOfBlocks, check_invariants
+
+
+def _slots_by_hand(tables: list[list[int]], positions: list[list[int]], block_size: int) -> Tensor:
+    """The slot of each position, one at a time: block table entry p // size, offset p % size."""
+    return torch.tensor([[-1 if p < 0 else table[p // block_size] * block_size + p % block_size for p in row]
+                         for table, row in zip(tables, positions)])
+
+
+def _slot_cases() -> list[Case]:
+    runs = [  # block tables (one row per sequence), positions, block size
+        ("one sequence, blocks in order", [[0, 1, 2]], [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 4),
+        ("one sequence, blocks scattered over the pool", [[7, 2, 9]], [[0, 3, 4, 8, 11]], 4),
+        ("a decode step: one position per sequence", [[3, 5], [1, 0]], [[17], [6]], 16),
+        ("padding (-1) stays -1", [[4, 2, 6], [5, 1, 3]], [[8, 9, 10], [2, -1, -1]], 4),
+        ("block size 1: one token per block", [[9, 4, 7, 1]], [[3, 2, 1, 0]], 1),
+    ]
+    return [Case(label, (torch.tensor(tables), torch.tensor(positions), size),
+                 _slots_by_hand(tables, positions, size)) for label, tables, positions, size in runs]
+
+
+def _state(pool: Any) -> tuple:
+    return list(pool.free_blocks), list(pool.ref_count), {s: list(t) for s, t in pool.tables.items()}
+
+
+def _compare(pool: Any, reference: BlockPool, what: str) -> None:
+    """The pool's invariants hold, and it has as many free blocks and as long tables as the reference."""
+    try:
+        check_invariants(pool.free_blocks, pool.ref_count, pool.tables)
+    except AssertionError as error:
+        raise AssertionError(f"after {what}: {error}") from None
+    lengths = {s: len(t) for s, t in pool.tables.items()}
+    expected = {s: len(t) for s, t in reference.tables.items()}
+    if lengths != expected:
+        raise AssertionError(f"after {what}: tables have {lengths} blocks, expected {expected}")
+    if len(pool.free_blocks) != reference.num_free:
+        raise AssertionError(f"after {what}: {len(pool.free_blocks)} free blocks, expected {reference.num_free}")
+
+
+def _allocate(pool: Any, reference: BlockPool, seq: str, n: int) -> None:
+    what = f"allocate({seq!r}, {n})"
+    before, free_before = _state(pool), set(pool.free_blocks)
+    try:
+        reference.allocate(seq, n)
+    except OutOfBlocks:
+        try:
+            pool.allocate(seq, n)
+        except OutOfBlocks:
+            if _state(pool) != before:
+                raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
+            return
+        raise AssertionError(f"{what} with {len(before[0])} free blocks should raise OutOfBlocks") from None
+    got = pool.allocate(seq, n)
+    if not isinstance(got, list) or len(got) != n or not set(got) <= free_before or len(set(got)) != n:
+        raise AssertionError(f"{what} returned {got!r}: expected a list of {n} different blocks that were free")
+    if pool.tables[seq][-n:] != got:
+        raise AssertionError(f"{what}: the new blocks {got} must go at the end of the table, got {pool.tables[seq]}")
+    _compare(pool, reference, what)
+
+
+def _free(pool: Any, reference: BlockPool, seq: str) -> None:
+    pool.free(seq)
+    reference.free(seq)
+    _compare(pool, reference, f"free({seq!r})")
+
+
+def _play_allocate_free(seed: int, num_blocks: int, steps: int) -> Callable[[Any], None]:
+    """Random allocations (some too large) and frees, checked after every one."""
+    def play(pool_class: Any) -> None:
+        rng = random.Random(seed)
+        pool, reference = pool_class(num_blocks), BlockPool(num_blocks)
+        for step in range(steps):
+            live = list(reference.tables)
+            if live and rng.random() < 0.35:
+                _free(pool, reference, rng.choice(live))
+            else:
+                seq = rng.choice(live) if live and rng.random() < 0.4 else f"s{step}"
+                _allocate(pool, reference, seq, rng.randint(1, max(1, num_blocks // 3)))
+        for seq in list(reference.tables):
+            _free(pool, reference, seq)
+    return play
+
+
+def _allocate_free_cases() -> list[Scenario]:
+    return [Scenario("allocate, then free everything", _play_fixed([("a", 3), ("b", 2), ("a", 1)], 8)),
+            Scenario("asking for more than is free: OutOfBlocks, nothing changed", _play_fixed([("a", 5), ("b", 4)], 8)),
+            *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})",
+                       _play_allocate_free(seed, blocks, steps))
+              for seed, blocks, steps in [(0, 8, 40), (1, 16, 80), (2, 5, 60)])]
+
+
+def _play_fixed(allocations: list[tuple[str, int]], num_blocks: int) -> Callable[[Any], None]:
+    def play(pool_class: Any) -> None:
+        pool, reference = pool_class(num_blocks), BlockPool(num_blocks)
+        for seq, n in allocations:
+            _allocate(pool, reference, seq, n)
+        for seq in list(reference.tables):
+            _free(pool, reference, seq)
+    return play
+
+
+def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
+    what = f"fork({parent!r}, {child!r})"
+    pool.fork(parent, child)
+    reference.fork(parent, child)
+    if pool.tables[child] != pool.tables[parent]:
+        raise AssertionError(f"after {what}: the child's table {pool.tables[child]} must be the parent's "
+                             f"{pool.tables[parent]} (shared blocks, nothing copied)")
+    _compare(pool, reference, what)
+
+
+def _copy_on_write(pool: Any, reference: BlockPool, seq: str, index: int) -> None:
+    what = f"copy_on_write({seq!r}, {index})"
+    before, free_before = _state(pool), set(pool.free_blocks)
+    old, shared = pool.tables[seq][index], reference.ref_count[reference.tables[seq][index]] > 1
+    try:
+        reference.copy_on_write(seq, index)
+    except OutOfBlocks:
+        try:
+            pool.copy_on_write(seq, index)
+        except OutOfBlocks:
+            if _state(pool) != before:
+                raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
+            return
+        raise AssertionError(f"{what} must raise OutOfBlocks: block {old} is shared and no block is free") from None
+    got = pool.copy_on_write(seq, index)
+    if not shared:
+        if got is not None or pool.tables[seq][index] != old:
+            raise AssertionError(f"{what}: block {old} is not shared, so nothing to copy: expected None and "
+                                 f"the table unchanged, got {got!r}")
+    elif got is None or tuple(got) != (old, pool.tables[seq][index]) or got[1] not in free_before:
+        raise AssertionError(f"{what}: block {old} is shared, so expected ({old}, a block that was free) with "
+                             f"the table pointing at the new block, got {got!r} and table {pool.tables[seq]}")
+    _compare(pool, reference, what)
+
+
+def _play_fork(seed: int, num_blocks: int, steps: int) -> Callable[[Any], None]:
+    """Random allocations, forks, copies on write and frees, checked after every one."""
+    def play(pool_class: Any) -> None:
+        rng = random.Random(seed)
+        pool, reference = pool_class(num_blocks), BlockPool(num_blocks)
+        for step in range(steps):
+            live = [s for s, t in reference.tables.items() if t]
+            roll = rng.random()
+            if not live or roll < 0.25:
+                _allocate(pool, reference, f"s{step}", rng.randint(1, 3))
+            elif roll < 0.5:
+                _fork(pool, reference, rng.choice(live), f"s{step}")
+            elif roll < 0.8:
+                seq = rng.choice(live)
+                _copy_on_write(pool, reference, seq, rng.randrange(len(reference.tables[seq])))
+            else:
+                _free(pool, reference, rng.choice(live))
+        for seq in list(reference.tables):
+            _free(pool, reference, seq)
+    return play
+
+
+def _fork_cases() -> list[Scenario]:
+    def share_then_write(pool_class: Any) -> None:
+        pool, reference = pool_class(6), BlockPool(6)
+        _allocate(pool, reference, "parent", 2)
+        _fork(pool, reference, "parent", "child")
+        _copy_on_write(pool, reference, "child", 1)
+        _copy_on_write(pool, reference, "child", 1)  # now its own: no second copy
+        _copy_on_write(pool, reference, "parent", 1)  # the parent's block is its own again too
+        _free(pool, reference, "parent")
+        _free(pool, reference, "child")
+    return [Scenario("fork, then both write the last block", share_then_write),
+            *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})", _play_fork(seed, blocks, steps))
+              for seed, blocks, steps in [(3, 10, 60), (4, 6, 80), (5, 24, 120)])]
+
+
+def _contiguous_attention(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+    """Each sequence on its own, its keys and values side by side: no pool, no block table."""
+    return torch.stack([F.scaled_dot_product_attention(q[b, :, None], k, v, enable_gqa=q.shape[1] != k.shape[0])[:, 0]
+                        for b, (k, v) in enumerate(zip(keys, values))])
+
+
+def _scatter_into_pool(keys: list[Tensor], block_size: int, num_blocks: int,
+                       generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """Pools filled with noise, block tables of noise blocks, and a random order in which to hand
+    out the blocks that the sequences' keys and values go into."""
+    kv_heads, _, dim = keys[0].shape
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator) * 100
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator) * 100
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(-(-k.shape[1] // block_size) for k in keys)
+    tables = torch.randint(num_blocks, (len(keys), width), generator=generator)
+    return k_pool, v_pool, tables, order
+
+
+def _attention_cases() -> list[Case]:
+    shapes = [  # query heads, KV heads, head_dim, block size, sequence lengths
+        ("MHA, one sequence filling 3 blocks exactly", 4, 4, 16, 4, [12]),
+        ("GQA (8 query heads, 2 KV heads), lengths not multiples of the block", 8, 2, 32, 4, [5, 13, 1]),
+        ("MQA, block size 1", 6, 1, 8, 1, [7, 3]),
+        ("block size 16, a long and a short sequence", 4, 2, 16, 16, [40, 2]),
+    ]
+    generator = torch.Generator().manual_seed(3)
+    cases = []
+    for label, heads, kv_heads, dim, size, lengths in shapes:
+        keys = [torch.randn(kv_heads, n, dim, generator=generator) for n in lengths]
+        values = [torch.randn(kv_heads, n, dim, generator=generator) for n in lengths]
+        q = torch.randn(len(lengths), heads, dim, generator=generator)
+        num_blocks = sum(-(-n // size) for n in lengths) + 3
+        k_pool, v_pool, tables, order = _scatter_into_pool(keys, size, num_blocks, generator)
+        for b, (k, v) in enumerate(zip(keys, values)):
+            for j in range(-(-k.shape[1] // size)):
+                block = tables[b, j] = order.pop()
+                chunk = slice(j * size, (j + 1) * size)
+                filled = k[:, chunk].shape[1]
+                k_pool[block, :filled], v_pool[block, :filled] = k[:, chunk].transpose(0, 1), v[:, chunk].transpose(0, 1)
+        args = (q, k_pool, v_pool, tables, torch.tensor(lengths))
+        cases.append(Case(label, args, _contiguous_attention(q, keys, values), rtol=1e-4, atol=1e-5))
+    return cases
+
+
+EXERCISES = [
+    Exercise(
+        id="ex03.1", title="Slot mapping", points=1, function="slot_mapping",
+        cases=_slot_cases,
+        hint="Position p of a sequence is in block table[p // block_size], at offset p % block_size; its slot "
+             "is block * block_size + offset. torch.gather along dim 1 looks up each row's own table. Keep -1 "
+             "where the position is -1 (torch.where).",
+    ),
+    Exercise(
+        id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
+        cases=_allocate_free_cases,
+        hint="allocate: check there are n free blocks before touching anything (else raise OutOfBlocks); pop "
+             "them, set each count to 1, extend the sequence's table (a new one if needed) and return them. "
+             "free: decrement each block of the table; a block whose count reaches 0 goes back on the free "
+             "list; then delete the table.",
+    ),
+    Exercise(
+        id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
+        cases=_fork_cases,
+        hint="fork: the child's table is a copy of the parent's list, and every block in it gains an owner. "
+             "copy_on_write: a block with count 1 is the sequence's own (return None); otherwise take a free "
+             "block (self._take(1)), give it count 1, put it in the table at that index, drop one owner from "
+             "the old block and return (old, new).",
+    ),
+    Exercise(
+        id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",
+        cases=_attention_cases,
+        hint="Build the slots of positions 0..longest-1 for every sequence (exercise 1), index the pools "
+             "flattened to [num_blocks * block_size, kv_heads, head_dim], move the heads in front, and mask "
+             "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads / kv_heads).",
+    ),
+]

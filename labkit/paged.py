@@ -1,0 +1,452 @@
+"""A paged KV cache: a pool of fixed-size blocks, a block table per sequence, shared prefixes.
+
+A contiguous cache reserves ``max_len`` slots for every sequence up front, used or not. A paged
+cache cuts the memory into ``num_blocks`` blocks of ``block_size`` token slots and gives a
+sequence another block only when its last one is full. A sequence's block table lists its
+blocks in order, so the token at position p lives at
+
+    block = table[p // block_size],   offset = p % block_size,   slot = block * block_size + offset
+
+and a sequence of L tokens holds ceil(L / block_size) blocks: fewer than ``block_size`` slots
+wasted per sequence, whatever its length.
+
+- Reference counts let sequences share blocks. ``fork`` gives a new sequence its parent's
+  blocks (each count + 1, no data copied); a shared block is copied only when one of its
+  owners is about to write into it (copy on write).
+- Prefix sharing: a full block is named by a chained hash, hash(parent's hash, its tokens), so
+  equal names mean equal text from the start of the sequence. A new prompt that starts with
+  named blocks reuses them, after checking their tokens (a hash can collide). A freed named
+  block keeps its keys and values until the pool needs it back, least recently used first:
+  the pool doubles as a prefix cache.
+
+``BlockPool`` is the bare bookkeeping (free list, counts, tables); ``BlockAllocator`` adds
+forking, tokens and prefix sharing; ``PagedKVCache`` holds the tensors and plugs into the
+model's ``KVCache`` interface. ``paged_attention`` is the reference decode attention that
+gathers keys and values through the block tables.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, OrderedDict
+from typing import Hashable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.memory import ModelShape, kv_bytes_per_token
+from labkit.model import ModelConfig, Transformer, causal_mask
+
+
+class OutOfBlocks(RuntimeError):
+    """Too few free blocks for the request; raised before anything changed."""
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that ``n_tokens`` tokens occupy: ceil(n_tokens / block_size)."""
+    return -(-n_tokens // block_size)
+
+
+def num_blocks_for_memory(model: ModelShape, memory_bytes: float, block_size: int, dtype: str = "fp16") -> int:
+    """How many blocks a memory budget holds, by the memory lab's bytes per token."""
+    if memory_bytes < 0 or block_size < 1:
+        raise ValueError(f"memory_bytes={memory_bytes} must be >= 0 and block_size={block_size} >= 1")
+    return math.floor(memory_bytes / (kv_bytes_per_token(model, dtype) * block_size))
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
+    """``n`` token counts, lognormal around ``median`` (spread ``sigma``), clipped to [low, high]."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.exp(math.log(median) + sigma * torch.randn(n, generator=generator, dtype=torch.float64))
+    return draws.round().clamp(low, high).long().tolist()
+
+
+def workload_lengths(n: int = 400, context: int = 2048, prompt_median: float = 256, output_median: float = 128,
+                     spread: float = 1.0, seed: int = 0) -> list[int]:
+    """Final lengths (prompt + output, capped at ``context``) of ``n`` requests whose prompt and
+    output lengths are lognormal: most short, a few long."""
+    prompts = lognormal_lengths(n, prompt_median, spread, 1, context - 1, seed)
+    outputs = lognormal_lengths(n, output_median, spread, 1, context, seed + 1)
+    return [min(p + o, context) for p, o in zip(prompts, outputs)]
+
+
+def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict[str, float]:
+    """Memory, in token slots, for sequences of ``lengths`` tokens: reserved by contiguous
+    allocation of ``context`` slots each, held by paged blocks, and the share of each not used."""
+    used = sum(lengths)
+    reserved = len(lengths) * context
+    held = sum(blocks_for(n, block_size) for n in lengths) * block_size
+    return {"used": used, "contiguous_reserved": reserved, "paged_held": held,
+            "contiguous_waste": 1 - used / reserved, "paged_waste": 1 - used / held}
+
+
+def sequences_that_fit(lengths: Sequence[int], memory_slots: int, block_size: int) -> int:
+    """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once."""
+    held = itertools.accumulate(blocks_for(n, block_size) * block_size for n in lengths)
+    return sum(1 for total in held if total <= memory_slots)
+
+
+def check_invariants(free_blocks: Iterable[int], ref_count: Sequence[int],
+                     tables: Mapping[Hashable, Sequence[int]]) -> None:
+    """Raise AssertionError naming the first broken rule: every block is free or owned, never
+    both, never listed free twice; its count equals the number of tables that hold it."""
+    free = list(free_blocks)
+    if len(set(free)) != len(free):
+        twice = sorted(b for b, n in Counter(free).items() if n > 1)
+        raise AssertionError(f"blocks {twice} are on the free list more than once")
+    owners = Counter(block for table in tables.values() for block in table)
+    for block in range(len(ref_count)):
+        is_free = block in free
+        if is_free and owners[block]:
+            raise AssertionError(f"block {block} is free but sequences hold it")
+        if not is_free and not owners[block]:
+            raise AssertionError(f"block {block} leaked: neither free nor held by any sequence")
+        if ref_count[block] != owners[block]:
+            raise AssertionError(f"block {block} has ref_count {ref_count[block]} but {owners[block]} owners")
+    if unknown := set(owners) - set(range(len(ref_count))):
+        raise AssertionError(f"tables hold blocks {sorted(unknown)} outside the pool of {len(ref_count)}")
+
+
+class BlockPool:
+    """A fixed pool of blocks: a free list, a reference count per block, a table per sequence;
+    allocate, free, fork, and copy on write."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be at least 1")
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.ref_count = [0] * num_blocks
+        self.tables: dict[Hashable, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now."""
+        return len(self.free_blocks)
+
+    def allocate(self, seq_id: Hashable, n_blocks: int) -> list[int]:
+        """Append ``n_blocks`` fresh blocks to ``seq_id``'s table (a new table if it has none)."""
+        if n_blocks < 0:
+            raise ValueError(f"n_blocks={n_blocks} must not be negative")
+        blocks = self._take(n_blocks)
+        for block in blocks:
+            self.ref_count[block] = 1
+        self.tables.setdefault(seq_id, []).extend(blocks)
+        return blocks
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop ``seq_id``: each of its blocks loses an owner; a block nobody holds is free again."""
+        for block in reversed(self.table(seq_id)):  # the tail first: it is the least likely to be shared
+            self._release(block)
+        del self.tables[seq_id]
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Start ``child`` as a copy of ``parent`` that shares all its blocks; no data is copied."""
+        if child in self.tables:
+            raise ValueError(f"sequence {child!r} already exists")
+        table = list(self.table(parent))
+        for block in table:
+            self.ref_count[block] += 1
+        self.tables[child] = table
+
+    def copy_on_write(self, seq_id: Hashable, index: int) -> tuple[int, int] | None:
+        """Before ``seq_id`` writes into block ``index`` of its table: if others share that block,
+        move ``seq_id`` to a fresh block and return (old, new) for the data copy; else None."""
+        table = self.table(seq_id)
+        old = table[index]
+        if self.ref_count[old] == 1:
+            return None
+        table[index], = self._take(1)
+        self.ref_count[table[index]] = 1
+        self._release(old)
+        return old, table[index]
+
+    def table(self, seq_id: Hashable) -> list[int]:
+        try:
+            return self.tables[seq_id]
+        except KeyError:
+            raise KeyError(f"no sequence {seq_id!r} in the pool; it holds {list(self.tables)}") from None
+
+    def _ensure_free(self, n: int) -> None:
+        """OutOfBlocks, before anything changes, unless ``n`` blocks can be handed out."""
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} free blocks but only {self.num_free} of {self.num_blocks} are free")
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free blocks, or OutOfBlocks with nothing taken."""
+        self._ensure_free(n)
+        return [self.free_blocks.pop() for _ in range(n)]
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_blocks.append(block)
+
+    def check(self) -> None:
+        """Assert the pool's invariants (see ``check_invariants``)."""
+        check_invariants(self.free_blocks, self.ref_count, self.tables)
+
+
+class BlockAllocator(BlockPool):
+    """Blocks for sequences of tokens, with prefix sharing.
+
+    ``add_sequence`` starts a sequence from its prompt, ``append`` grows it, ``fork`` and
+    ``free`` as in ``BlockPool``. Each reserves the slots of tokens whose keys and values the
+    next forward pass writes; a block counts as cached once full.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        super().__init__(num_blocks)
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be at least 1")
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.tokens: dict[Hashable, list[int]] = {}
+        self.hashes: dict[Hashable, list[int]] = {}  # the chained hash of each full block of a sequence
+        self.cached: dict[int, int] = {}  # chained hash -> the block holding those tokens
+        self.block_key: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent, tokens)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but still cached, least recent first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks) + len(self.evictable)
+
+    def length(self, seq_id: Hashable) -> int:
+        """Tokens ``seq_id`` has slots for."""
+        self.table(seq_id)
+        return len(self.tokens[seq_id])
+
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
+        """Start ``seq_id`` with slots for its prompt, reusing cached blocks for the longest
+        cached run of whole blocks at its start (never the block of the last token, whose logits
+        the next forward must compute). Returns how many prompt tokens are already cached."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not prompt:
+            raise ValueError("the prompt is empty: a sequence starts with at least one token")
+        hits = self._cached_prefix(prompt)[:(len(prompt) - 1) // self.block_size]
+        reviving = sum(self.ref_count[block] == 0 for _, block in hits)
+        self._ensure_free(blocks_for(len(prompt), self.block_size) - len(hits) + reviving)
+        for _, block in hits:
+            if self.ref_count[block] == 0:
+                del self.evictable[block]
+            self.ref_count[block] += 1
+        cached = len(hits) * self.block_size
+        self.tables[seq_id] = [block for _, block in hits]
+        self.tokens[seq_id] = list(prompt[:cached])
+        self.hashes[seq_id] = [h for h, _ in hits]
+        self.append(seq_id, prompt[cached:])
+        return cached
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Reserve slots for ``tokens`` after ``seq_id``'s last one. If its last block is partly
+        filled and shared, it gets its own copy first: returns the (source, destination) block
+        copies the cache must make before writing."""
+        table, have = self.table(seq_id), self.tokens[seq_id]
+        shared_tail = len(have) % self.block_size != 0 and self.ref_count[table[-1]] > 1 and len(tokens) > 0
+        new_blocks = blocks_for(len(have) + len(tokens), self.block_size) - len(table)
+        self._ensure_free(new_blocks + shared_tail)
+        copies = [self.copy_on_write(seq_id, len(table) - 1)] if shared_tail else []
+        self.allocate(seq_id, new_blocks)
+        have.extend(tokens)
+        self._name_full_blocks(seq_id)
+        return copies
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        super().fork(parent, child)
+        self.tokens[child], self.hashes[child] = list(self.tokens[parent]), list(self.hashes[parent])
+
+    def free(self, seq_id: Hashable) -> None:
+        super().free(seq_id)
+        del self.tokens[seq_id], self.hashes[seq_id]
+
+    def slot_mapping(self, seq_id: Hashable, positions: Sequence[int]) -> list[int]:
+        """The cache slot of each position of ``seq_id``."""
+        table, length = self.table(seq_id), self.length(seq_id)
+        for p in positions:
+            if not 0 <= p < length:
+                raise IndexError(f"position {p} of sequence {seq_id!r} has no slot: it has {length}")
+        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+
+    def block_states(self) -> list[str]:
+        """Per block: "free", "cached" (free, but holding a prefix that can be revived), "used"
+        or "shared" (held by more than one sequence)."""
+        def state(block: int) -> str:
+            if self.ref_count[block]:
+                return "shared" if self.ref_count[block] > 1 else "used"
+            return "cached" if block in self.evictable else "free"
+        return [state(block) for block in range(self.num_blocks)]
+
+    def check(self) -> None:
+        check_invariants([*self.free_blocks, *self.evictable], self.ref_count, self.tables)
+        for seq_id, table in self.tables.items():
+            if len(table) != blocks_for(len(self.tokens[seq_id]), self.block_size):
+                raise AssertionError(f"sequence {seq_id!r} has {len(self.tokens[seq_id])} tokens in {len(table)} blocks")
+        for h, block in self.cached.items():
+            if self.block_key[block][0] != h:
+                raise AssertionError(f"block {block} is cached under a hash it does not carry")
+
+    def _take(self, n: int) -> list[int]:
+        """Never-cached blocks first; then cached ones, least recently used first, forgetting them."""
+        self._ensure_free(n)
+        fresh = [self.free_blocks.pop() for _ in range(min(n, len(self.free_blocks)))]
+        return fresh + [self._evict() for _ in range(n - len(fresh))]
+
+    def _evict(self) -> int:
+        block, _ = self.evictable.popitem(last=False)
+        del self.cached[self.block_key.pop(block)[0]]
+        return block
+
+    def _release(self, block: int) -> None:
+        """A named block its last owner lets go of stays cached, at the most recently used end."""
+        if self.ref_count[block] == 1 and block in self.block_key:
+            self.ref_count[block] = 0
+            self.evictable[block] = None
+        else:
+            super()._release(block)
+
+    @staticmethod
+    def _block_key(parent: int | None, tokens: Sequence[int]) -> tuple[int, int | None, tuple[int, ...]]:
+        """A full block's name: the hash of its parent's name and its tokens, with both kept."""
+        tokens = tuple(tokens)
+        return hash((parent, tokens)), parent, tokens
+
+    def _cached_prefix(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
+        """(hash, block) of each cached block that continues the prompt from its start."""
+        hits: list[tuple[int, int]] = []
+        size = self.block_size
+        for start in range(0, len(prompt) - size + 1, size):
+            key = self._block_key(hits[-1][0] if hits else None, prompt[start:start + size])
+            block = self.cached.get(key[0])
+            if block is None or self.block_key[block] != key:  # a miss, or a hash collision
+                break
+            hits.append((key[0], block))
+        return hits
+
+    def _name_full_blocks(self, seq_id: Hashable) -> None:
+        """Name the sequence's newly filled blocks and, with prefix caching, offer them to others."""
+        tokens, hashes, size = self.tokens[seq_id], self.hashes[seq_id], self.block_size
+        for index in range(len(hashes), len(tokens) // size):
+            key = self._block_key(hashes[-1] if hashes else None, tokens[index * size:(index + 1) * size])
+            hashes.append(key[0])
+            block = self.tables[seq_id][index]
+            if self.prefix_caching and key[0] not in self.cached and block not in self.block_key:
+                self.cached[key[0]], self.block_key[block] = block, key
+
+
+def slot_mapping(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Cache slots ``[B, T]`` for ``positions`` ``[B, T]`` of the sequences whose block tables are
+    the rows of ``block_tables`` ``[B, max_blocks]``; position -1 (padding) maps to -1."""
+    clamped = positions.clamp(min=0)
+    blocks = block_tables.gather(1, clamped // block_size)
+    return torch.where(positions >= 0, blocks * block_size + clamped % block_size, -1)
+
+
+def gather_kv(pool: Tensor, block_tables: Tensor, length: int) -> Tensor:
+    """Positions 0..length-1 of each sequence, ``[B, n_kv_heads, length, head_dim]``, read from a
+    layer's pool ``[num_blocks, block_size, n_kv_heads, head_dim]`` a whole block at a time
+    through the block tables ``[B, >= ceil(length / block_size)]``."""
+    blocks = pool[block_tables[:, :blocks_for(length, pool.shape[1])]]  # [B, blocks, block_size, heads, dim]
+    return blocks.flatten(1, 2)[:, :length].transpose(1, 2)
+
+
+def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> Tensor:
+    """Decode attention, one new query per sequence: ``q`` ``[B, n_heads, head_dim]`` attends
+    to the first ``lengths[b]`` keys and values of sequence b, gathered from the pools
+    ``[num_blocks, block_size, n_kv_heads, head_dim]`` through ``block_tables`` ``[B, max_blocks]``."""
+    longest = int(lengths.max())
+    keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
+    mask = torch.arange(longest, device=q.device)[None] < lengths[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None],
+                                         enable_gqa=q.shape[1] != keys.shape[1])
+    return out[:, :, 0]
+
+
+class PagedKVCache:
+    """The model's KV cache, in blocks: per layer a K pool and a V pool of
+    ``[num_blocks, block_size, n_kv_heads, head_dim]``, handed out by a ``BlockAllocator``.
+
+    Before each forward pass, reserve the slots of the tokens it runs (``allocator.add_sequence``
+    for a prompt, ``cache.append`` after it, which also makes copy-on-write copies) and name the
+    sequence of each batch row in ``seq_ids``.
+    """
+
+    def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.allocator = allocator
+        shape = (config.n_layers, allocator.num_blocks, allocator.block_size, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.seq_ids: list[Hashable] = []
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Reserve slots for ``tokens`` after ``seq_id``'s last one, copying a shared last block first."""
+        for old, new in self.allocator.append(seq_id, tokens):
+            self.k[:, new], self.v[:, new] = self.k[:, old], self.v[:, old]
+
+    def block_tables(self) -> Tensor:
+        """``[B, max_blocks]``: the tables of ``seq_ids``, padded with block 0 (never read: causality hides it)."""
+        tables = [self.allocator.table(s) for s in self.seq_ids]
+        width = max(map(len, tables))
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.k.device)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer == 0:  # the slots, tables and mask are the same for every layer of one forward
+            self._step = self._plan(positions)
+        rows, cols, slots, tables, mask = self._step
+        self.k[layer].flatten(0, 1)[slots] = k[rows, :, cols].type_as(self.k)
+        self.v[layer].flatten(0, 1)[slots] = v[rows, :, cols].type_as(self.v)
+        length = mask.shape[-1]
+        return gather_kv(self.k[layer], tables, length), gather_kv(self.v[layer], tables, length), mask
+
+    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        if len(self.seq_ids) != positions.shape[0]:
+            raise ValueError(f"the batch has {positions.shape[0]} rows but seq_ids names {len(self.seq_ids)} sequences")
+        reserved = torch.tensor([self.allocator.length(s) for s in self.seq_ids], device=positions.device)
+        beyond = positions >= reserved[:, None]
+        if beyond.any():
+            row, col = map(int, beyond.nonzero()[0])
+            raise ValueError(f"position {int(positions[row, col])} of sequence {self.seq_ids[row]!r} has no slot "
+                             f"(it has {int(reserved[row])}): reserve it with add_sequence or append first")
+        tables = self.block_tables()
+        rows, cols = (positions >= 0).nonzero(as_tuple=True)
+        slots = slot_mapping(tables, positions, self.allocator.block_size)[rows, cols]
+        key_positions = torch.arange(int(positions.max()) + 1, device=positions.device)[None]
+        return rows, cols, slots, tables, causal_mask(positions, key_positions)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Sequence[int]],
+                   new_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Greedy generation of several prompts through the paged cache: each prompt's uncached
+    tokens prefilled on its own (no padding), then one token per sequence per step, all in one
+    batch. Returns the new tokens of each prompt and how many of its tokens the prefix cache
+    already held. The sequences are freed at the end: their full blocks stay cached."""
+    allocator, device = cache.allocator, cache.k.device
+    seq_ids = [("generate", i) for i in range(len(prompts))]
+    out: list[list[int]] = []
+    cached: list[int] = []
+    try:
+        with torch.no_grad():
+            for seq, prompt in zip(seq_ids, prompts):
+                cached.append(allocator.add_sequence(seq, prompt))
+                cache.seq_ids = [seq]
+                positions = torch.arange(cached[-1], len(prompt), device=device)[None]
+                logits = model(torch.tensor([prompt[cached[-1]:]], device=device), positions, cache)
+                out.append([int(logits[0, -1].argmax())])
+            cache.seq_ids = seq_ids
+            for step in range(1, new_tokens):
+                for seq, new in zip(seq_ids, out):
+                    cache.append(seq, new[-1:])
+                tokens = torch.tensor([new[-1:] for new in out], device=device)
+                positions = torch.tensor([[len(p) + step - 1] for p in prompts], device=device)
+                for new, token in zip(out, model(tokens, positions, cache)[:, -1].argmax(-1).tolist()):
+                    new.append(token)
+        return out, cached
+    finally:
+        for seq in seq_ids:
+            if seq in allocator.tables:
+                allocator.free(seq)

@@ -1,0 +1,300 @@
+"""The paged KV cache: the allocator's invariants under random operations (hypothesis), prefix
+sharing and copy on write, attention through block tables, and generation identical to the
+contiguous cache."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from labkit.exercises.lab01 import random_model
+from labkit.generate import SamplingParams, stream
+from labkit.memory import kv_cache_bytes, shape_of
+from labkit.model import ContiguousKVCache
+from labkit.paged import (BlockAllocator, BlockPool, OutOfBlocks, PagedKVCache, blocks_for, check_invariants,
+                          fragmentation, gather_kv, generate_paged, num_blocks_for_memory, paged_attention,
+                          sequences_that_fit, slot_mapping)
+
+
+def _state(allocator: BlockAllocator) -> dict:
+    return copy.deepcopy({k: v for k, v in vars(allocator).items()})
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random add / append / fork / free on a small pool. Besides the bookkeeping, a shadow pool
+    of slots holds the token each slot would hold keys and values for, written as a cache would
+    (copies on write first): reading a sequence through its table must give back its tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = BlockAllocator(num_blocks=12, block_size=3)
+        self.slots: list[int | None] = [None] * 36
+        self.expected: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _write(self, seq: int, start: int) -> None:
+        tokens = self.expected[seq]
+        for position, slot in enumerate(self.allocator.slot_mapping(seq, range(start, len(tokens))), start):
+            self.slots[slot] = tokens[position]
+
+    def _atomic(self, operation) -> bool:
+        before = _state(self.allocator)
+        try:
+            operation()
+        except OutOfBlocks:
+            assert _state(self.allocator) == before, "OutOfBlocks changed the allocator"
+            return False
+        return True
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=10))
+    def add(self, prompt):  # a 3-letter alphabet, so prompts often share prefixes
+        seq, cached = self.next_id, []
+        if self._atomic(lambda: cached.append(self.allocator.add_sequence(seq, prompt))):
+            self.next_id += 1
+            self.expected[seq] = list(prompt)
+            self._write(seq, cached[0])  # the reused slots must already hold the prompt's start
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=0, max_size=5))
+    def append(self, data, tokens):
+        seq = data.draw(st.sampled_from(sorted(self.expected)))
+        start = len(self.expected[seq])
+        copies: list = []
+        if self._atomic(lambda: copies.extend(self.allocator.append(seq, tokens))):
+            for old, new in copies:
+                size = self.allocator.block_size
+                self.slots[new * size:(new + 1) * size] = self.slots[old * size:(old + 1) * size]
+            self.expected[seq] += tokens
+            self._write(seq, start)
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.expected)))
+        self.allocator.fork(parent, self.next_id)
+        self.expected[self.next_id] = list(self.expected[parent])
+        self.next_id += 1
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.expected)))
+        self.allocator.free(seq)
+        del self.expected[seq]
+
+    @invariant()
+    def bookkeeping_holds(self):
+        self.allocator.check()
+        assert {s: self.allocator.tokens[s] for s in self.expected} == self.expected
+
+    @invariant()
+    def every_sequence_reads_back_its_tokens(self):
+        for seq, tokens in self.expected.items():
+            assert [self.slots[s] for s in self.allocator.slot_mapping(seq, range(len(tokens)))] == tokens
+
+    def teardown(self):
+        for seq in list(self.expected):
+            self.allocator.free(seq)
+        self.allocator.check()
+        assert self.allocator.num_free == self.allocator.num_blocks and not any(self.allocator.ref_count)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_out_of_blocks_leaves_the_pool_as_it_was():
+    pool = BlockPool(4)
+    pool.allocate("a", 3)
+    before = copy.deepcopy(vars(pool))
+    with pytest.raises(OutOfBlocks, match="need 2 free blocks but only 1 of 4"):
+        pool.allocate("b", 2)
+    assert vars(pool) == before
+
+
+def test_fork_shares_and_copy_on_write_splits():
+    pool = BlockPool(5)
+    pool.allocate("parent", 2)
+    pool.fork("parent", "child")
+    assert pool.tables["child"] == pool.tables["parent"] and pool.ref_count[:2] == [2, 2]
+    old, new = pool.copy_on_write("child", 1)
+    assert (old, pool.tables["child"][1], pool.ref_count[old], pool.ref_count[new]) == (1, new, 1, 1)
+    assert pool.copy_on_write("parent", 1) is None
+    pool.check()
+
+
+def test_check_invariants_names_what_is_wrong():
+    with pytest.raises(AssertionError, match="block 1 leaked"):
+        check_invariants([0], [0, 0], {})
+    with pytest.raises(AssertionError, match="block 0 is free but sequences hold it"):
+        check_invariants([0, 1], [1, 0], {"a": [0]})
+    with pytest.raises(AssertionError, match="ref_count 2 but 1 owners"):
+        check_invariants([1], [2, 0], {"a": [0]})
+
+
+def test_a_prompt_reuses_the_cached_blocks_of_a_shared_prefix():
+    allocator = BlockAllocator(num_blocks=10, block_size=4)
+    system = list(range(100, 108))  # two full blocks
+    assert allocator.add_sequence("a", system + [1, 2]) == 0
+    assert allocator.add_sequence("b", system + [3]) == 8
+    assert allocator.tables["b"][:2] == allocator.tables["a"][:2]
+    assert allocator.add_sequence("c", system) == 4  # the block of the last token is computed again
+    allocator.check()
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recently_used_first():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.add_sequence("old", [1, 2, 3, 4, 5])  # [1 2] [3 4] named, [5] partial
+    allocator.free("old")  # the tail first: [3 4] is less recently used than [1 2]
+    allocator.add_sequence("new", [7, 8, 9, 10, 11])  # two never-cached blocks, then evicts [3 4]
+    allocator.free("new")
+    assert allocator.block_states().count("cached") == 3
+    assert allocator.add_sequence("first", [1, 2, 3, 4, 5]) == 2  # [1 2] revived, [3 4] recomputed
+    allocator.free("first")  # taking a block again evicted [9 10], the least recent of new's
+    assert allocator.add_sequence("again", [7, 8, 9, 10, 0]) == 2
+    allocator.check()
+
+
+def test_a_hash_collision_is_caught_by_the_token_check(monkeypatch):
+    allocator = BlockAllocator(num_blocks=8, block_size=2)
+    monkeypatch.setattr(BlockAllocator, "_block_key", staticmethod(lambda parent, tokens: (7, parent, tuple(tokens))))
+    allocator.add_sequence("a", [1, 2, 3])
+    assert allocator.add_sequence("b", [5, 6, 7]) == 0  # same hash, other tokens: not reused
+    assert allocator.add_sequence("c", [1, 2, 9]) == 2
+
+
+def test_bad_requests_are_refused_by_name():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.add_sequence("a", [1])
+    with pytest.raises(ValueError, match="already exists"):
+        allocator.add_sequence("a", [1])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        allocator.add_sequence("b", [])
+    with pytest.raises(KeyError, match="no sequence 'zz'"):
+        allocator.append("zz", [1])
+    with pytest.raises(IndexError, match="position 1 of sequence 'a' has no slot"):
+        allocator.slot_mapping("a", [1])
+    with pytest.raises(ValueError, match="block_size=0"):
+        BlockAllocator(4, 0)
+
+
+def test_slot_mapping_and_gather_follow_the_block_table():
+    tables = torch.tensor([[5, 2, 7], [1, 0, 0]])
+    positions = torch.tensor([[0, 4, 9], [3, -1, -1]])
+    assert slot_mapping(tables, positions, 4).tolist() == [[20, 8, 29], [7, -1, -1]]
+    pool = torch.arange(8 * 4).float().view(8, 4, 1, 1)  # slot s holds the value s
+    assert gather_kv(pool, tables, 6)[0, 0, :, 0].tolist() == [20, 21, 22, 23, 8, 9]
+
+
+def test_paged_attention_matches_attention_over_contiguous_keys():
+    generator = torch.Generator().manual_seed(0)
+    lengths, size = [5, 11], 4
+    keys = [torch.randn(2, n, 8, generator=generator) for n in lengths]
+    values = [torch.randn(2, n, 8, generator=generator) for n in lengths]
+    q = torch.randn(2, 6, 8, generator=generator)
+    k_pool, v_pool = torch.randn(9, size, 2, 8), torch.randn(9, size, 2, 8)
+    tables = torch.tensor([[3, 8, 0], [6, 1, 4]])
+    for b, n in enumerate(lengths):
+        slots = slot_mapping(tables[b:b + 1], torch.arange(n)[None], size)[0]
+        k_pool.view(-1, 2, 8)[slots], v_pool.view(-1, 2, 8)[slots] = keys[b].transpose(0, 1), values[b].transpose(0, 1)
+    got = paged_attention(q, k_pool, v_pool, tables, torch.tensor(lengths))
+    for b in range(2):
+        expected = F.scaled_dot_product_attention(q[b, :, None], keys[b], values[b], enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[b], expected)
+
+
+def _contiguous(model, prompt, new_tokens):
+    return list(stream(model, prompt, SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)))
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_batched_generation_through_the_paged_cache_equals_the_contiguous_cache(block_size):
+    model = random_model(8, 2, seed=4)
+    prompts = [[5, 17, 3, 9, 9, 1, 4], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 2], [5, 17, 3, 9, 9, 1, 8, 8]]
+    num_blocks = 128 // block_size + 8
+    cache = PagedKVCache(model.config, BlockAllocator(num_blocks, block_size))
+    out, cached = generate_paged(model, cache, prompts, 12)  # the last prompt shares the first's blocks
+    assert out == [_contiguous(model, p, 12) for p in prompts]
+    assert cached == [0, 0, 0, 6 // block_size * block_size]
+    again, cached = generate_paged(model, cache, [prompts[2][:9] + [3, 1]], 12)  # reuses the cached prefix
+    assert cached[0] == (9 if block_size == 1 else 9 // block_size * block_size)
+    assert again == [_contiguous(model, prompts[2][:9] + [3, 1], 12)]
+    cache.allocator.check()
+    assert cache.allocator.num_free == num_blocks
+
+
+def test_forked_sequences_write_their_own_copies():
+    model = random_model(4, 4, seed=5)
+    cache = PagedKVCache(model.config, BlockAllocator(16, 4))
+    prompt = [3, 1, 4, 1, 5, 9]  # a partly filled second block, shared after the fork
+    cache.allocator.add_sequence("a", prompt)
+    cache.seq_ids = ["a"]
+    with torch.no_grad():
+        model(torch.tensor([prompt]), None, cache)
+        cache.allocator.fork("a", "b")
+        cache.append("a", [2])
+        cache.append("b", [6])
+        assert cache.allocator.tables["a"][1] != cache.allocator.tables["b"][1]
+        cache.seq_ids = ["a", "b"]
+        logits = model(torch.tensor([[2], [6]]), torch.tensor([[6], [6]]), cache)[:, -1]
+        alone = [model(torch.tensor([prompt + [t]]))[0, -1] for t in (2, 6)]
+    torch.testing.assert_close(logits, torch.stack(alone), rtol=1e-4, atol=1e-5)
+
+
+def test_a_padded_batch_prefills_like_each_prompt_alone():
+    model = random_model(8, 2, seed=7)
+    cache = PagedKVCache(model.config, BlockAllocator(16, 4))
+    prompts = [[4, 8, 15, 16, 23, 42], [1, 2, 3]]
+    for seq, prompt in enumerate(prompts):
+        cache.allocator.add_sequence(seq, prompt)
+    cache.seq_ids = [0, 1]
+    tokens = torch.tensor([prompts[0], prompts[1] + [0, 0, 0]])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])
+    with torch.no_grad():
+        logits = model(tokens, positions, cache)
+        for row, prompt in enumerate(prompts):
+            torch.testing.assert_close(logits[row, :len(prompt)], model(torch.tensor([prompt]))[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_cache_refuses_positions_without_slots():
+    model = random_model(4, 2, seed=6)
+    cache = PagedKVCache(model.config, BlockAllocator(8, 4))
+    cache.allocator.add_sequence(0, [1, 2])
+    cache.seq_ids = [0]
+    with pytest.raises(ValueError, match="position 2 of sequence 0 has no slot"):
+        model(torch.tensor([[1, 2, 3]]), None, cache)
+    cache.seq_ids = [0, 1]
+    with pytest.raises(ValueError, match="2 sequences"):
+        model(torch.tensor([[1, 2]]), None, cache)
+
+
+def test_the_shipped_model_generates_the_same_through_both_caches():
+    from labkit.load import load
+    model, tokenizer = load("draft", device="cpu")
+    prompts = [tokenizer.encode(text).ids for text in ["def add(a, b):\n", "import os\n\nclass Config:\n"]]
+    cache = PagedKVCache(model.config, BlockAllocator(32, 16), dtype=next(model.parameters()).dtype)
+    out, _ = generate_paged(model, cache, prompts, 16)
+    assert out == [_contiguous(model, p, 16) for p in prompts]
+
+
+def test_blocks_for_a_memory_budget_use_the_memory_labs_formula():
+    model = random_model(8, 2, seed=0)
+    shape = shape_of("tiny", model.config, model.num_parameters())
+    budget = kv_cache_bytes(shape, 1000, 1, "fp16")
+    assert num_blocks_for_memory(shape, budget, 16, "fp16") == 1000 // 16
+    cache = PagedKVCache(model.config, BlockAllocator(1000 // 16, 16), dtype=torch.float16)
+    assert cache.nbytes == kv_cache_bytes(shape, 1000 // 16 * 16, 1, "fp16")
+    assert ContiguousKVCache(model.config, 1, 992, dtype=torch.float16).nbytes == cache.nbytes
+
+
+def test_fragmentation_counts_slots():
+    stats = fragmentation([1, 16, 17], context=32, block_size=16)
+    assert (stats["used"], stats["paged_held"], stats["contiguous_reserved"]) == (34, 64, 96)
+    assert stats["paged_waste"] == pytest.approx(30 / 64) and stats["contiguous_waste"] == pytest.approx(62 / 96)
+    assert sequences_that_fit([1, 16, 17, 5], memory_slots=48, block_size=16) == 2
+    assert blocks_for(0, 4) == 0 and blocks_for(9, 4) == 3
