@@ -5,7 +5,8 @@
 The shipped model is written out as a Hugging Face Llama checkpoint and loaded with
 ``LlamaForCausalLM``; both generate greedily from the same prompt, batch 1, the same number of
 new tokens, in fp32, timed alternately (labkit, transformers, labkit, ...). The outputs must be
-identical token for token. Also times the draft's decode step against the target's.
+identical token for token. Also times the draft's decode step against the target's, with torch's
+default number of threads and with one.
 """
 from __future__ import annotations
 
@@ -63,10 +64,13 @@ def main() -> None:
     print(f"labkit / transformers tokens/s: {1 / result.speedup:.2f}")
 
     draft, _ = labkit.load("draft", device=device)
-    steps = compare(decode_step(model, 100), decode_step(draft, 100), labels=(args.model, "draft"),
-                    warmup=5, repeats=100, device=device)
-    print(f"\ndecode step at position 100: {args.model} {steps.a.median_s * 1e3:.2f} ms, "
-          f"draft {steps.b.median_s * 1e3:.2f} ms, draft / {args.model} = {1 / steps.speedup:.3f}")
+    print()
+    for threads in sorted({torch.get_num_threads(), 1}, reverse=True):  # torch's default, then one
+        torch.set_num_threads(threads)
+        steps = compare(decode_step(model, 100), decode_step(draft, 100), labels=(args.model, "draft"),
+                        warmup=5, repeats=200, device=device)
+        print(f"decode step at position 100, {threads} thread(s): {args.model} {steps.a.median_s * 1e3:.2f} ms, "
+              f"draft {steps.b.median_s * 1e3:.2f} ms, draft / {args.model} = {1 / steps.speedup:.3f}")
 
 
 if __name__ == "__main__":

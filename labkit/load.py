@@ -54,7 +54,9 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.de
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.store_weights_column_major()
+    return model
 
 
 def load_checkpoint(folder: Path, device: torch.device | None = None,

@@ -13,11 +13,11 @@ wasted per sequence, whatever its length.
 - Reference counts let sequences share blocks. ``fork`` gives a new sequence its parent's
   blocks (each count + 1, no data copied); a shared block is copied only when one of its
   owners is about to write into it (copy on write).
-- Prefix sharing: a full block is named by a chained hash, hash(parent's hash, its tokens), so
-  equal names mean equal text from the start of the sequence. A new prompt that starts with
-  named blocks reuses them, after checking their tokens (a hash can collide). A freed named
-  block keeps its keys and values until the pool needs it back, least recently used first:
-  the pool doubles as a prefix cache.
+- Prefix sharing: a full block whose keys and values have been written is named by a chained
+  hash, hash(parent's hash, its tokens), so equal names mean equal text from the start of the
+  sequence. A new prompt that starts with named blocks reuses them, after checking their
+  tokens and parent block (a hash can collide). A freed named block keeps its keys and values
+  until the pool needs it back, least recently used first: the pool doubles as a prefix cache.
 
 ``BlockPool`` is the bare bookkeeping (free list, counts, tables); ``BlockAllocator`` adds
 forking, tokens and prefix sharing; ``PagedKVCache`` holds the tensors and plugs into the
@@ -74,6 +74,8 @@ def workload_lengths(n: int = 400, context: int = 2048, prompt_median: float = 2
 def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict[str, float]:
     """Memory, in token slots, for sequences of ``lengths`` tokens: reserved by contiguous
     allocation of ``context`` slots each, held by paged blocks, and the share of each not used."""
+    if not lengths or min(lengths) < 1 or max(lengths) > context:
+        raise ValueError(f"lengths must be a non-empty list of 1..context={context} tokens")
     used = sum(lengths)
     reserved = len(lengths) * context
     held = sum(blocks_for(n, block_size) for n in lengths) * block_size
@@ -104,8 +106,8 @@ def check_invariants(free_blocks: Iterable[int], ref_count: Sequence[int],
             raise AssertionError(f"block {block} leaked: neither free nor held by any sequence")
         if ref_count[block] != owners[block]:
             raise AssertionError(f"block {block} has ref_count {ref_count[block]} but {owners[block]} owners")
-    if unknown := set(owners) - set(range(len(ref_count))):
-        raise AssertionError(f"tables hold blocks {sorted(unknown)} outside the pool of {len(ref_count)}")
+    if unknown := (set(owners) | set(free)) - set(range(len(ref_count))):
+        raise AssertionError(f"blocks {sorted(unknown)} are outside the pool of {len(ref_count)}")
 
 
 class BlockPool:
@@ -191,9 +193,10 @@ class BlockPool:
 class BlockAllocator(BlockPool):
     """Blocks for sequences of tokens, with prefix sharing.
 
-    ``add_sequence`` starts a sequence from its prompt, ``append`` grows it, ``fork`` and
-    ``free`` as in ``BlockPool``. Each reserves the slots of tokens whose keys and values the
-    next forward pass writes; a block counts as cached once full.
+    ``add_sequence`` starts a sequence from its prompt and ``append`` grows it: each reserves
+    the slots of tokens whose keys and values the next forward pass writes. ``mark_computed``
+    (which ``PagedKVCache`` calls after that pass) records that they are written; only then
+    are full blocks named and offered to later prompts. ``fork`` and ``free`` as in ``BlockPool``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
@@ -201,10 +204,11 @@ class BlockAllocator(BlockPool):
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be at least 1")
         self.block_size, self.prefix_caching = block_size, prefix_caching
-        self.tokens: dict[Hashable, list[int]] = {}
-        self.hashes: dict[Hashable, list[int]] = {}  # the chained hash of each full block of a sequence
+        self.tokens: dict[Hashable, list[int]] = {}  # every token a sequence has a slot for
+        self.computed: dict[Hashable, int] = {}  # how many of them have their keys and values written
+        self.names: dict[Hashable, list[tuple[int, int]]] = {}  # (hash, cached block) of each named full block
         self.cached: dict[int, int] = {}  # chained hash -> the block holding those tokens
-        self.block_key: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent, tokens)
+        self.block_key: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent block, tokens)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but still cached, least recent first
 
     @property
@@ -215,6 +219,10 @@ class BlockAllocator(BlockPool):
         """Tokens ``seq_id`` has slots for."""
         self.table(seq_id)
         return len(self.tokens[seq_id])
+
+    def allocate(self, seq_id: Hashable, n_blocks: int) -> list[int]:
+        raise TypeError("a BlockAllocator reserves slots for tokens: use add_sequence(seq_id, prompt) "
+                        "or append(seq_id, tokens)")
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
         """Start ``seq_id`` with slots for its prompt, reusing cached blocks for the longest
@@ -233,8 +241,7 @@ class BlockAllocator(BlockPool):
             self.ref_count[block] += 1
         cached = len(hits) * self.block_size
         self.tables[seq_id] = [block for _, block in hits]
-        self.tokens[seq_id] = list(prompt[:cached])
-        self.hashes[seq_id] = [h for h, _ in hits]
+        self.tokens[seq_id], self.computed[seq_id], self.names[seq_id] = list(prompt[:cached]), cached, hits
         self.append(seq_id, prompt[cached:])
         return cached
 
@@ -247,18 +254,43 @@ class BlockAllocator(BlockPool):
         new_blocks = blocks_for(len(have) + len(tokens), self.block_size) - len(table)
         self._ensure_free(new_blocks + shared_tail)
         copies = [self.copy_on_write(seq_id, len(table) - 1)] if shared_tail else []
-        self.allocate(seq_id, new_blocks)
+        BlockPool.allocate(self, seq_id, new_blocks)
         have.extend(tokens)
-        self._name_full_blocks(seq_id)
         return copies
 
+    def mark_computed(self, seq_id: Hashable, n_tokens: int) -> None:
+        """The keys and values of ``seq_id``'s first ``n_tokens`` tokens are now in the cache: name
+        the full blocks among them so that, with prefix caching, later prompts may reuse them."""
+        if not 0 <= n_tokens <= self.length(seq_id):
+            raise ValueError(f"n_tokens={n_tokens}: sequence {seq_id!r} has slots for {self.length(seq_id)} tokens")
+        self.computed[seq_id] = max(self.computed[seq_id], n_tokens)
+        self._name_full_blocks(seq_id)
+
+    def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` tokens of ``seq_id`` (a rollback, as speculative decoding
+        needs): blocks past them are released, and a kept block that will be written again stops
+        being offered as a cached prefix."""
+        if not 0 < n_tokens <= self.length(seq_id):
+            raise ValueError(f"n_tokens={n_tokens}: keep 1..{self.length(seq_id)} tokens of sequence {seq_id!r}")
+        table, keep = self.tables[seq_id], blocks_for(n_tokens, self.block_size)
+        for block in reversed(table[keep:]):
+            self._release(block)
+        del table[keep:], self.tokens[seq_id][n_tokens:], self.names[seq_id][n_tokens // self.block_size:]
+        self.computed[seq_id] = min(self.computed[seq_id], n_tokens)
+        tail = table[-1]
+        if n_tokens % self.block_size and self.ref_count[tail] == 1 and tail in self.block_key:
+            del self.cached[self.block_key.pop(tail)[0]]
+
     def fork(self, parent: Hashable, child: Hashable) -> None:
+        """As ``BlockPool.fork``; fork after the parent's forward pass, so the shared blocks hold
+        its keys and values when a copy on write copies them."""
         super().fork(parent, child)
-        self.tokens[child], self.hashes[child] = list(self.tokens[parent]), list(self.hashes[parent])
+        self.tokens[child], self.names[child] = list(self.tokens[parent]), list(self.names[parent])
+        self.computed[child] = self.computed[parent]
 
     def free(self, seq_id: Hashable) -> None:
         super().free(seq_id)
-        del self.tokens[seq_id], self.hashes[seq_id]
+        del self.tokens[seq_id], self.computed[seq_id], self.names[seq_id]
 
     def slot_mapping(self, seq_id: Hashable, positions: Sequence[int]) -> list[int]:
         """The cache slot of each position of ``seq_id``."""
@@ -280,14 +312,20 @@ class BlockAllocator(BlockPool):
     def check(self) -> None:
         check_invariants([*self.free_blocks, *self.evictable], self.ref_count, self.tables)
         for seq_id, table in self.tables.items():
-            if len(table) != blocks_for(len(self.tokens[seq_id]), self.block_size):
-                raise AssertionError(f"sequence {seq_id!r} has {len(self.tokens[seq_id])} tokens in {len(table)} blocks")
+            tokens, computed = len(self.tokens[seq_id]), self.computed[seq_id]
+            if len(table) != blocks_for(tokens, self.block_size):
+                raise AssertionError(f"sequence {seq_id!r} has {tokens} tokens in {len(table)} blocks")
+            if not computed <= tokens or len(self.names[seq_id]) != computed // self.block_size:
+                raise AssertionError(f"sequence {seq_id!r}: {len(self.names[seq_id])} named blocks for "
+                                     f"{computed} computed tokens of {tokens}")
+        if not set(self.evictable) <= set(self.block_key):
+            raise AssertionError("a cached free block has no name")
         for h, block in self.cached.items():
             if self.block_key[block][0] != h:
                 raise AssertionError(f"block {block} is cached under a hash it does not carry")
 
     def _take(self, n: int) -> list[int]:
-        """Never-cached blocks first; then cached ones, least recently used first, forgetting them."""
+        """Uncached free blocks first; then cached ones, least recently used first, forgetting them."""
         self._ensure_free(n)
         fresh = [self.free_blocks.pop() for _ in range(min(n, len(self.free_blocks)))]
         return fresh + [self._evict() for _ in range(n - len(fresh))]
@@ -306,17 +344,18 @@ class BlockAllocator(BlockPool):
             super()._release(block)
 
     @staticmethod
-    def _block_key(parent: int | None, tokens: Sequence[int]) -> tuple[int, int | None, tuple[int, ...]]:
-        """A full block's name: the hash of its parent's name and its tokens, with both kept."""
+    def _block_key(parent: tuple[int, int] | None, tokens: Sequence[int]) -> tuple[int, int | None, tuple[int, ...]]:
+        """A full block's name: the hash of its parent's name and its tokens, kept with the
+        parent's block and the tokens, which a hit must match too (hashes can collide)."""
         tokens = tuple(tokens)
-        return hash((parent, tokens)), parent, tokens
+        return (hash((parent[0] if parent else None, tokens)), parent[1] if parent else None, tokens)
 
     def _cached_prefix(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
         """(hash, block) of each cached block that continues the prompt from its start."""
         hits: list[tuple[int, int]] = []
         size = self.block_size
         for start in range(0, len(prompt) - size + 1, size):
-            key = self._block_key(hits[-1][0] if hits else None, prompt[start:start + size])
+            key = self._block_key(hits[-1] if hits else None, prompt[start:start + size])
             block = self.cached.get(key[0])
             if block is None or self.block_key[block] != key:  # a miss, or a hash collision
                 break
@@ -324,14 +363,19 @@ class BlockAllocator(BlockPool):
         return hits
 
     def _name_full_blocks(self, seq_id: Hashable) -> None:
-        """Name the sequence's newly filled blocks and, with prefix caching, offer them to others."""
-        tokens, hashes, size = self.tokens[seq_id], self.hashes[seq_id], self.block_size
-        for index in range(len(hashes), len(tokens) // size):
-            key = self._block_key(hashes[-1] if hashes else None, tokens[index * size:(index + 1) * size])
-            hashes.append(key[0])
-            block = self.tables[seq_id][index]
-            if self.prefix_caching and key[0] not in self.cached and block not in self.block_key:
-                self.cached[key[0]], self.block_key[block] = block, key
+        """Name the sequence's newly computed full blocks; with prefix caching, offer each to
+        later prompts unless an identical block is cached already."""
+        tokens, names, table, size = self.tokens[seq_id], self.names[seq_id], self.tables[seq_id], self.block_size
+        for index in range(len(names), self.computed[seq_id] // size):
+            key = self._block_key(names[-1] if names else None, tokens[index * size:(index + 1) * size])
+            holder = self.cached.get(key[0])
+            if holder is not None and self.block_key[holder] == key:
+                names.append((key[0], holder))  # the same text is cached: later prompts find that block
+                continue
+            if holder is None and self.prefix_caching and table[index] not in self.block_key:
+                self.cached[key[0]], self.block_key[table[index]] = table[index], key
+            names.append((key[0], table[index]))
+
 
 
 def slot_mapping(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -354,6 +398,8 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     """Decode attention, one new query per sequence: ``q`` ``[B, n_heads, head_dim]`` attends
     to the first ``lengths[b]`` keys and values of sequence b, gathered from the pools
     ``[num_blocks, block_size, n_kv_heads, head_dim]`` through ``block_tables`` ``[B, max_blocks]``."""
+    if int(lengths.min()) < 1:
+        raise ValueError(f"every sequence needs at least one token to attend to, got lengths {lengths.tolist()}")
     longest = int(lengths.max())
     keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
     mask = torch.arange(longest, device=q.device)[None] < lengths[:, None]
@@ -368,7 +414,8 @@ class PagedKVCache:
 
     Before each forward pass, reserve the slots of the tokens it runs (``allocator.add_sequence``
     for a prompt, ``cache.append`` after it, which also makes copy-on-write copies) and name the
-    sequence of each batch row in ``seq_ids``.
+    sequence of each batch row in ``seq_ids``. A row runs only tokens not yet in the cache; once
+    the last layer has written them, the cache marks them computed in the allocator.
     """
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
@@ -385,7 +432,7 @@ class PagedKVCache:
             self.k[:, new], self.v[:, new] = self.k[:, old], self.v[:, old]
 
     def block_tables(self) -> Tensor:
-        """``[B, max_blocks]``: the tables of ``seq_ids``, padded with block 0 (never read: causality hides it)."""
+        """``[B, max_blocks]``: the tables of ``seq_ids``, padded with block 0 (gathered, then masked)."""
         tables = [self.allocator.table(s) for s in self.seq_ids]
         width = max(map(len, tables))
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.k.device)
@@ -393,26 +440,33 @@ class PagedKVCache:
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if layer == 0:  # the slots, tables and mask are the same for every layer of one forward
             self._step = self._plan(positions)
-        rows, cols, slots, tables, mask = self._step
+        rows, cols, slots, tables, mask, ends = self._step
         self.k[layer].flatten(0, 1)[slots] = k[rows, :, cols].type_as(self.k)
         self.v[layer].flatten(0, 1)[slots] = v[rows, :, cols].type_as(self.v)
+        if layer == self.k.shape[0] - 1:  # every layer has written: these tokens are computed
+            for seq_id, end in zip(self.seq_ids, ends):
+                self.allocator.mark_computed(seq_id, end)
         length = mask.shape[-1]
         return gather_kv(self.k[layer], tables, length), gather_kv(self.v[layer], tables, length), mask
 
-    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[int]]:
+        """Where this forward's tokens go, what each query sees, and where each sequence ends."""
         if len(self.seq_ids) != positions.shape[0]:
             raise ValueError(f"the batch has {positions.shape[0]} rows but seq_ids names {len(self.seq_ids)} sequences")
-        reserved = torch.tensor([self.allocator.length(s) for s in self.seq_ids], device=positions.device)
-        beyond = positions >= reserved[:, None]
-        if beyond.any():
-            row, col = map(int, beyond.nonzero()[0])
-            raise ValueError(f"position {int(positions[row, col])} of sequence {self.seq_ids[row]!r} has no slot "
-                             f"(it has {int(reserved[row])}): reserve it with add_sequence or append first")
+        ends = (positions.max(dim=1).values + 1).tolist()
+        for seq_id, row, end in zip(self.seq_ids, positions.tolist(), ends):
+            first = min((p for p in row if p >= 0), default=end)
+            if end > self.allocator.length(seq_id):
+                raise ValueError(f"position {end - 1} of sequence {seq_id!r} has no slot (it has "
+                                 f"{self.allocator.length(seq_id)}): reserve it with add_sequence or append first")
+            if first < self.allocator.computed[seq_id]:
+                raise ValueError(f"position {first} of sequence {seq_id!r} is in the cache already (its first "
+                                 f"{self.allocator.computed[seq_id]} tokens are): run only the tokens after them")
         tables = self.block_tables()
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         slots = slot_mapping(tables, positions, self.allocator.block_size)[rows, cols]
-        key_positions = torch.arange(int(positions.max()) + 1, device=positions.device)[None]
-        return rows, cols, slots, tables, causal_mask(positions, key_positions)
+        key_positions = torch.arange(max(ends), device=positions.device)[None]
+        return rows, cols, slots, tables, causal_mask(positions, key_positions), ends
 
     @property
     def nbytes(self) -> int:
@@ -425,14 +479,18 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
     tokens prefilled on its own (no padding), then one token per sequence per step, all in one
     batch. Returns the new tokens of each prompt and how many of its tokens the prefix cache
     already held. The sequences are freed at the end: their full blocks stay cached."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens} must be at least 1")
     allocator, device = cache.allocator, cache.k.device
     seq_ids = [("generate", i) for i in range(len(prompts))]
+    added: list[Hashable] = []  # freed at the end, and only these: the caller's sequences stay
     out: list[list[int]] = []
     cached: list[int] = []
     try:
         with torch.no_grad():
             for seq, prompt in zip(seq_ids, prompts):
                 cached.append(allocator.add_sequence(seq, prompt))
+                added.append(seq)
                 cache.seq_ids = [seq]
                 positions = torch.arange(cached[-1], len(prompt), device=device)[None]
                 logits = model(torch.tensor([prompt[cached[-1]:]], device=device), positions, cache)
@@ -447,6 +505,5 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
                     new.append(token)
         return out, cached
     finally:
-        for seq in seq_ids:
-            if seq in allocator.tables:
-                allocator.free(seq)
+        for seq in added:
+            allocator.free(seq)

@@ -38,9 +38,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _write(self, seq: int, start: int) -> None:
+        """What a forward pass does: write the new tokens' slots, then mark them computed."""
         tokens = self.expected[seq]
         for position, slot in enumerate(self.allocator.slot_mapping(seq, range(start, len(tokens))), start):
             self.slots[slot] = tokens[position]
+        self.allocator.mark_computed(seq, len(tokens))
 
     def _atomic(self, operation) -> bool:
         before = _state(self.allocator)
@@ -59,6 +61,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.expected[seq] = list(prompt)
             self._write(seq, cached[0])  # the reused slots must already hold the prompt's start
 
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=10))
+    def abandon(self, prompt):  # reserved, never written (the forward failed), then freed
+        if self._atomic(lambda: self.allocator.add_sequence("abandoned", prompt)):
+            self.allocator.free("abandoned")
+
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=0, max_size=5))
     def append(self, data, tokens):
@@ -71,6 +78,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.slots[new * size:(new + 1) * size] = self.slots[old * size:(old + 1) * size]
             self.expected[seq] += tokens
             self._write(seq, start)
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def truncate(self, data):  # roll back to a shorter prefix, then the sequence grows again
+        seq = data.draw(st.sampled_from(sorted(self.expected)))
+        keep = data.draw(st.integers(1, len(self.expected[seq])))
+        self.allocator.truncate(seq, keep)
+        del self.expected[seq][keep:]
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
@@ -137,35 +152,67 @@ def test_check_invariants_names_what_is_wrong():
         check_invariants([1], [2, 0], {"a": [0]})
 
 
+def _add(allocator: BlockAllocator, seq, prompt) -> int:
+    """Start a sequence and mark its prompt computed, as a forward pass through the cache would."""
+    cached = allocator.add_sequence(seq, prompt)
+    allocator.mark_computed(seq, len(prompt))
+    return cached
+
+
 def test_a_prompt_reuses_the_cached_blocks_of_a_shared_prefix():
     allocator = BlockAllocator(num_blocks=10, block_size=4)
     system = list(range(100, 108))  # two full blocks
-    assert allocator.add_sequence("a", system + [1, 2]) == 0
-    assert allocator.add_sequence("b", system + [3]) == 8
+    assert _add(allocator, "a", system + [1, 2]) == 0
+    assert _add(allocator, "b", system + [3]) == 8
     assert allocator.tables["b"][:2] == allocator.tables["a"][:2]
-    assert allocator.add_sequence("c", system) == 4  # the block of the last token is computed again
+    assert _add(allocator, "c", system) == 4  # the block of the last token is computed again
+    allocator.check()
+
+
+def test_blocks_are_offered_only_once_computed():
+    allocator = BlockAllocator(num_blocks=8, block_size=2)
+    allocator.add_sequence("failed", [1, 2, 3, 4, 5])  # reserved, but its forward never ran
+    allocator.free("failed")
+    assert _add(allocator, "next", [1, 2, 3, 4, 9]) == 0
     allocator.check()
 
 
 def test_freed_blocks_stay_cached_until_evicted_least_recently_used_first():
     allocator = BlockAllocator(num_blocks=4, block_size=2)
-    allocator.add_sequence("old", [1, 2, 3, 4, 5])  # [1 2] [3 4] named, [5] partial
+    _add(allocator, "old", [1, 2, 3, 4, 5])  # [1 2] [3 4] named, [5] partial
     allocator.free("old")  # the tail first: [3 4] is less recently used than [1 2]
-    allocator.add_sequence("new", [7, 8, 9, 10, 11])  # two never-cached blocks, then evicts [3 4]
+    _add(allocator, "new", [7, 8, 9, 10, 11])  # two uncached blocks, then evicts [3 4]
     allocator.free("new")
     assert allocator.block_states().count("cached") == 3
-    assert allocator.add_sequence("first", [1, 2, 3, 4, 5]) == 2  # [1 2] revived, [3 4] recomputed
+    assert _add(allocator, "first", [1, 2, 3, 4, 5]) == 2  # [1 2] revived, [3 4] recomputed
     allocator.free("first")  # taking a block again evicted [9 10], the least recent of new's
-    assert allocator.add_sequence("again", [7, 8, 9, 10, 0]) == 2
+    assert _add(allocator, "again", [7, 8, 9, 10, 0]) == 2
     allocator.check()
 
 
-def test_a_hash_collision_is_caught_by_the_token_check(monkeypatch):
+def test_a_rolled_back_block_is_no_longer_offered():
     allocator = BlockAllocator(num_blocks=8, block_size=2)
-    monkeypatch.setattr(BlockAllocator, "_block_key", staticmethod(lambda parent, tokens: (7, parent, tuple(tokens))))
-    allocator.add_sequence("a", [1, 2, 3])
-    assert allocator.add_sequence("b", [5, 6, 7]) == 0  # same hash, other tokens: not reused
-    assert allocator.add_sequence("c", [1, 2, 9]) == 2
+    _add(allocator, "a", [1, 2, 3, 4, 5])
+    allocator.truncate("a", 3)  # [3 4] becomes [3 .], to be overwritten
+    allocator.append("a", [9])
+    allocator.mark_computed("a", 4)
+    assert _add(allocator, "b", [1, 2, 3, 4, 0]) == 2
+    assert _add(allocator, "c", [1, 2, 3, 9, 0]) == 4
+    allocator.check()
+
+
+def test_a_hash_collision_is_caught_by_the_tokens_and_the_parent_block(monkeypatch):
+    allocator = BlockAllocator(num_blocks=8, block_size=2)
+    real = BlockAllocator._block_key
+
+    def colliding(parent, tokens):  # every first block hashes alike
+        key = real(parent, tokens)
+        return (7, *key[1:]) if parent is None else key
+    monkeypatch.setattr(BlockAllocator, "_block_key", staticmethod(colliding))
+    assert _add(allocator, "x", [1, 2, 0]) == 0
+    assert _add(allocator, "y", [3, 4, 5, 6, 0]) == 0  # same first hash, other tokens: not reused
+    assert _add(allocator, "z", [1, 2, 5, 6, 0]) == 2  # x's [1 2], but not y's [5 6]: it followed [3 4]
+    allocator.check()
 
 
 def test_bad_requests_are_refused_by_name():
@@ -181,6 +228,19 @@ def test_bad_requests_are_refused_by_name():
         allocator.slot_mapping("a", [1])
     with pytest.raises(ValueError, match="block_size=0"):
         BlockAllocator(4, 0)
+    with pytest.raises(ValueError, match="n_tokens=2: sequence 'a' has slots for 1"):
+        allocator.mark_computed("a", 2)
+
+
+def test_generate_paged_leaves_the_callers_sequences_alone():
+    model = random_model(4, 2, seed=8)
+    cache = PagedKVCache(model.config, BlockAllocator(8, 4))
+    cache.allocator.add_sequence(("generate", 0), [1, 2])  # an id generate_paged would use
+    with pytest.raises(ValueError, match="already exists"):
+        generate_paged(model, cache, [[3, 4]], 2)
+    assert cache.allocator.length(("generate", 0)) == 2
+    with pytest.raises(ValueError, match="new_tokens=0"):
+        generate_paged(model, cache, [[3, 4]], 0)
 
 
 def test_slot_mapping_and_gather_follow_the_block_table():
@@ -222,7 +282,7 @@ def test_batched_generation_through_the_paged_cache_equals_the_contiguous_cache(
     assert out == [_contiguous(model, p, 12) for p in prompts]
     assert cached == [0, 0, 0, 6 // block_size * block_size]
     again, cached = generate_paged(model, cache, [prompts[2][:9] + [3, 1]], 12)  # reuses the cached prefix
-    assert cached[0] == (9 if block_size == 1 else 9 // block_size * block_size)
+    assert cached[0] == 9 // block_size * block_size
     assert again == [_contiguous(model, prompts[2][:9] + [3, 1], 12)]
     cache.allocator.check()
     assert cache.allocator.num_free == num_blocks
@@ -271,6 +331,12 @@ def test_the_cache_refuses_positions_without_slots():
     cache.seq_ids = [0, 1]
     with pytest.raises(ValueError, match="2 sequences"):
         model(torch.tensor([[1, 2]]), None, cache)
+    cache.seq_ids = [0]
+    model(torch.tensor([[1, 2]]), None, cache)
+    with pytest.raises(ValueError, match="position 0 of sequence 0 is in the cache already"):
+        model(torch.tensor([[1, 2]]), None, cache)
+    with pytest.raises(TypeError, match="add_sequence"):
+        cache.allocator.allocate(1, 1)
 
 
 def test_the_shipped_model_generates_the_same_through_both_caches():

@@ -62,7 +62,10 @@ def _allocate(pool: Any, reference: BlockPool, seq: str, n: int) -> None:
                 raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
             return
         raise AssertionError(f"{what} with {len(before[0])} free blocks should raise OutOfBlocks") from None
-    got = pool.allocate(seq, n)
+    try:
+        got = pool.allocate(seq, n)
+    except OutOfBlocks:
+        raise AssertionError(f"{what} raised OutOfBlocks, but {len(free_before)} blocks were free") from None
     if not isinstance(got, list) or len(got) != n or not set(got) <= free_before or len(set(got)) != n:
         raise AssertionError(f"{what} returned {got!r}: expected a list of {n} different blocks that were free")
     if pool.tables[seq][-n:] != got:
@@ -115,6 +118,9 @@ def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
     what = f"fork({parent!r}, {child!r})"
     pool.fork(parent, child)
     reference.fork(parent, child)
+    if pool.tables[child] is pool.tables[parent]:
+        raise AssertionError(f"after {what}: the child's table is the parent's list object itself; give the child "
+                             f"a copy (list(...)), or a write to one would change both tables")
     if pool.tables[child] != pool.tables[parent]:
         raise AssertionError(f"after {what}: the child's table {pool.tables[child]} must be the parent's "
                              f"{pool.tables[parent]} (shared blocks, nothing copied)")
@@ -135,7 +141,11 @@ def _copy_on_write(pool: Any, reference: BlockPool, seq: str, index: int) -> Non
                 raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
             return
         raise AssertionError(f"{what} must raise OutOfBlocks: block {old} is shared and no block is free") from None
-    got = pool.copy_on_write(seq, index)
+    try:
+        got = pool.copy_on_write(seq, index)
+    except OutOfBlocks:
+        needed = "a free block was available" if shared else f"block {old} is not shared, so no block is needed"
+        raise AssertionError(f"{what} raised OutOfBlocks, but {needed}") from None
     if not shared:
         if got is not None or pool.tables[seq][index] != old:
             raise AssertionError(f"{what}: block {old} is not shared, so nothing to copy: expected None and "
@@ -257,6 +267,6 @@ EXERCISES = [
         cases=_attention_cases,
         hint="Build the slots of positions 0..longest-1 for every sequence (exercise 1), index the pools "
              "flattened to [num_blocks * block_size, kv_heads, head_dim], move the heads in front, and mask "
-             "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads / kv_heads).",
+             "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads // kv_heads).",
     ),
 ]
