@@ -453,6 +453,8 @@ class PagedKVCache:
         """Where this forward's tokens go, what each query sees, and where each sequence ends."""
         if len(self.seq_ids) != positions.shape[0]:
             raise ValueError(f"the batch has {positions.shape[0]} rows but seq_ids names {len(self.seq_ids)} sequences")
+        if not (positions >= 0).any():
+            raise ValueError("the batch has no tokens to run: every position is padding (-1)")
         ends = (positions.max(dim=1).values + 1).tolist()
         for seq_id, row, end in zip(self.seq_ids, positions.tolist(), ends):
             first = min((p for p in row if p >= 0), default=end)

@@ -337,6 +337,8 @@ def test_the_cache_refuses_positions_without_slots():
         model(torch.tensor([[1, 2]]), None, cache)
     with pytest.raises(TypeError, match="add_sequence"):
         cache.allocator.allocate(1, 1)
+    with pytest.raises(ValueError, match="every position is padding"):
+        model(torch.tensor([[1]]), torch.tensor([[-1]]), cache)
 
 
 def test_the_shipped_model_generates_the_same_through_both_caches():
