@@ -11,20 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from labkit.paged import BlockAllocator, OutOfBlocks, fragmentation, workload_lengths
+from labkit.paged import fragmentation, sequences_that_fit, workload_lengths
 
 GOALS = {"paged_waste": 0.04, "contiguous_waste": 0.60, "fit_ratio": 2.5}
-
-
-def fill(lengths: list[int], num_blocks: int, block_size: int) -> int:
-    """Sequences, in order, that a real allocator of ``num_blocks`` holds at once."""
-    allocator = BlockAllocator(num_blocks, block_size, prefix_caching=False)
-    for i, n in enumerate(lengths):
-        try:
-            allocator.add_sequence(i, list(range(n)))
-        except OutOfBlocks:
-            return i
-    return len(lengths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'block':>6}{'contiguous waste':>18}{'paged waste':>13}{'contiguous fit':>16}{'paged fit':>11}{'ratio':>8}")
     for block_size in (1, 4, 8, 16, 32, 64, 128, 256):
         stats = fragmentation(lengths, args.context, block_size)
-        fitted = fill(lengths, args.contiguous_sequences * args.context // block_size, block_size)
+        fitted = sequences_that_fit(lengths, args.contiguous_sequences * args.context, block_size)
         ratio = fitted / args.contiguous_sequences
         print(f"{block_size:>6}{stats['contiguous_waste']:>18.1%}{stats['paged_waste']:>13.1%}"
               f"{args.contiguous_sequences:>16}{fitted:>11}{ratio:>7.2f}x")

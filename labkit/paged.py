@@ -26,7 +26,6 @@ gathers keys and values through the block tables.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter, OrderedDict
 from typing import Hashable, Iterable, Mapping, Sequence
@@ -84,29 +83,34 @@ def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict
 
 
 def sequences_that_fit(lengths: Sequence[int], memory_slots: int, block_size: int) -> int:
-    """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once."""
-    held = itertools.accumulate(blocks_for(n, block_size) * block_size for n in lengths)
-    return sum(1 for total in held if total <= memory_slots)
+    """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once:
+    a real ``BlockAllocator`` of that size, filled until it runs out of blocks."""
+    allocator = BlockAllocator(memory_slots // block_size, block_size, prefix_caching=False)
+    for fitted, n in enumerate(lengths):
+        try:
+            allocator.add_sequence(fitted, range(n))
+        except OutOfBlocks:
+            return fitted
+    return len(lengths)
 
 
 def check_invariants(free_blocks: Iterable[int], ref_count: Sequence[int],
                      tables: Mapping[Hashable, Sequence[int]]) -> None:
     """Raise AssertionError naming the first broken rule: every block is free or owned, never
     both, never listed free twice; its count equals the number of tables that hold it."""
-    free = list(free_blocks)
-    if len(set(free)) != len(free):
-        twice = sorted(b for b, n in Counter(free).items() if n > 1)
+    listed = Counter(free_blocks)
+    if twice := sorted(b for b, n in listed.items() if n > 1):
         raise AssertionError(f"blocks {twice} are on the free list more than once")
     owners = Counter(block for table in tables.values() for block in table)
     for block in range(len(ref_count)):
-        is_free = block in free
+        is_free = block in listed
         if is_free and owners[block]:
             raise AssertionError(f"block {block} is free but sequences hold it")
         if not is_free and not owners[block]:
             raise AssertionError(f"block {block} leaked: neither free nor held by any sequence")
         if ref_count[block] != owners[block]:
             raise AssertionError(f"block {block} has ref_count {ref_count[block]} but {owners[block]} owners")
-    if unknown := (set(owners) | set(free)) - set(range(len(ref_count))):
+    if unknown := (set(owners) | set(listed)) - set(range(len(ref_count))):
         raise AssertionError(f"blocks {sorted(unknown)} are outside the pool of {len(ref_count)}")
 
 
@@ -294,11 +298,12 @@ class BlockAllocator(BlockPool):
 
     def slot_mapping(self, seq_id: Hashable, positions: Sequence[int]) -> list[int]:
         """The cache slot of each position of ``seq_id``."""
-        table, length = self.table(seq_id), self.length(seq_id)
+        positions, length = list(positions), self.length(seq_id)
         for p in positions:
             if not 0 <= p < length:
                 raise IndexError(f"position {p} of sequence {seq_id!r} has no slot: it has {length}")
-        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+        return slot_mapping(torch.tensor([self.tables[seq_id]]), torch.tensor([positions], dtype=torch.long),
+                            self.block_size)[0].tolist()
 
     def block_states(self) -> list[str]:
         """Per block: "free", "cached" (free, but holding a prefix that can be revived), "used"

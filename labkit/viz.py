@@ -42,24 +42,29 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
     """A paged cache's pool as a grid, one square per block: coloured by the sequence that holds
     it (hatched, with its count, when several share it), grey when free but still caching a
     prefix (revivable), white when free."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 0.7 * -(-len(states) // columns) + 1))
+    rows = -(-len(states) // columns)
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 0.7 * rows + 1))
     owner: dict[int, Hashable] = {}
     for seq, table in tables.items():
         for block in table:
             owner.setdefault(block, seq)  # a shared block takes its first owner's colour
     shared = Counter(block for table in tables.values() for block in table)
     palette = plt.get_cmap("tab20").colors
+
+    def colour_of(seq: Hashable) -> tuple[float, ...]:  # the same in every picture of a run
+        return palette[zlib.crc32(str(seq).encode()) % 20]
+
     for block, state in enumerate(states):
         row, col = divmod(block, columns)
-        color = {"free": "white", "cached": "0.8"}.get(state, palette[zlib.crc32(str(owner.get(block)).encode()) % 20])
+        color = {"free": "white", "cached": "0.8"}.get(state) or colour_of(owner.get(block))
         ax.add_patch(Rectangle((col, -row), 0.92, 0.92, facecolor=color, edgecolor="0.3",
                                hatch="///" if state == "shared" else None))
         label = f"{block}\n×{shared[block]}" if state == "shared" else str(block)
         ax.text(col + 0.46, -row + 0.46, label, ha="center", va="center", fontsize=7)
     for seq in tables:
-        ax.plot([], [], "s", ms=9, color=palette[zlib.crc32(str(seq).encode()) % 20], label=str(seq))
+        ax.plot([], [], "s", ms=9, color=colour_of(seq), label=str(seq))
     ax.plot([], [], "s", ms=9, color="0.8", label="cached (free)")
-    ax.set(xlim=(-0.1, columns), ylim=(-(-(-len(states) // columns)) + 0.9, 1), aspect="equal", title=title)
+    ax.set(xlim=(-0.1, columns), ylim=(-rows + 0.9, 1), aspect="equal", title=title)
     ax.axis("off")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return fig

@@ -49,19 +49,30 @@ def _compare(pool: Any, reference: BlockPool, what: str) -> None:
         raise AssertionError(f"after {what}: {len(pool.free_blocks)} free blocks, expected {reference.num_free}")
 
 
-def _allocate(pool: Any, reference: BlockPool, seq: str, n: int) -> None:
-    what = f"allocate({seq!r}, {n})"
-    before, free_before = _state(pool), set(pool.free_blocks)
+def _refused(what: str, pool: Any, reference_call: Callable[[], Any], pool_call: Callable[[], Any],
+             why: str) -> bool:
+    """Run the reference; where it raises OutOfBlocks, the student's pool must raise it too and be
+    left exactly as it was. True when both refused."""
+    before = _state(pool)
     try:
-        reference.allocate(seq, n)
+        reference_call()
     except OutOfBlocks:
         try:
-            pool.allocate(seq, n)
+            pool_call()
         except OutOfBlocks:
             if _state(pool) != before:
                 raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
-            return
-        raise AssertionError(f"{what} with {len(before[0])} free blocks should raise OutOfBlocks") from None
+            return True
+        raise AssertionError(f"{what} should raise OutOfBlocks: {why}") from None
+    return False
+
+
+def _allocate(pool: Any, reference: BlockPool, seq: str, n: int) -> None:
+    what = f"allocate({seq!r}, {n})"
+    free_before = set(pool.free_blocks)
+    if _refused(what, pool, lambda: reference.allocate(seq, n), lambda: pool.allocate(seq, n),
+                f"only {len(free_before)} blocks are free"):
+        return
     try:
         got = pool.allocate(seq, n)
     except OutOfBlocks:
@@ -79,6 +90,12 @@ def _free(pool: Any, reference: BlockPool, seq: str) -> None:
     _compare(pool, reference, f"free({seq!r})")
 
 
+def _free_all(pool: Any, reference: BlockPool) -> None:
+    """Free every sequence left: afterwards nothing may be held (the invariants catch a leak)."""
+    for seq in list(reference.tables):
+        _free(pool, reference, seq)
+
+
 def _play_allocate_free(seed: int, num_blocks: int, steps: int) -> Callable[[Any], None]:
     """Random allocations (some too large) and frees, checked after every one."""
     def play(pool_class: Any) -> None:
@@ -91,8 +108,7 @@ def _play_allocate_free(seed: int, num_blocks: int, steps: int) -> Callable[[Any
             else:
                 seq = rng.choice(live) if live and rng.random() < 0.4 else f"s{step}"
                 _allocate(pool, reference, seq, rng.randint(1, max(1, num_blocks // 3)))
-        for seq in list(reference.tables):
-            _free(pool, reference, seq)
+        _free_all(pool, reference)
     return play
 
 
@@ -109,8 +125,7 @@ def _play_fixed(allocations: list[tuple[str, int]], num_blocks: int) -> Callable
         pool, reference = pool_class(num_blocks), BlockPool(num_blocks)
         for seq, n in allocations:
             _allocate(pool, reference, seq, n)
-        for seq in list(reference.tables):
-            _free(pool, reference, seq)
+        _free_all(pool, reference)
     return play
 
 
@@ -129,18 +144,11 @@ def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
 
 def _copy_on_write(pool: Any, reference: BlockPool, seq: str, index: int) -> None:
     what = f"copy_on_write({seq!r}, {index})"
-    before, free_before = _state(pool), set(pool.free_blocks)
+    free_before = set(pool.free_blocks)
     old, shared = pool.tables[seq][index], reference.ref_count[reference.tables[seq][index]] > 1
-    try:
-        reference.copy_on_write(seq, index)
-    except OutOfBlocks:
-        try:
-            pool.copy_on_write(seq, index)
-        except OutOfBlocks:
-            if _state(pool) != before:
-                raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
-            return
-        raise AssertionError(f"{what} must raise OutOfBlocks: block {old} is shared and no block is free") from None
+    if _refused(what, pool, lambda: reference.copy_on_write(seq, index), lambda: pool.copy_on_write(seq, index),
+                f"block {old} is shared and no block is free"):
+        return
     try:
         got = pool.copy_on_write(seq, index)
     except OutOfBlocks:
@@ -173,8 +181,7 @@ def _play_fork(seed: int, num_blocks: int, steps: int) -> Callable[[Any], None]:
                 _copy_on_write(pool, reference, seq, rng.randrange(len(reference.tables[seq])))
             else:
                 _free(pool, reference, rng.choice(live))
-        for seq in list(reference.tables):
-            _free(pool, reference, seq)
+        _free_all(pool, reference)
     return play
 
 
@@ -186,8 +193,7 @@ def _fork_cases() -> list[Scenario]:
         _copy_on_write(pool, reference, "child", 1)
         _copy_on_write(pool, reference, "child", 1)  # now its own: no second copy
         _copy_on_write(pool, reference, "parent", 1)  # the parent's block is its own again too
-        _free(pool, reference, "parent")
-        _free(pool, reference, "child")
+        _free_all(pool, reference)
     return [Scenario("fork, then both write the last block", share_then_write),
             *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})", _play_fork(seed, blocks, steps))
               for seed, blocks, steps in [(3, 10, 60), (4, 6, 80), (5, 24, 120)])]
