@@ -49,10 +49,10 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
         for block in table:
             owner.setdefault(block, seq)  # a shared block takes its first owner's colour
     shared = Counter(block for table in tables.values() for block in table)
-    palette = plt.get_cmap("tab20").colors
+    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # greys mean cached
 
     def colour_of(seq: Hashable) -> tuple[float, ...]:  # the same in every picture of a run
-        return palette[zlib.crc32(str(seq).encode()) % 20]
+        return palette[zlib.crc32(str(seq).encode()) % len(palette)]
 
     for block, state in enumerate(states):
         row, col = divmod(block, columns)
