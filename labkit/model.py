@@ -75,6 +75,18 @@ class KVCache(Protocol):
         ``[B, n_kv_heads, S, head_dim]`` and a boolean mask ``[B, 1, T, S]``, True where allowed."""
         ...
 
+    # A cache may also take over attention itself, ``attend(layer, q, k, v, positions)`` returning
+    # the output ``[B, n_heads, T, head_dim]``: the paged cache does, to run a ragged batch (each
+    # sequence with its own number of new tokens) without padding every sequence to the longest.
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Scaled dot-product attention of ``q`` ``[B, n_heads, T, d]`` over ``keys`` and ``values``
+    ``[B, n_kv_heads, S, d]`` (cast to q's dtype), where ``mask`` ``[B, 1, T, S]`` allows; each KV
+    head serves n_heads / n_kv_heads consecutive query heads."""
+    return F.scaled_dot_product_attention(q, keys.type_as(q), values.type_as(q), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys.shape[1])
+
 
 def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
     """[B, 1, T, S]: a query sees every real key at its own position or before. A padding query
@@ -199,12 +211,11 @@ class Attention(nn.Module):
         q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
         v = heads[:, c.n_heads + c.n_kv_heads:]
         if cache is None:
-            keys, values, mask = k, v, causal_mask(positions, positions)
+            out = attention(q, k, v, causal_mask(positions, positions))
+        elif hasattr(cache, "attend"):
+            out = cache.attend(self.layer, q, k, v, positions)
         else:
-            keys, values, mask = cache.update(self.layer, k, v, positions)
-        # each KV head serves group_size consecutive query heads
-        out = F.scaled_dot_product_attention(q, keys.type_as(q), values.type_as(q), attn_mask=mask,
-                                             enable_gqa=c.group_size > 1)
+            out = attention(q, *cache.update(self.layer, k, v, positions))
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
 
 

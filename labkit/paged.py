@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.memory import ModelShape, kv_bytes_per_token
-from labkit.model import ModelConfig, Transformer, causal_mask
+from labkit.model import ModelConfig, Transformer, attention, causal_mask
 
 
 class OutOfBlocks(RuntimeError):
@@ -395,8 +395,18 @@ def gather_kv(pool: Tensor, block_tables: Tensor, length: int) -> Tensor:
     """Positions 0..length-1 of each sequence, ``[B, n_kv_heads, length, head_dim]``, read from a
     layer's pool ``[num_blocks, block_size, n_kv_heads, head_dim]`` a whole block at a time
     through the block tables ``[B, >= ceil(length / block_size)]``."""
-    blocks = pool[block_tables[:, :blocks_for(length, pool.shape[1])]]  # [B, blocks, block_size, heads, dim]
-    return blocks.flatten(1, 2)[:, :length].transpose(1, 2)
+    batch, (_, size, heads, dim) = block_tables.shape[0], pool.shape
+    ids = block_tables[:, :blocks_for(length, size)].flatten()
+    blocks = pool.flatten(1).index_select(0, ids)  # one row per block: far faster than pool[tables]
+    return blocks.view(batch, -1, heads, dim)[:, :length].transpose(1, 2)
+
+
+def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, mask: Tensor) -> Tensor:
+    """Attention of ``q`` ``[B, n_heads, T, head_dim]`` over the first ``S = mask.shape[-1]`` keys
+    and values of each sequence, gathered from the pools through ``block_tables``, where
+    ``mask`` ``[B, 1, T, S]`` allows."""
+    length = mask.shape[-1]
+    return attention(q, gather_kv(k_pool, block_tables, length), gather_kv(v_pool, block_tables, length), mask)
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> Tensor:
@@ -405,12 +415,23 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     ``[num_blocks, block_size, n_kv_heads, head_dim]`` through ``block_tables`` ``[B, max_blocks]``."""
     if int(lengths.min()) < 1:
         raise ValueError(f"every sequence needs at least one token to attend to, got lengths {lengths.tolist()}")
-    longest = int(lengths.max())
-    keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
-    mask = torch.arange(longest, device=q.device)[None] < lengths[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None],
-                                         enable_gqa=q.shape[1] != keys.shape[1])
-    return out[:, :, 0]
+    mask = torch.arange(int(lengths.max()), device=q.device)[None] < lengths[:, None]
+    return attend_blocks(q[:, :, None], k_pool, v_pool, block_tables, mask[:, None, None])[:, :, 0]
+
+
+@dataclass
+class _Batch:
+    """What one forward pass over the paged cache does, the same for every layer: the flat index
+    and slot of each real token; the decoding sequences (one new token each), attended together;
+    and each sequence with several new tokens (a prompt or a chunk of one), attended on its own."""
+
+    tokens: Tensor  # flat indices (in B * T) of the real tokens
+    slots: Tensor
+    decode_tokens: Tensor
+    decode_tables: Tensor
+    decode_mask: Tensor  # [decoding, 1, 1, longest]
+    chunks: list[tuple[Tensor, Tensor, Tensor]]  # per sequence: flat indices, block table [1, M], causal mask
+    ends: list[int]  # per sequence: its tokens in the cache after this pass
 
 
 class PagedKVCache:
@@ -419,8 +440,14 @@ class PagedKVCache:
 
     Before each forward pass, reserve the slots of the tokens it runs (``allocator.add_sequence``
     for a prompt, ``cache.append`` after it, which also makes copy-on-write copies) and name the
-    sequence of each batch row in ``seq_ids``. A row runs only tokens not yet in the cache; once
-    the last layer has written them, the cache marks them computed in the allocator.
+    sequences it runs in ``seq_ids``: one per batch row, or, with ``query_lens``, all in a single
+    row, ``query_lens[i]`` tokens of sequence i after those of sequence i - 1 (a ragged batch: a
+    prompt chunk and many one-token decodes together, no padding). A sequence runs only tokens
+    not yet in the cache; once the last layer has written them, the cache marks them computed.
+
+    The cache does attention itself (``attend``): decoding sequences in one batched call, each
+    sequence with several new tokens in its own causal call, so no token is padded to another's
+    length.
     """
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
@@ -430,10 +457,15 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.seq_ids: list[Hashable] = []
+        self.query_lens: list[int] | None = None
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Reserve slots for ``tokens`` after ``seq_id``'s last one, copying a shared last block first."""
-        for old, new in self.allocator.append(seq_id, tokens):
+        self.copy_blocks(self.allocator.append(seq_id, tokens))
+
+    def copy_blocks(self, copies: Iterable[tuple[int, int]]) -> None:
+        """Copy the keys and values of block ``old`` into block ``new`` for each (old, new), every layer."""
+        for old, new in copies:
             self.k[:, new], self.v[:, new] = self.k[:, old], self.v[:, old]
 
     def block_tables(self) -> Tensor:
@@ -442,27 +474,54 @@ class PagedKVCache:
         width = max(map(len, tables))
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.k.device)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer == 0:  # the slots, tables and mask are the same for every layer of one forward
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+        """Write the new keys and values ``[B, n_kv_heads, T, head_dim]`` at their slots, then
+        the attention output ``[B, n_heads, T, head_dim]`` of the queries (zero at padding)."""
+        if layer == 0:  # the slots, tables and masks are the same for every layer of one forward
             self._step = self._plan(positions)
-        rows, cols, slots, tables, mask, ends = self._step
-        self.k[layer].flatten(0, 1)[slots] = k[rows, :, cols].type_as(self.k)
-        self.v[layer].flatten(0, 1)[slots] = v[rows, :, cols].type_as(self.v)
+        step, (batch, heads, length, dim) = self._step, q.shape
+        q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (q, k, v))  # [B * T, heads, dim]
+        self.k[layer].flatten(0, 1)[step.slots] = k[step.tokens].type_as(self.k)
+        self.v[layer].flatten(0, 1)[step.slots] = v[step.tokens].type_as(self.v)
+        pools = self.k[layer], self.v[layer]
+        out = torch.zeros_like(q)
+        if len(step.decode_tokens):
+            query = q[step.decode_tokens][:, :, None]  # [decoding, heads, 1, dim]
+            out[step.decode_tokens] = attend_blocks(query, *pools, step.decode_tables, step.decode_mask)[:, :, 0]
+        for tokens, table, mask in step.chunks:
+            query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, dim]
+            out[tokens] = attend_blocks(query, *pools, table, mask)[0].transpose(0, 1)
         if layer == self.k.shape[0] - 1:  # every layer has written: these tokens are computed
-            for seq_id, end in zip(self.seq_ids, ends):
+            for seq_id, end in zip(self.seq_ids, step.ends):
                 self.allocator.mark_computed(seq_id, end)
-        length = mask.shape[-1]
-        return gather_kv(self.k[layer], tables, length), gather_kv(self.v[layer], tables, length), mask
+        return out.view(batch, length, heads, dim).transpose(1, 2)
 
-    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[int]]:
-        """Where this forward's tokens go, what each query sees, and where each sequence ends."""
-        if len(self.seq_ids) != positions.shape[0]:
-            raise ValueError(f"the batch has {positions.shape[0]} rows but seq_ids names {len(self.seq_ids)} sequences")
-        if not (positions >= 0).any():
+    def _sequence_of_tokens(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The flat index of each real token, and the index in ``seq_ids`` of its sequence."""
+        rows, width = positions.shape
+        if self.query_lens is None and len(self.seq_ids) != rows:
+            raise ValueError(f"the batch has {rows} rows but seq_ids names {len(self.seq_ids)} sequences")
+        if self.query_lens is not None and (rows != 1 or len(self.query_lens) != len(self.seq_ids)
+                                            or sum(self.query_lens) != width or min(self.query_lens) < 1):
+            raise ValueError(f"a ragged batch is one row of sum(query_lens) tokens, one length >= 1 per sequence: "
+                             f"got {rows} rows of {width} for query_lens {self.query_lens} of {len(self.seq_ids)} sequences")
+        tokens = (positions.flatten() >= 0).nonzero()[:, 0]
+        if not len(tokens):
             raise ValueError("the batch has no tokens to run: every position is padding (-1)")
-        ends = (positions.max(dim=1).values + 1).tolist()
-        for seq_id, row, end in zip(self.seq_ids, positions.tolist(), ends):
-            first = min((p for p in row if p >= 0), default=end)
+        if self.query_lens is None:
+            return tokens, tokens // width
+        counts = torch.tensor(self.query_lens, device=positions.device)
+        return tokens, torch.repeat_interleave(torch.arange(len(counts), device=positions.device), counts)
+
+    def _plan(self, positions: Tensor) -> _Batch:
+        """Where this forward's tokens go, what each query sees, and where each sequence ends."""
+        tokens, seq = self._sequence_of_tokens(positions)
+        at = positions.flatten()[tokens]
+        n = len(self.seq_ids)
+        ends = torch.full((n,), -1, device=at.device).scatter_reduce(0, seq, at + 1, reduce="amax").tolist()
+        firsts = torch.full((n,), 2 ** 62, device=at.device).scatter_reduce(0, seq, at, reduce="amin").tolist()
+        counts = torch.bincount(seq, minlength=n).tolist()
+        for seq_id, first, end in zip(self.seq_ids, firsts, ends):
             if end > self.allocator.length(seq_id):
                 raise ValueError(f"position {end - 1} of sequence {seq_id!r} has no slot (it has "
                                  f"{self.allocator.length(seq_id)}): reserve it with add_sequence or append first")
@@ -470,10 +529,15 @@ class PagedKVCache:
                 raise ValueError(f"position {first} of sequence {seq_id!r} is in the cache already (its first "
                                  f"{self.allocator.computed[seq_id]} tokens are): run only the tokens after them")
         tables = self.block_tables()
-        rows, cols = (positions >= 0).nonzero(as_tuple=True)
-        slots = slot_mapping(tables, positions, self.allocator.block_size)[rows, cols]
-        key_positions = torch.arange(max(ends), device=positions.device)[None]
-        return rows, cols, slots, tables, causal_mask(positions, key_positions), ends
+        slots = slot_mapping(tables[seq], at[:, None], self.allocator.block_size)[:, 0]
+        decoding = [i for i, count in enumerate(counts) if count == 1]
+        lengths = torch.tensor([ends[i] for i in decoding], device=at.device)
+        on_own = torch.tensor(counts, device=at.device)[seq] == 1
+        decode_mask = torch.arange(max(lengths.tolist(), default=0), device=at.device) < lengths[:, None]
+        chunks = [(tokens[seq == i], tables[i:i + 1],
+                   causal_mask(at[seq == i][None], torch.arange(ends[i], device=at.device)[None]))
+                  for i, count in enumerate(counts) if count > 1]
+        return _Batch(tokens, slots, tokens[on_own], tables[decoding], decode_mask[:, None, None], chunks, ends)
 
     @property
     def nbytes(self) -> int:
