@@ -112,7 +112,7 @@ class StepPlan:
         return sum(n for _, n in self.scheduled)
 
 
-def preempt_newest(running: list[Request], waiting: deque[Request], allocator: BlockAllocator) -> Request:
+def preempt_newest(waiting: deque[Request], running: list[Request], allocator: BlockAllocator) -> Request:
     """Preempt the most recently admitted running request: free its blocks, forget what it
     computed (it will be recomputed from prompt + output, which it keeps), and put it at the
     front of the queue, so it is the first to be readmitted."""
@@ -190,7 +190,7 @@ class Scheduler:
                 plan.copies += self.allocator.append(request.request_id, new)
                 return True
             except OutOfBlocks:
-                victim = preempt_newest(self.running, self.waiting, self.allocator)
+                victim = preempt_newest(self.waiting, self.running, self.allocator)
                 plan.preempted.append(victim)
                 if victim is request:
                     return False

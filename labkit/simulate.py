@@ -94,4 +94,6 @@ class SimulatedEngine(Engine):
 
     def execute(self, plan: StepPlan, done: Sequence[Request]) -> list[int]:
         self.clock += self.cost.step_time([(n, r.num_computed) for r, n in plan.scheduled])
+        for request, n in plan.scheduled:  # what the paged cache does after a forward pass
+            self.allocator.mark_computed(request.request_id, request.num_computed + n)
         return [0] * len(done)

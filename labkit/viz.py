@@ -11,6 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from labkit.engine import StepRecord
 from labkit.hardware import Hardware
 
 
@@ -37,6 +38,14 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
     return fig
 
 
+PALETTE = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # greys mean cached or idle
+
+
+def colour_of(seq: Hashable) -> tuple[float, ...]:
+    """A sequence's colour, the same in every picture of a run."""
+    return PALETTE[zlib.crc32(str(seq).encode()) % len(PALETTE)]
+
+
 def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[str], columns: int = 16,
                     title: str = "", ax: Axes | None = None) -> Figure:
     """A paged cache's pool as a grid, one square per block: coloured by the sequence that holds
@@ -49,11 +58,6 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
         for block in table:
             owner.setdefault(block, seq)  # a shared block takes its first owner's colour
     shared = Counter(block for table in tables.values() for block in table)
-    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # greys mean cached
-
-    def colour_of(seq: Hashable) -> tuple[float, ...]:  # the same in every picture of a run
-        return palette[zlib.crc32(str(seq).encode()) % len(palette)]
-
     for block, state in enumerate(states):
         row, col = divmod(block, columns)
         color = {"free": "white", "cached": "0.8"}.get(state) or colour_of(owner.get(block))
@@ -67,4 +71,48 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
     ax.set(xlim=(-0.1, columns), ylim=(-rows + 0.9, 1), aspect="equal", title=title)
     ax.axis("off")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+def batch_slots(log: Sequence[StepRecord]) -> list[list[tuple[int, Hashable, int, str]]]:
+    """Per step, (slot, request id, tokens, kind) for each request in the batch: a request keeps
+    the lowest slot free when it first runs until it last runs or is preempted."""
+    last = {rid: i for i, step in enumerate(log) for rid, _, _ in step.batch}
+    slots: dict[Hashable, int] = {}
+    steps = []
+    for i, step in enumerate(log):
+        for rid in step.preempted:
+            slots.pop(rid, None)
+        for rid, _, _ in step.batch:
+            if rid not in slots:
+                slots[rid] = min(set(range(len(slots) + 1)) - set(slots.values()))
+        steps.append([(slots[rid], rid, n, kind) for rid, n, kind in step.batch])
+        for rid, _, _ in step.batch:
+            if last[rid] == i:
+                del slots[rid]
+    return steps
+
+
+def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | None = None) -> Figure:
+    """A serving run over time: one row per batch slot, a bar per request per step, coloured by
+    request; hatched while prefilling, grey while idle (a static batch's finished rows waiting
+    for its longest), a black x where a request was preempted."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 3.5))
+    bars: dict[str, list[tuple[int, float, float, tuple]]] = {"decode": [], "prefill": [], "idle": []}
+    where: dict[Hashable, int] = {}
+    for step, slots in zip(log, batch_slots(log)):
+        for rid in step.preempted:
+            ax.plot(step.start, where[rid], "kx", ms=7)
+        for slot, rid, _, kind in slots:
+            where[rid] = slot
+            bars[kind].append((slot, step.start, step.end - step.start, colour_of(rid)))
+    for kind, style in [("decode", {}), ("prefill", {"hatch": "////", "edgecolor": "white"}), ("idle", {})]:
+        if bars[kind]:
+            slot, left, width, colour = zip(*bars[kind])
+            ax.barh(slot, width, left=left, height=0.85, color="0.85" if kind == "idle" else colour, lw=0, **style)
+    for kind, style in [("decode", {}), ("prefill", {"hatch": "////"}), ("idle", {"color": "0.85"})]:
+        ax.bar(0, 0, color=style.get("color", "tab:blue"), hatch=style.get("hatch"), label=kind)
+    ax.plot([], [], "kx", label="preempted")
+    ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
+    ax.legend(loc="upper right", fontsize=8, ncols=4)
     return fig

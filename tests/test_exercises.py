@@ -183,3 +183,48 @@ def test_lab03_plausible_mistakes_fail():
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
     result = run_cases(get("ex03.4"), unmasked)
     assert result.status == FAILED and 0 < result.passed < result.total
+
+
+def test_lab04_plausible_mistakes_fail():
+    from labkit.engine import admit, preempt_newest, request_metrics
+    from labkit.paged import OutOfBlocks
+
+    def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
+        return admit(waiting, running, allocator, 10**9, max_num_seqs)
+    assert run_cases(get("ex04.1"), unlimited).status == FAILED
+
+    def skips_ahead(waiting, running, allocator, budget, max_num_seqs):  # a later request jumps the queue
+        scheduled = []
+        for request in list(waiting):
+            if budget <= 0 or len(running) >= max_num_seqs:
+                break
+            try:
+                cached = allocator.add_sequence(request.request_id, request.tokens)
+            except OutOfBlocks:
+                continue
+            waiting.remove(request)
+            request.num_computed, request.status = cached, "running"
+            running.append(request)
+            scheduled.append((request, min(len(request.tokens) - cached, budget)))
+            budget -= scheduled[-1][1]
+        return scheduled
+    result = run_cases(get("ex04.1"), skips_ahead)
+    assert result.status == FAILED and 0 < result.passed < result.total
+
+    def oldest(waiting, running, allocator):
+        return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
+    assert run_cases(get("ex04.2"), oldest).status == FAILED
+
+    def keeps_blocks(waiting, running, allocator):  # forgets to free: the blocks leak
+        victim = running.pop()
+        victim.num_computed, victim.status, victim.preemptions = 0, "waiting", victim.preemptions + 1
+        waiting.appendleft(victim)
+        return victim
+    assert run_cases(get("ex04.2"), keeps_blocks).status == FAILED
+
+    def tpot_over_all(arrival, token_times, finish=None):  # divides by n, not n - 1
+        metrics = request_metrics(arrival, token_times, finish)
+        if metrics["tpot"] is not None:
+            metrics["tpot"] = (metrics["e2e"] - metrics["ttft"]) / len(token_times)
+        return metrics
+    assert run_cases(get("ex04.3"), tpot_over_all).status == FAILED

@@ -1,0 +1,148 @@
+"""Notebook 04 (continuous batching): one scheduling step, preemption, latency metrics."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+from labkit.engine import Request, admit, preempt_newest
+from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.generate import SamplingParams
+from labkit.paged import BlockAllocator
+
+State = tuple[deque, list, BlockAllocator]
+
+
+def _request(name: str, prompt_len: int, first_token: int = 1, output: int = 0) -> Request:
+    request = Request(name, list(range(first_token, first_token + prompt_len)), SamplingParams(max_new_tokens=64))
+    request.output = [7] * output
+    return request
+
+
+def _running(allocator: BlockAllocator, *requests: Request) -> list[Request]:
+    """Requests already admitted and computed up to their last token (decoding)."""
+    for request in requests:
+        allocator.add_sequence(request.request_id, request.tokens)
+        allocator.mark_computed(request.request_id, len(request.tokens) - 1)
+        request.num_computed, request.status = len(request.tokens) - 1, "running"
+    return list(requests)
+
+
+def _summary(state: State, result: Any) -> tuple:
+    """What a scheduling function must leave behind: the result (ids), the queues (ids), the
+    pool's free blocks and tables, and each request's progress."""
+    waiting, running, allocator = state
+    allocator.check()
+    ids = [(r.request_id, n) for r, n in result] if isinstance(result, list) else getattr(result, "request_id", result)
+    requests = list(waiting) + running
+    return (ids, [r.request_id for r in waiting], [r.request_id for r in running], allocator.num_free,
+            {s: len(t) for s, t in allocator.tables.items()},
+            {r.request_id: (r.num_computed, r.status, r.preemptions) for r in requests})
+
+
+_FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "free blocks", "blocks per sequence",
+           "each request's (num_computed, status, preemptions)")
+
+
+def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: Callable[..., Any]) -> Scenario:
+    """Run the reference and the student's function on two fresh copies of the same state and
+    compare everything each left behind."""
+    def play(fn: Callable[..., Any]) -> None:
+        state, extra = build()
+        expected = _summary(state, reference(*state, *extra))
+        state, extra = build()
+        got = _summary(state, fn(*state, *extra))
+        for name, want, have in zip(_FIELDS, expected, got):
+            if want != have:
+                raise AssertionError(f"{label}: {name} should be {want}, got {have}")
+    return Scenario(label, play)
+
+
+def _admit_cases() -> list[Scenario]:
+    def queue(*lengths: int) -> deque:
+        return deque(_request(f"r{i}", n, first_token=100 * i) for i, n in enumerate(lengths))
+
+    def fits_all() -> tuple[State, tuple]:
+        return (queue(5, 3, 4), [], BlockAllocator(16, 4)), (64, 8)
+
+    def budget_chunks() -> tuple[State, tuple]:  # the third prompt gets what is left of the budget
+        return (queue(6, 5, 9), [], BlockAllocator(16, 4)), (16, 8)
+
+    def seq_cap() -> tuple[State, tuple]:
+        allocator = BlockAllocator(16, 4)
+        return (queue(2, 2, 2), _running(allocator, _request("old", 3, first_token=900)), allocator), (64, 2)
+
+    def out_of_blocks() -> tuple[State, tuple]:  # the second needs 4 blocks, 3 are left: it and all after wait
+        allocator = BlockAllocator(6, 4)
+        running = _running(allocator, _request("old", 6, first_token=900))
+        return (queue(4, 13, 1), running, allocator), (64, 8)
+
+    def cached_prefix() -> tuple[State, tuple]:  # r0 shares 8 computed tokens with "old": only 3 to run
+        allocator = BlockAllocator(16, 4)
+        running = _running(allocator, _request("old", 10))
+        return (deque([_request("r0", 11), _request("r1", 4, first_token=500)]), running, allocator), (5, 8)
+
+    def empty_budget() -> tuple[State, tuple]:
+        return (queue(3), [], BlockAllocator(4, 4)), (0, 8)
+
+    return [_scenario(label, build, admit) for label, build in [
+        ("three prompts that all fit", fits_all), ("the budget cuts the last prompt into a chunk", budget_chunks),
+        ("max_num_seqs caps the running requests", seq_cap),
+        ("out of blocks: first come, first served, so nobody jumps the queue", out_of_blocks),
+        ("a cached prefix is not run again", cached_prefix), ("no budget left: nothing admitted", empty_budget)]]
+
+
+def _preempt_cases() -> list[Scenario]:
+    def build(n_running: int, waiting: int) -> Callable[[], tuple[State, tuple]]:
+        def state() -> tuple[State, tuple]:
+            allocator = BlockAllocator(32, 4)
+            running = _running(allocator, *[_request(f"run{i}", 3 + 2 * i, 10 * i, output=i) for i in range(n_running)])
+            return (deque(_request(f"wait{i}", 2, 500 + i) for i in range(waiting)), running, allocator), ()
+        return state
+
+    def shared_prefix() -> tuple[State, tuple]:  # the victim shares blocks with an older request
+        allocator = BlockAllocator(16, 4)
+        running = _running(allocator, _request("a", 9), _request("b", 10, output=2))
+        return (deque(), running, allocator), ()
+
+    return [_scenario(label, build_state, preempt_newest) for label, build_state in [
+        ("three running, none waiting", build(3, 0)), ("the victim goes to the front of the queue", build(3, 2)),
+        ("the only running request", build(1, 1)), ("blocks shared with an older request stay with it", shared_prefix)]]
+
+
+def _metric_cases() -> list[Case]:
+    return [  # expected values worked out by hand
+        Case("three tokens, completes with the last", (0.5, [1.0, 1.2, 1.5]),
+             {"ttft": 0.5, "tpot": 0.25, "itl": [0.2, 0.3], "e2e": 1.0}),
+        Case("held after its last token (static batching)", (0.0, [0.4, 0.6, 0.8, 1.0]),
+             {"ttft": 0.4, "tpot": 0.4, "itl": [0.2, 0.2, 0.2], "e2e": 1.6}, kwargs={"finish": 1.6}),
+        Case("a single token has no TPOT", (2.0, [2.25]), {"ttft": 0.25, "tpot": None, "itl": [], "e2e": 0.25}),
+        Case("arrived while the engine was busy", (1.0, [4.0, 4.1, 4.3, 4.6, 5.0]),
+             {"ttft": 3.0, "tpot": 0.25, "itl": [0.1, 0.2, 0.3, 0.4], "e2e": 4.0}),
+    ]
+
+
+EXERCISES = [
+    Exercise(
+        id="ex04.1", title="One scheduling step: admit waiting requests", points=2, function="admit",
+        cases=_admit_cases,
+        hint="Loop while there is a waiting request, budget left and fewer than max_num_seqs running. Look at "
+             "waiting[0] without removing it; allocator.add_sequence(id, request.tokens) gives its slots and "
+             "returns the cached tokens, or raises OutOfBlocks (then stop: first come, first served). Schedule "
+             "min(uncached tokens, budget), set num_computed to the cached count and status 'running', move it "
+             "from waiting to running, and take its tokens off the budget.",
+    ),
+    Exercise(
+        id="ex04.2", title="Preempt the newest request", points=2, function="preempt_newest",
+        cases=_preempt_cases,
+        hint="The newest running request is the last one in `running` (pop it). Free its blocks with "
+             "allocator.free(id); it keeps its prompt and output but nothing is computed any more "
+             "(num_computed = 0, status 'waiting', preemptions + 1); appendleft it to `waiting` and return it.",
+    ),
+    Exercise(
+        id="ex04.3", title="TTFT, TPOT and ITL from timestamps", points=1, function="request_metrics",
+        cases=_metric_cases,
+        hint="ttft = first token time - arrival; e2e = finish - arrival (finish defaults to the last token "
+             "time); tpot = (e2e - ttft) / (tokens - 1), None for one token; itl = the gaps between "
+             "consecutive token times.",
+    ),
+]
