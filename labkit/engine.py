@@ -133,14 +133,13 @@ def admit(waiting: deque[Request], running: list[Request], allocator: BlockAlloc
     scheduled = []
     while waiting and budget > 0 and len(running) < max_num_seqs:
         request = waiting[0]
+        if not chunked_prefill and len(request.tokens) - allocator.cached_length(request.tokens) > budget:
+            break
         try:
             cached = allocator.add_sequence(request.request_id, request.tokens)
         except OutOfBlocks:
             break
         n = min(len(request.tokens) - cached, budget)
-        if n < len(request.tokens) - cached and not chunked_prefill:
-            allocator.free(request.request_id)
-            break
         waiting.popleft()
         request.num_computed = request.cached_tokens = cached
         request.status = RUNNING
@@ -228,6 +227,16 @@ def _kind(request: Request, n: int) -> str:
     return "decode" if request.output and n == 1 and request.num_computed == len(request.tokens) - 1 else "prefill"
 
 
+def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
+    """ValueError unless the request's tokens are in the vocabulary and it fits the context."""
+    if max(request.prompt) >= vocab_size:
+        raise ValueError(f"request {request.request_id!r}: token {max(request.prompt)} is outside the "
+                         f"vocabulary of {vocab_size}")
+    if request.max_tokens > max_seq_len:
+        raise ValueError(f"request {request.request_id!r}: {len(request.prompt)} prompt tokens + "
+                         f"{request.params.max_new_tokens} new ones exceed max_seq_len={max_seq_len}")
+
+
 def _is_done(request: Request, eos_id: int | None) -> bool:
     stopped = request.params.stop_at_eos and eos_id is not None and request.output[-1] == eos_id
     return stopped or len(request.output) >= request.params.max_new_tokens
@@ -268,12 +277,7 @@ class Engine:
 
     def validate(self, request: Request) -> None:
         """A clear error for a request this engine could never serve."""
-        if max(request.prompt) >= self.vocab_size:
-            raise ValueError(f"request {request.request_id!r}: token {max(request.prompt)} is outside the "
-                             f"vocabulary of {self.vocab_size}")
-        if request.max_tokens > self.max_seq_len:
-            raise ValueError(f"request {request.request_id!r}: {len(request.prompt)} prompt tokens + "
-                             f"{request.params.max_new_tokens} new ones exceed max_seq_len={self.max_seq_len}")
+        check_fits(request, self.vocab_size, self.max_seq_len)
         need, size = blocks_for(request.max_tokens, self.allocator.block_size), self.allocator.block_size
         if need > self.allocator.num_blocks:
             raise ValueError(f"request {request.request_id!r} needs {need} blocks of {size} tokens but the pool "
@@ -355,9 +359,7 @@ def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
         raise ValueError(f"batch_size={batch_size} must be at least 1")
     requests = list(requests)
     for request in requests:
-        if request.max_tokens > model.config.max_seq_len:
-            raise ValueError(f"request {request.request_id!r}: {request.max_tokens} tokens exceed "
-                             f"max_seq_len={model.config.max_seq_len}")
+        check_fits(request, model.config.vocab_size, model.config.max_seq_len)
     pending, log, start = deque(sorted(requests, key=lambda r: r.arrival_time)), [], time.perf_counter()
     now: Callable[[], float] = lambda: time.perf_counter() - start  # noqa: E731
     while pending:
@@ -403,10 +405,12 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
                     active.remove(request)
             if not active:
                 break
+            # a finished row still runs (its slot is held), as padding: nothing of it is stored
             fed = torch.tensor([[r.output[-1]] for r in batch], device=weight.device)
-            positions = torch.tensor([[len(r.prompt) + step] for r in batch], device=weight.device)
+            positions = torch.tensor([[len(r.prompt) + step if r in active else -1] for r in batch], device=weight.device)
+    end = now()
     for request in batch:
-        request.status, request.finish_time, request.num_computed = FINISHED, now(), len(request.tokens) - 1
+        request.status, request.finish_time, request.num_computed = FINISHED, end, len(request.tokens) - 1
 
 
 def request_metrics(arrival: float, token_times: Sequence[float], finish: float | None = None) -> dict:
@@ -435,7 +439,7 @@ def summarize(requests: Sequence[Request]) -> dict[str, float]:
     for name in ("ttft", "tpot", "itl", "e2e"):
         values = [v for m in per_request for v in (m[name] if name == "itl" else [m[name]]) if v is not None]
         data = torch.tensor(values or [math.nan], dtype=torch.float64) * 1e3
-        figures.update({f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(data.median()),
+        figures.update({f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(data.quantile(0.5)),
                         f"p99_{name}_ms": float(data.quantile(0.99))})
     return figures
 

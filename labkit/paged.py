@@ -236,7 +236,7 @@ class BlockAllocator(BlockPool):
             raise ValueError(f"sequence {seq_id!r} already exists")
         if not prompt:
             raise ValueError("the prompt is empty: a sequence starts with at least one token")
-        hits = self._cached_prefix(prompt)[:(len(prompt) - 1) // self.block_size]
+        hits = self._reusable_prefix(prompt)
         reviving = sum(self.ref_count[block] == 0 for _, block in hits)
         self._ensure_free(blocks_for(len(prompt), self.block_size) - len(hits) + reviving)
         for _, block in hits:
@@ -248,6 +248,14 @@ class BlockAllocator(BlockPool):
         self.tokens[seq_id], self.computed[seq_id], self.names[seq_id] = list(prompt[:cached]), cached, hits
         self.append(seq_id, prompt[cached:])
         return cached
+
+    def cached_length(self, prompt: Sequence[int]) -> int:
+        """How many of the prompt's tokens ``add_sequence`` would find in the cache now."""
+        return len(self._reusable_prefix(prompt)) * self.block_size
+
+    def _reusable_prefix(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
+        """The cached blocks a new sequence with this prompt reuses: never the last token's block."""
+        return self._cached_prefix(prompt)[:(len(prompt) - 1) // self.block_size]
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Reserve slots for ``tokens`` after ``seq_id``'s last one. If its last block is partly

@@ -71,7 +71,8 @@ class SimulatedEngine(Engine):
     def __init__(self, cost: CostModel, num_blocks: int | None = None, block_size: int = 16,
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True) -> None:
         self.cost, self.eos_id = cost, None
-        self.allocator = BlockAllocator(num_blocks or cost.kv_blocks(block_size), block_size, prefix_caching)
+        self.allocator = BlockAllocator(cost.kv_blocks(block_size) if num_blocks is None else num_blocks, block_size,
+                                        prefix_caching)
         self.scheduler = Scheduler(self.allocator, config)
         self.log, self.clock = [], 0.0
 
