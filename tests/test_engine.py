@@ -609,7 +609,7 @@ def test_other_bad_arguments_are_refused_by_name():
             make_workload(n, uniform(1, 2), uniform(1, 2), rate=rate)
     with pytest.raises(ValueError, match="batch_size=0 must be at least 1"):
         run_static(MODEL, [Request("x", [1], params(1))], 0)
-    with pytest.raises(ValueError, match="'y': 100 prompt tokens \+ 30 new ones exceed max_seq_len=128"):
+    with pytest.raises(ValueError, match=r"'y': 100 prompt tokens \+ 30 new ones exceed max_seq_len=128"):
         run_static(MODEL, [Request("y", [1] * 100, params(30))], 1)
     unfinished = Request("u", [1], params(1))
     with pytest.raises(ValueError, match="requests have all finished"):
