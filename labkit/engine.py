@@ -371,7 +371,7 @@ def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
     return requests, log
 
 
-def _padded_prompts(batch: Sequence[Request], device: torch.device) -> tuple[Tensor, Tensor]:
+def padded_prompts(batch: Sequence[Request], device: torch.device) -> tuple[Tensor, Tensor]:
     """Prompts left-padded to the longest: token ids (0 at padding) and positions (-1 there)."""
     width = max(len(r.prompt) for r in batch)
     tokens = [[0] * (width - len(r.prompt)) + r.prompt for r in batch]
@@ -383,7 +383,7 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
                log: list[StepRecord]) -> None:
     weight = next(model.parameters())
     steps = max(r.params.max_new_tokens for r in batch)
-    fed, positions = _padded_prompts(batch, weight.device)
+    fed, positions = padded_prompts(batch, weight.device)
     cache = ContiguousKVCache(model.config, len(batch), fed.shape[1] + steps, weight.dtype, weight.device)
     for r in batch:
         r.status = RUNNING

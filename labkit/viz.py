@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from labkit.engine import StepRecord
 from labkit.hardware import Hardware
@@ -100,12 +101,14 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 3.5))
     bars: dict[str, list[tuple[int, float, float, tuple]]] = {"decode": [], "prefill": [], "idle": []}
     where: dict[Hashable, int] = {}
+    colours: dict[Hashable, tuple] = {}  # in order of arrival, so that neighbours differ
     for step, slots in zip(log, batch_slots(log)):
         for rid in step.preempted:
             ax.plot(step.start, where[rid], "kx", ms=7)
         for slot, rid, _, kind in slots:
             where[rid] = slot
-            bars[kind].append((slot, step.start, step.end - step.start, colour_of(rid)))
+            colour = colours.setdefault(rid, PALETTE[len(colours) % len(PALETTE)])
+            bars[kind].append((slot, step.start, step.end - step.start, colour))
     for kind, style in [("decode", {}), ("prefill", {"hatch": "////", "edgecolor": "white"}), ("idle", {})]:
         if bars[kind]:
             slot, left, width, colour = zip(*bars[kind])
@@ -114,5 +117,6 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
         ax.bar(0, 0, color=style.get("color", "tab:blue"), hatch=style.get("hatch"), label=kind)
     ax.plot([], [], "kx", label="preempted")
     ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(loc="upper right", fontsize=8, ncols=4)
     return fig

@@ -1,0 +1,266 @@
+"""Continuous against static batching and transformers' generate(), and prefix caching.
+
+    .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
+
+1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
+   uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
+   length) through three systems on the shipped ``target`` model, fp32, this CPU, each with the
+   same KV-cache memory of ``--kv-tokens`` token slots:
+   - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
+     as many requests as the blocks hold (up to ``--max-num-seqs``) and preempting when they
+     run out;
+   - static batching: ``run_static``, whose padded batch reserves for each request the longest
+     prompt plus the longest output it may produce (256 + 256 = 512 slots): kv_tokens / 512
+     requests per batch (8 by default);
+   - transformers: ``LlamaForCausalLM.generate()`` on the same weights, batches of that size in
+     request order, left-padded, greedy, every row running to the batch's longest output (the
+     same padded work as static batching); each request keeps its first n tokens.
+   Output throughput is the sum of the drawn output lengths over the wall time of the run. The
+   systems run one after another in one process (A B C A B C with ``--repeats``; the run with
+   the median wall time is shown), after a warm-up of each on a few requests. A statically
+   batched request completes with its batch (``run_static``), so its TPOT includes the wait for
+   the batch's longest member.
+2. Prefix caching. ``--prefix-requests`` requests, each a shared ``--prefix``-token prefix (random
+   tokens), then a 16 to 64-token question, answered in 16 to 32 tokens, through the ``Engine``
+   with and without prefix caching (a fresh engine each, the same pool). The outputs must be
+   identical; with caching, every request after the first reads the prefix's keys and values
+   from the cache instead of recomputing them, which cuts the time to its first token.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+import transformers
+from transformers import LlamaForCausalLM
+
+import labkit
+from labkit.device import device_name
+from labkit.engine import (Engine, Request, SchedulerConfig, padded_prompts, lognormal, make_workload, run_static,
+                           summarize, uniform)
+from labkit.load import save_hf
+from labkit.model import Transformer
+
+T = TypeVar("T")
+PROMPT = dict(median=64, sigma=0.8, low=8)  # throughput part: lognormal, clipped to [low, --max-prompt]
+QUESTION, ANSWER = (16, 64), (16, 32)  # prefix part: lengths after the prefix, and of the outputs
+GOALS = {"continuous / static": 3.0, "continuous / transformers": 3.0, "TTFT cut by prefix caching": 5.0}
+
+
+@dataclass
+class Run:
+    """One system's run: its wall time, the tokens each request generated, the engine's metrics
+    (``summarize``; None for transformers), how it batched, and the engine's preemptions and
+    prompt tokens read from the prefix cache."""
+
+    name: str
+    wall_s: float
+    outputs: list[list[int]]
+    figures: dict | None
+    batching: str
+    preemptions: int = 0
+    cached_tokens: int = 0
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def run_engine(name: str, model: Transformer, requests: list[Request], num_blocks: int, block_size: int,
+               config: SchedulerConfig, prefix_caching: bool = True) -> Run:
+    def serve() -> tuple[Engine, list[Request]]:
+        engine = Engine(model, num_blocks, block_size, config, prefix_caching)  # the pool is allocated in the timing
+        return engine, engine.run(requests)
+    wall, (engine, done) = timed(serve)
+    peak = max(len(step.batch) for step in engine.log)
+    return Run(name, wall, [r.output for r in done], summarize(done), f"paged, up to {peak}",
+               sum(r.preemptions for r in done), sum(r.cached_tokens for r in done))
+
+
+def run_static_batches(name: str, model: Transformer, requests: list[Request], batch_size: int) -> Run:
+    wall, (done, _) = timed(lambda: run_static(model, requests, batch_size))
+    return Run(name, wall, [r.output for r in done], summarize(done), f"padded, {batch_size}")
+
+
+def run_transformers(name: str, hf: LlamaForCausalLM, requests: list[Request], batch_size: int) -> Run:
+    """Batches of ``batch_size`` in order, left-padded with 0 (``padded_prompts``, masked out),
+    greedy, no early stop: every row generates the batch's longest drawn output."""
+    def generate() -> list[list[int]]:
+        outputs = []
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            ids, positions = padded_prompts(batch, torch.device("cpu"))
+            new = max(r.params.max_new_tokens for r in batch)
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=(positions >= 0).long(), do_sample=False, max_new_tokens=new,
+                                  min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+            width = ids.shape[1]
+            outputs += [row[width:width + r.params.max_new_tokens].tolist() for row, r in zip(out, batch)]
+        return outputs
+    wall, outputs = timed(generate)
+    return Run(name, wall, outputs, None, f"padded, {batch_size}")
+
+
+def median_runs(runs: list[Run]) -> dict[str, Run]:
+    """Per system, the run with the median wall time (the lower middle one of an even count)."""
+    by_name: dict[str, list[Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    return {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in by_name.items()}
+
+
+def alternate(systems: dict[str, Callable[[list[Request]], Run]], workload: Callable[..., list[Request]],
+              warmup: int, repeats: int) -> dict[str, Run]:
+    """Warm each system up on ``warmup`` other requests, then run them in turn ``repeats`` times,
+    each on a fresh copy of the workload; the median run of each."""
+    for system in systems.values():
+        system(workload(warmup, seed=100))
+    return median_runs([system(workload()) for _ in range(repeats) for system in systems.values()])
+
+
+def print_table(runs: dict[str, Run], output_tokens: int) -> None:
+    print(f"{'':<30}{'batching':>16}{'wall s':>8}{'out tok/s':>11}{'req/s':>7}{'preempt':>9}"
+          f"{'TTFT ms: mean':>15}{'p99':>8}{'TPOT ms: mean':>15}{'p99':>7}")
+    for run in runs.values():
+        f = run.figures
+        latency = (f"{f['mean_ttft_ms']:>15.0f}{f['p99_ttft_ms']:>8.0f}{f['mean_tpot_ms']:>15.1f}"
+                   f"{f['p99_tpot_ms']:>7.1f}" if f else f"{'-':>15}{'-':>8}{'-':>15}{'-':>7}")
+        print(f"{run.name:<30}{run.batching:>16}{run.wall_s:>8.1f}{output_tokens / run.wall_s:>11.1f}"
+              f"{len(run.outputs) / run.wall_s:>7.2f}{run.preemptions:>9}{latency}")
+
+
+def agreement(a: Run, b: Run) -> str:
+    same = sum(x == y for x, y in zip(a.outputs, b.outputs))
+    return f"{same}/{len(a.outputs)} requests"
+
+
+def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]:
+    def workload(n: int = args.requests, seed: int = 0) -> list[Request]:
+        return make_workload(n, lognormal(**PROMPT, high=args.max_prompt), uniform(args.min_output, args.max_output),
+                             vocab_size=model.config.vocab_size, seed=seed)
+    batch = args.kv_tokens // (args.max_prompt + args.max_output)
+    if batch < 1:
+        raise ValueError(f"--kv-tokens {args.kv_tokens} is less than one padded request, "
+                         f"{args.max_prompt} + {args.max_output} slots")
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, Path(tmp))
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
+    blocks = args.kv_tokens // args.block_size
+    hf_name, wide = "transformers generate()", f"static, unconstrained batch {args.requests}"
+    systems = {"static": lambda w: run_static_batches("static", model, w, batch),
+               "continuous": lambda w: run_engine("continuous", model, w, blocks, args.block_size, config),
+               hf_name: lambda w: run_transformers(hf_name, hf, w, batch)}
+    if args.also_unconstrained:
+        systems[wide] = lambda w: run_static_batches(wide, model, w, args.requests)
+    requests = workload()
+    output_tokens = sum(r.params.max_new_tokens for r in requests)
+    prompts = [len(r.prompt) for r in requests]
+    print(f"\n1. Throughput: {len(requests)} requests at t=0, prompts {min(prompts)}..{max(prompts)} tokens "
+          f"(mean {statistics.mean(prompts):.0f}), outputs uniform in [{args.min_output}, {args.max_output}] "
+          f"({output_tokens} tokens, EOS ignored)")
+    print(f"KV memory {args.kv_tokens} token slots for each: continuous {blocks} blocks of {args.block_size} "
+          f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}); static and "
+          f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})\n")
+    runs = alternate(systems, workload, args.warmup, args.repeats)
+    print_table(runs, output_tokens)
+    cont = runs["continuous"]
+    ratios = {"continuous / static": runs["static"].wall_s / cont.wall_s,
+              "continuous / transformers": runs[hf_name].wall_s / cont.wall_s}
+    print("\noutput tok/s " + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    print(f"greedy outputs equal to continuous's: static {agreement(runs['static'], cont)}, "
+          f"transformers {agreement(runs[hf_name], cont)} (float differences can flip late tokens)")
+    return ratios
+
+
+def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, float]:
+    needed = args.prefix + QUESTION[1] + ANSWER[1]
+    long = Transformer(replace(model.config, max_seq_len=max(model.config.max_seq_len, needed)))
+    long.load_state_dict(model.state_dict())
+    long.store_weights_column_major()
+    long.eval()
+    vocab = model.config.vocab_size
+    prefix = torch.randint(vocab, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def workload(n: int = args.prefix_requests, seed: int = 1) -> list[Request]:
+        return make_workload(n, uniform(*QUESTION), uniform(*ANSWER), rate=args.rate, vocab_size=vocab,
+                             prefix=prefix, seed=seed)
+    config = SchedulerConfig(max_num_seqs=args.prefix_requests, max_num_batched_tokens=args.max_batched_tokens)
+    names = {True: "prefix caching", False: "no prefix caching"}
+    systems = {name: (lambda w, c=caching, name=name: run_engine(name, long, w, args.prefix_blocks, args.block_size,
+                                                                 config, prefix_caching=c))
+               for caching, name in names.items()}
+    arrivals = "all at t=0" if args.rate is None else f"Poisson arrivals at {args.rate} requests/s"
+    print(f"\n2. Prefix caching: {args.prefix_requests} requests, {arrivals}: a shared {args.prefix}-token prefix, "
+          f"then {QUESTION[0]}..{QUESTION[1]} tokens of question, {ANSWER[0]}..{ANSWER[1]} output tokens; "
+          f"{args.prefix_blocks} blocks of {args.block_size}, max_num_seqs {args.prefix_requests}, "
+          f"max_num_batched_tokens {args.max_batched_tokens}")
+    if needed > model.config.max_seq_len:
+        print(f"(the same weights with max_seq_len {long.config.max_seq_len}: positions past {model.config.max_seq_len} "
+              f"are beyond the training length, so the outputs mean little, which does not change the timing)")
+    print()
+    runs = alternate(systems, workload, args.warmup, args.repeats)
+    on, off = runs[names[True]], runs[names[False]]
+    assert on.outputs == off.outputs, "prefix caching changed the outputs"
+    print(f"{'':<20}{'wall s':>8}{'out tok/s':>11}{'TTFT ms: mean':>15}{'p99':>8}{'cached tokens':>15}")
+    for run in (off, on):
+        f = run.figures
+        print(f"{run.name:<20}{run.wall_s:>8.1f}{sum(map(len, run.outputs)) / run.wall_s:>11.1f}{f['mean_ttft_ms']:>15.0f}"
+              f"{f['p99_ttft_ms']:>8.0f}{run.cached_tokens:>15}")
+    ratio = off.figures["mean_ttft_ms"] / on.figures["mean_ttft_ms"]
+    print(f"\nmean TTFT without / with prefix caching: {ratio:.1f}x; outputs identical: True")
+    return {"TTFT cut by prefix caching": ratio}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="target")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=256,
+                        help=f"prompt lengths: lognormal, median {PROMPT['median']}, in [{PROMPT['low']}, this]")
+    parser.add_argument("--min-output", type=int, default=16, help="output lengths: uniform in [this, --max-output]")
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--kv-tokens", type=int, default=4096, help="KV-cache memory of each system, in token slots")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=512, help="the engine's token budget per step")
+    parser.add_argument("--also-unconstrained", action="store_true",
+                        help="also static batching with every request in one batch (slow)")
+    parser.add_argument("--prefix", type=int, default=1024, help="shared prefix length, tokens")
+    parser.add_argument("--prefix-requests", type=int, default=16)
+    parser.add_argument("--prefix-blocks", type=int, default=2048)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="prefix part: arrivals per second, Poisson (default: all at 0)")
+    parser.add_argument("--warmup", type=int, default=4, help="requests in each system's warm-up run")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: torch's")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    transformers.logging.disable_progress_bar()
+    device = torch.device("cpu")
+    model, _ = labkit.load(args.model, device=device)
+    print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}  transformers "
+          f"{transformers.__version__}  model {args.model} ({model.num_parameters():,} parameters, fp32)")
+    print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
+    ratios = throughput(model, args) | prefix_caching(model, args)
+    met = {name: ratios[name] >= goal for name, goal in GOALS.items()}
+    print(f"\ngoals ({time.perf_counter() - start:.0f} s in all):")
+    for name, goal in GOALS.items():
+        print(f"  {name} >= {goal:g}x: {ratios[name]:.2f}x, {'met' if met[name] else 'MISSED'}")
+    return 0 if all(met.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
