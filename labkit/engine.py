@@ -107,10 +107,6 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 def preempt_newest(waiting: deque[Request], running: list[Request], allocator: BlockAllocator) -> Request:
     """Preempt the most recently admitted running request: free its blocks, forget what it
@@ -132,14 +128,14 @@ def admit(waiting: deque[Request], running: list[Request], allocator: BlockAlloc
     (all of them, or it waits, without ``chunked_prefill``). Returns [(request, tokens)]."""
     scheduled = []
     while waiting and budget > 0 and len(running) < max_num_seqs:
-        request = waiting[0]
-        if not chunked_prefill and len(request.tokens) - allocator.cached_length(request.tokens) > budget:
+        request, tokens = waiting[0], waiting[0].tokens
+        if not chunked_prefill and len(tokens) - allocator.cached_length(tokens) > budget:
             break
         try:
-            cached = allocator.add_sequence(request.request_id, request.tokens)
+            cached = allocator.add_sequence(request.request_id, tokens)
         except OutOfBlocks:
             break
-        n = min(len(request.tokens) - cached, budget)
+        n = min(len(tokens) - cached, budget)
         waiting.popleft()
         request.num_computed = request.cached_tokens = cached
         request.status = RUNNING
@@ -224,7 +220,7 @@ def sample(logits: Tensor, requests: Sequence[Request]) -> list[int]:
 def _kind(request: Request, n: int) -> str:
     """"decode" when the step runs only the request's newest generated token, else "prefill"
     (a prompt, a chunk of one, or a preempted request's recomputation)."""
-    return "decode" if request.output and n == 1 and request.num_computed == len(request.tokens) - 1 else "prefill"
+    return "decode" if request.output and n == 1 and request.to_compute == 1 else "prefill"
 
 
 def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
@@ -316,9 +312,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-        done = [r for r, n in plan.scheduled if r.num_computed + n == len(r.tokens)]  # they get a token
+        rows = [i for i, (r, n) in enumerate(plan.scheduled) if n == r.to_compute]  # their last token runs
+        done = [plan.scheduled[i][0] for i in rows]  # so they get a new one
         batch = [(r.request_id, n, _kind(r, n)) for r, n in plan.scheduled]
-        tokens = self.execute(plan, done)
+        tokens = self.execute(plan, rows)
         end, finished = self.now(), []
         for request, n in plan.scheduled:
             request.num_computed += n
@@ -332,9 +329,9 @@ class Engine:
         self.log.append(StepRecord(start, end, batch, [r.request_id for r in plan.preempted]))
         return finished
 
-    def execute(self, plan: StepPlan, done: Sequence[Request]) -> list[int]:
+    def execute(self, plan: StepPlan, rows: Sequence[int]) -> list[int]:
         """One forward pass over the plan's tokens as a ragged batch; the next token of each
-        request in ``done`` (those whose last token runs in this step)."""
+        request at ``rows`` of the plan (those whose last token runs in this step)."""
         self.cache.copy_blocks(plan.copies)
         device = self.cache.k.device
         tokens = [t for r, n in plan.scheduled for t in r.tokens[r.num_computed:r.num_computed + n]]
@@ -342,11 +339,10 @@ class Engine:
         self.cache.seq_ids = [r.request_id for r, _ in plan.scheduled]
         self.cache.query_lens = [n for _, n in plan.scheduled]
         last = torch.tensor(self.cache.query_lens).cumsum(0) - 1
-        wanted = [i for i, (r, n) in enumerate(plan.scheduled) if r.num_computed + n == len(r.tokens)]
         with torch.no_grad():
             logits = self.model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
                                 self.cache)[0]
-        return sample(logits[last[wanted].to(device)], done)
+        return sample(logits[last[list(rows)].to(device)], [plan.scheduled[i][0] for i in rows])
 
 
 def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,

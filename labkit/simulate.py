@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from labkit.engine import Engine, Request, Scheduler, SchedulerConfig, StepPlan
+from labkit.engine import Engine, Scheduler, SchedulerConfig, StepPlan
 from labkit.hardware import Hardware
 from labkit.memory import ModelShape, bytes_per_element, kv_bytes_per_token, weight_bytes
 from labkit.paged import BlockAllocator, num_blocks_for_memory
@@ -93,8 +93,8 @@ class SimulatedEngine(Engine):
     def reset_clock(self) -> None:
         self.clock = 0.0
 
-    def execute(self, plan: StepPlan, done: Sequence[Request]) -> list[int]:
+    def execute(self, plan: StepPlan, rows: Sequence[int]) -> list[int]:
         self.clock += self.cost.step_time([(n, r.num_computed) for r, n in plan.scheduled])
         for request, n in plan.scheduled:  # what the paged cache does after a forward pass
             self.allocator.mark_computed(request.request_id, request.num_computed + n)
-        return [0] * len(done)
+        return [0] * len(rows)
