@@ -38,7 +38,7 @@ from torch import Tensor
 
 from labkit.generate import SamplingParams, next_token
 from labkit.model import ContiguousKVCache, Transformer
-from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for
+from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -455,10 +455,7 @@ def lognormal(median: float, sigma: float, low: int, high: int) -> LengthDistrib
     short, a few long, as in real chat traffic."""
     if not (median > 0 and sigma >= 0 and 1 <= low <= high):
         raise ValueError(f"lognormal({median}, {sigma}, {low}, {high}): need median > 0, sigma >= 0, 1 <= low <= high")
-    def draw(n: int, generator: torch.Generator) -> list[int]:
-        draws = torch.exp(math.log(median) + sigma * torch.randn(n, generator=generator, dtype=torch.float64))
-        return draws.round().clamp(low, high).long().tolist()
-    return draw
+    return lambda n, generator: lognormal_lengths(n, median, sigma, low, high, generator)
 
 
 def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: LengthDistribution, *,

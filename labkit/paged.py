@@ -54,9 +54,11 @@ def num_blocks_for_memory(model: ModelShape, memory_bytes: float, block_size: in
     return math.floor(memory_bytes / (kv_bytes_per_token(model, dtype) * block_size))
 
 
-def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
-    """``n`` token counts, lognormal around ``median`` (spread ``sigma``), clipped to [low, high]."""
-    generator = torch.Generator().manual_seed(seed)
+def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
+                      seed: int | torch.Generator) -> list[int]:
+    """``n`` token counts, lognormal around ``median`` (spread ``sigma``), clipped to [low, high];
+    drawn from ``seed``, a generator or the seed of a fresh one."""
+    generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     draws = torch.exp(math.log(median) + sigma * torch.randn(n, generator=generator, dtype=torch.float64))
     return draws.round().clamp(low, high).long().tolist()
 
