@@ -39,10 +39,16 @@ def matmul_weights(config: ModelConfig) -> int:
     return config.n_layers * per_layer + config.d_model * config.vocab_size
 
 
+def attention_flops(n_layers: int, n_heads: int, head_dim: int, tokens: int, cached: int = 0) -> float:
+    """FLOPs of attention for ``tokens`` new queries after ``cached`` tokens in the cache: the
+    q.k scores and the weighted sum of values, 2 FLOPs each per key, in every head and layer."""
+    keys_attended = tokens * cached + tokens * (tokens + 1) / 2  # query i sees cached + i + 1 keys
+    return 4 * n_layers * n_heads * head_dim * keys_attended
+
+
 def forward_flops(config: ModelConfig, tokens: int, cached: int = 0) -> float:
     """FLOPs of one forward pass of ``tokens`` new tokens after ``cached`` tokens in the cache."""
-    keys_attended = tokens * cached + tokens * (tokens + 1) / 2  # query i sees cached + i + 1 keys
-    attention = 4 * config.n_layers * config.n_heads * config.head_dim * keys_attended
+    attention = attention_flops(config.n_layers, config.n_heads, config.head_dim, tokens, cached)
     return 2 * matmul_weights(config) * tokens + attention
 
 

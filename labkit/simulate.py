@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from labkit.cost import attention_flops
 from labkit.engine import Engine, Scheduler, SchedulerConfig, StepPlan
 from labkit.hardware import Hardware
 from labkit.memory import ModelShape, bytes_per_element, kv_bytes_per_token, weight_bytes
@@ -43,8 +44,8 @@ class CostModel:
     def flops(self, batch: Sequence[tuple[int, int]]) -> float:
         """FLOPs of a step running (new tokens, cached tokens before them) per request."""
         m = self.model
-        keys = sum(n * c + n * (n + 1) / 2 for n, c in batch)
-        return 2 * m.n_params * sum(n for n, _ in batch) + 4 * m.n_layers * m.n_heads * m.head_dim * keys
+        attention = sum(attention_flops(m.n_layers, m.n_heads, m.head_dim, n, c) for n, c in batch)
+        return 2 * m.n_params * sum(n for n, _ in batch) + attention
 
     def bytes(self, batch: Sequence[tuple[int, int]]) -> float:
         weights = self.model.n_params * bytes_per_element(self.weight_dtype)
