@@ -187,8 +187,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
 def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, float]:
     needed = args.prefix + QUESTION[1] + ANSWER[1]
     long = Transformer(replace(model.config, max_seq_len=max(model.config.max_seq_len, needed)))
-    long.load_state_dict(model.state_dict())
-    long.store_weights_column_major()
+    long.load_state_dict(model.state_dict())  # copies into the column-major weights __init__ laid out
     long.eval()
     vocab = model.config.vocab_size
     prefix = torch.randint(vocab, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
