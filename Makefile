@@ -32,7 +32,7 @@ lab: $(STAMP)
 test: test-unit test-notebooks
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests --durations=10 $(PYTEST_ARGS)
 
 # Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
 # the student copies must run top to bottom with every exercise still a stub.

@@ -9,10 +9,13 @@ The tokenizer is a byte-level BPE (4096 tokens) trained on the train split by
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import platform
+import re
 import sysconfig
+import textwrap
 import tokenize
 from pathlib import Path
 
@@ -54,6 +57,19 @@ def read_texts(files: list[Path]) -> list[str]:
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
     return texts
+
+
+@functools.cache
+def functions(split: str) -> tuple[str, ...]:
+    """Every function in the split's files (a ``def`` line up to the first blank line, dedented),
+    in file order: prompts for the generation labs."""
+    found: list[str] = []
+    for text in read_texts(source_files(split)):
+        found += [textwrap.dedent(m.group(0)) for m in _FUNCTION.finditer(text)]
+    return tuple(found)
+
+
+_FUNCTION = re.compile(r"^[ \t]*def \w+\(.*?(?=\n[ \t]*\n|\Z)", re.M | re.S)
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:

@@ -77,15 +77,19 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution sampling draws from (temperature > 0): fp32 probabilities, [..., vocab]."""
+    return filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
+
+
 def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
     """The next token id for each row of ``logits`` ([batch, vocab])."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    probs = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator).squeeze(-1)
 
 
-def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+def seeded_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     if params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(params.seed)
@@ -104,7 +108,7 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
                          f"context limit max_seq_len={model.config.max_seq_len}")
     device = next(model.parameters()).device
     counters = counters if counters is not None else Counters()
-    generator = _generator(params, device)
+    generator = seeded_generator(params, device)
     if use_cache and cache is None:
         cache = ContiguousKVCache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
     fed = torch.tensor([list(prompt)], device=device)  # what the next forward call runs
@@ -123,21 +127,21 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
             fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
 
 
-def decode_step(model: Transformer, context: int) -> Callable[[], Tensor]:
-    """One cached decode step, a single token at position ``context`` after ``context`` cached
-    ones, as a callable to time that returns the logits: each call forgets its own token, so every call
-    does the same work."""
+def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:
+    """One cached forward call of ``tokens`` new tokens (1: a decode step; more: what speculative
+    decoding's verification runs) after ``context`` cached ones, as a callable to time that returns
+    the logits: each call forgets its own tokens, so every call does the same work."""
     weight = next(model.parameters())
     device = weight.device
-    cache = ContiguousKVCache(model.config, 1, context + 1, dtype=weight.dtype, device=device)
+    cache = ContiguousKVCache(model.config, 1, context + tokens, dtype=weight.dtype, device=device)
     with torch.no_grad():
         model(torch.zeros(1, context, dtype=torch.long, device=device), None, cache)
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    position = torch.tensor([[context]], device=device)
+    fed = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    positions = torch.arange(context, context + tokens, device=device)[None]
 
     def step() -> Tensor:
         with torch.no_grad():
-            logits = model(token, position, cache)
+            logits = model(fed, positions, cache)
         cache.truncate([context])
         return logits
     return step

@@ -1,6 +1,7 @@
 """Plots shared by the notebooks. Each returns its matplotlib Figure."""
 from __future__ import annotations
 
+import html
 import zlib
 from collections import Counter
 from typing import Hashable, Iterable, Mapping, Sequence
@@ -120,3 +121,27 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(loc="upper right", fontsize=8, ncols=4)
     return fig
+
+
+SPECULATION_STYLES = {  # how each kind of token is shown in a speculative run's text
+    "accepted": "background:#c8e6c9",  # drafted, and the target agreed
+    "rejected": "background:#ffcdd2;text-decoration:line-through",  # drafted, not kept (the first one
+    # rejected, and any after it, never checked)
+    "target": "background:#ffe0b2",  # the target's own token: after a rejection, or with nothing drafted
+    "bonus": "background:#bbdefb",  # the target's token after all drafts were accepted
+}
+
+
+def speculation_html(rounds: Sequence, decode) -> str:
+    """A speculative run's text as HTML, each token coloured by how it came about (a legend
+    first); ``rounds`` are ``labkit.speculative.Round``s, ``decode`` maps a token id to its text."""
+    def span(token: int, kind: str) -> str:
+        text = html.escape(decode(token)).replace("\n", "↵<br>").replace(" ", "&nbsp;")
+        return f'<span style="{SPECULATION_STYLES[kind]}" title="{kind}">{text}</span>'
+    legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>' for kind, style in SPECULATION_STYLES.items())
+    body = []
+    for r in rounds:
+        body += [span(t, "accepted") for t in r.draft[:r.accepted]]
+        body += [span(t, "rejected") for t in r.draft[r.accepted:]]
+        body.append(span(r.token, "bonus" if r.bonus else "target"))
+    return f'<div>{legend}</div><div style="font-family:monospace;line-height:1.6">{"".join(body)}</div>'

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from labkit.corpus import EOS, source_files, split_of, stdlib_root
+from labkit.corpus import EOS, functions, source_files, split_of, stdlib_root
 from labkit.load import TOKENIZER
 
 
@@ -25,3 +25,10 @@ def test_shipped_tokenizer_round_trips_python_exactly():
     ids = tokenizer.encode(text).ids
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text) / 2.5, "BPE should pack Python into well under one token per 2.5 characters"
+
+
+def test_functions_are_whole_defs_without_blank_lines():
+    found = functions("validation")
+    assert len(found) > 100
+    for f in found[:200]:
+        assert f.startswith("def ") and "\n\n" not in f and not f.endswith("\n")

@@ -83,3 +83,11 @@ def test_decode_step_repeats_the_same_step_on_a_prefilled_cache(model):
     first, second = step(), step()
     torch.testing.assert_close(first, full, rtol=1e-5, atol=1e-5)
     assert torch.equal(first, second)
+
+
+def test_decode_step_of_several_tokens_matches_the_full_forward(model):
+    step = decode_step(model, 5, tokens=3)
+    with torch.no_grad():
+        full = model(torch.zeros(1, 8, dtype=torch.long))[:, -3:]
+    torch.testing.assert_close(step(), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step(), full, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,333 @@
+"""Speculative decoding: a cheap drafter proposes k tokens, the target checks them in one call.
+
+A round, with the text so far x:
+1. The drafter proposes d_1..d_k, each d_i drawn from its distribution q_i(. | x, d_1..d_{i-1}).
+2. The target runs ONCE on [last token of x, d_1, ..., d_k] and gives p_1..p_{k+1}, where
+   p_i = p(. | x, d_1..d_{i-1}): k + 1 next-token distributions for the price of one call.
+3. For i = 1..k: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)). At the first rejection
+   draw the next token from the residual norm(max(p_i - q_i, 0)) and stop. If all k are
+   accepted, draw a bonus token from p_{k+1}.
+
+Every round emits between 1 and k + 1 tokens, and each is distributed exactly as the target
+alone would draw it (Leviathan et al., 2023; Chen et al., 2023): a token x is emitted either
+by acceptance, with probability q(x) min(1, p(x)/q(x)) = min(q(x), p(x)), or after a rejection,
+with probability (1 - sum min(p, q)) * max(p(x) - q(x), 0) / sum max(p - q, 0) = max(p(x) - q(x), 0);
+the two add up to p(x). Greedy (temperature 0) is the special case of one-hot distributions:
+accept while d_i is the target's argmax, then emit the target's argmax.
+
+If each draft token is accepted with probability a, independently, a round emits on average
+
+    E = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+
+tokens for one target call; when a draft step costs c target steps and verifying k + 1 tokens
+costs what one step does, the speedup is E / (k c + 1).
+
+Drafters: a smaller model with the same tokenizer (``ModelDrafter``: its own KV cache, rolled
+back with the target's), or ``PromptLookupDrafter``: find the latest earlier occurrence of the
+text's last n tokens and propose what followed it; no second model. A lookup's proposal is
+certain (q is one-hot), so its token is accepted with probability p(d_i).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from labkit.corpus import functions
+from labkit.device import synchronize
+from labkit.generate import SamplingParams, sampling_probs, seeded_generator
+from labkit.model import ContiguousKVCache, Transformer
+
+
+def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
+    """For a draft ``token`` drawn from ``q``: the probability of accepting it, min(1, p/q), and the
+    residual distribution norm(max(p - q, 0)) to draw from if it is rejected (``p`` itself when
+    nothing is left, p == q, where rejection cannot happen)."""
+    if q[token] <= 0:
+        raise ValueError(f"draft token {token} has probability {float(q[token])} under q: it cannot have been drawn from q")
+    accept = min(1.0, float(p[token] / q[token]))
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    return accept, residual / total if total > 0 else p
+
+
+def verify_greedy(draft: Sequence[int], target_logits: Tensor) -> tuple[list[int], int]:
+    """Greedy verification: ``target_logits`` ``[len(draft) + 1, vocab]`` are the target's logits
+    after each prefix (row i predicts the token at draft position i). Accept the draft tokens
+    while each is the target's argmax; the next token is the target's argmax after them."""
+    best = target_logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == best[accepted]:
+        accepted += 1
+    return list(draft[:accepted]), best[accepted]
+
+
+def verify_sampled(draft: Sequence[int], q: Tensor, p: Tensor,
+                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Speculative sampling: ``q`` ``[k, vocab]`` are the distributions the k draft tokens were drawn
+    from, ``p`` ``[k + 1, vocab]`` the target's. Returns the accepted tokens and the next token
+    (from the residual at the first rejection, else the bonus from p's last row)."""
+    for i, token in enumerate(draft):
+        accept, residual = acceptance_rule(p[i], q[i], token)
+        if float(torch.rand((), generator=generator, device=p.device)) >= accept:
+            return list(draft[:i]), int(torch.multinomial(residual, 1, generator=generator))
+    return list(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+def speculation_gain(a: float, k: int, c: float, v: float = 1.0) -> tuple[float, float]:
+    """Expected tokens per target call, (1 - a^(k+1)) / (1 - a) (k + 1 when a = 1), and the
+    expected speedup over the target alone, that over k c + v, for acceptance rate ``a``, ``k``
+    draft tokens, a draft step costing ``c`` target steps and verification of k + 1 tokens ``v``
+    (1 where a few more tokens per call are free, as on a GPU)."""
+    tokens = k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens, tokens / (k * c + v)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens, and the distributions ``[len(tokens), vocab]`` they were drawn from (None when greedy)."""
+
+    tokens: list[int]
+    probs: Tensor | None = None
+
+
+class Drafter(Protocol):
+    vocab_size: int
+
+    def start(self, capacity: int) -> None:
+        """Get ready for a new sequence of at most ``capacity`` tokens."""
+
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        """Up to ``k`` tokens to follow ``sequence`` (the whole text so far)."""
+
+    def rollback(self, length: int) -> None:
+        """Only the first ``length`` tokens of the sequence are final: forget anything after them."""
+
+
+class ModelDrafter:
+    """A small model with the target's vocabulary drafts k tokens, one forward call each, keeping
+    its own KV cache; after verification the cache is cut back to what the target accepted."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.vocab_size = model, model.config.vocab_size
+        weight = next(model.parameters())
+        self.dtype, self.device = weight.dtype, weight.device
+        self.cache: ContiguousKVCache | None = None
+        self.length = 0  # tokens of the sequence in the cache
+
+    def start(self, capacity: int) -> None:
+        self.cache = ContiguousKVCache(self.model.config, 1, capacity, dtype=self.dtype, device=self.device)
+        self.length = 0
+
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        tokens, probs = [], []
+        fed = sequence[self.length:]  # what the cache has not seen: the last token or two, or the prompt
+        for _ in range(k):
+            logits = _run(self.model, fed, self.length, self.cache)[-1]
+            self.length += len(fed)
+            if params.temperature == 0:
+                tokens.append(int(logits.argmax()))
+            else:
+                probs.append(sampling_probs(logits, params))
+                tokens.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
+            fed = tokens[-1:]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+        self.cache.truncate([self.length])
+
+
+class PromptLookupDrafter:
+    """Prompt lookup (n-gram) drafting: match the text's last n tokens (n from ``max_ngram`` down
+    to ``min_ngram``) against everything before them, latest occurrence first, and propose the
+    tokens that followed the match. Certain proposals: q is one-hot."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+
+    def start(self, capacity: int) -> None:
+        pass
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def propose(self, sequence: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        tokens = lookup(sequence, k, self.max_ngram, self.min_ngram)
+        if params.temperature == 0:
+            return Proposal(tokens)
+        return Proposal(tokens, torch.eye(self.vocab_size)[tokens])
+
+
+def lookup(sequence: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n
+    tokens, for the longest n in [min_ngram, max_ngram] that occurs; [] when none does."""
+    for n in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
+        tail = list(sequence[-n:])
+        for start in range(len(sequence) - n - 1, -1, -1):
+            if list(sequence[start:start + n]) == tail:
+                return list(sequence[start + n:start + n + k])
+    return []
+
+
+@dataclass(frozen=True)
+class Round:
+    """One target call: what was drafted, how many of those tokens were accepted, the token the
+    target added (a correction after a rejection, or a bonus after all were accepted)."""
+
+    draft: tuple[int, ...]
+    accepted: int
+    token: int
+
+    @property
+    def emitted(self) -> list[int]:
+        return [*self.draft[:self.accepted], self.token]
+
+    @property
+    def bonus(self) -> bool:
+        """All drafted tokens accepted, so the target's token came free."""
+        return bool(self.draft) and self.accepted == len(self.draft)
+
+
+@dataclass
+class SpeculationStats:
+    """What a speculative run did, round by round, and how long it took (seconds)."""
+
+    k: int
+    rounds: list[Round] = field(default_factory=list)
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return sum(len(r.emitted) for r in self.rounds)
+
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """Per draft position i: how many rounds reached it (every token before it accepted, one
+        drafted there), and how many of those accepted it."""
+        reached, accepted = [0] * self.k, [0] * self.k
+        for r in self.rounds:
+            for i in range(min(len(r.draft), r.accepted + 1)):
+                reached[i] += 1
+                accepted[i] += i < r.accepted
+        return reached, accepted
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """Acceptance rate at each draft position, given that the round got there (None if none did)."""
+        return [a / n if n else None for n, a in zip(*self.position_counts())]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted over draft tokens checked: the a of (1 - a^(k+1)) / (1 - a)."""
+        reached, accepted = self.position_counts()
+        return sum(accepted) / sum(reached) if sum(reached) else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per round."""
+        return sum(r.accepted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.generated / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def target_calls_per_token(self) -> float:
+        return len(self.rounds) / self.generated if self.rounds else 0.0
+
+
+def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[int],
+                       params: SamplingParams = SamplingParams(), k: int = 4, *, eos_id: int | None = None,
+                       stats: SpeculationStats | None = None) -> Iterator[int]:
+    """Yield new token ids, produced ``k`` drafts at a time and verified by ``target``. Greedy
+    output equals ``generate.stream``'s token for token; sampled output has the target's distribution."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if k < 0:
+        raise ValueError(f"k={k} must be 0 (no drafting) or more")
+    if drafter.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the drafter has a vocabulary of {drafter.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}: they must share one tokenizer")
+    capacity = len(prompt) + params.max_new_tokens - 1
+    if capacity > target.config.max_seq_len:
+        raise ValueError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones exceed the "
+                         f"context limit max_seq_len={target.config.max_seq_len}")
+    weight = next(target.parameters())
+    stats = stats if stats is not None else SpeculationStats(k)
+    generator = seeded_generator(params, weight.device)
+    cache = ContiguousKVCache(target.config, 1, capacity, dtype=weight.dtype, device=weight.device)
+    drafter.start(capacity)
+    sequence, cached, start = list(prompt), 0, time.perf_counter()
+    while len(sequence) - len(prompt) < params.max_new_tokens:
+        room = min(k, params.max_new_tokens - (len(sequence) - len(prompt)) - 1)  # drafts that could be emitted
+        proposal = _timed(stats, "draft_s", weight.device,
+                          lambda: drafter.propose(sequence, room, params, generator) if room else Proposal([]))
+        fed = sequence[cached:] + proposal.tokens
+        logits = _timed(stats, "target_s", weight.device, lambda: _run(target, fed, cached, cache))
+        logits = logits[-len(proposal.tokens) - 1:]
+        if params.temperature == 0:
+            accepted, token = verify_greedy(proposal.tokens, logits)
+        else:
+            accepted, token = verify_sampled(proposal.tokens, proposal.probs, sampling_probs(logits, params), generator)
+        stats.rounds.append(Round(tuple(proposal.tokens), len(accepted), token))
+        cached = len(sequence) + len(accepted)
+        cache.truncate([cached])
+        drafter.rollback(cached)
+        stats.wall_s = time.perf_counter() - start
+        for new in [*accepted, token]:
+            sequence.append(new)
+            yield new
+            if params.stop_at_eos and new == eos_id:
+                return
+
+
+def _run(model: Transformer, tokens: list[int], start: int, cache: ContiguousKVCache) -> Tensor:
+    """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1, ..."""
+    device = cache.k.device
+    positions = torch.arange(start, start + len(tokens), device=device)[None]
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device=device), positions, cache)[0]
+
+
+T = TypeVar("T")
+
+
+def _timed(stats: SpeculationStats, name: str, device: torch.device, work: Callable[[], T]) -> T:
+    """Run ``work`` and add the seconds it took to ``stats.<name>``."""
+    start = time.perf_counter()
+    result = work()
+    synchronize(device)
+    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
+    return result
+
+
+def continuation_prompts(tokenizer: Tokenizer, n: int, seed: int = 0, lines: int = 3) -> list[list[int]]:
+    """The first ``lines`` lines of ``n`` functions of the validation split, chosen at random with
+    ``seed``: the model writes the rest."""
+    chosen = _sample_functions(tokenizer, n, seed)
+    return [tokenizer.encode("\n".join(f.split("\n")[:lines])).ids for f in chosen]
+
+
+def editing_prompts(tokenizer: Tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """Editing code: a function, a blank line, then its first two lines again, so that what comes
+    next is, for a model that copies, much of the prompt once more."""
+    chosen = _sample_functions(tokenizer, n, seed)
+    return [tokenizer.encode(f + "\n\n" + "\n".join(f.split("\n")[:2])).ids for f in chosen]
+
+
+def _sample_functions(tokenizer: Tokenizer, n: int, seed: int, tokens: tuple[int, int] = (60, 160)) -> list[str]:
+    """``n`` validation functions of ``tokens`` (low, high) tokens, chosen at random with ``seed``."""
+    pool = [f for f in functions("validation") if tokens[0] <= len(tokenizer.encode(f).ids) <= tokens[1]]
+    return random.Random(seed).sample(pool, n)

@@ -1,0 +1,268 @@
+"""Speculative decoding: greedy output identical to the target's own, sampled output distributed
+as the target's (chi-square tests strong enough that a biased acceptance rule fails them), the
+acceptance rule, verification, prompt lookup and the statistics."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+
+import labkit
+from labkit.exercises.lab01 import random_model
+from labkit.generate import SamplingParams, sampling_probs, stream
+from labkit.model import ModelConfig, Transformer
+from labkit.speculative import (ModelDrafter, PromptLookupDrafter, Round, SpeculationStats, acceptance_rule,
+                                continuation_prompts, editing_prompts, lookup, speculative_stream, verify_greedy,
+                                verify_sampled)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    target, tokenizer = labkit.load("target", device="cpu")
+    draft, _ = labkit.load("draft", device="cpu")
+    return target, draft, tokenizer
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed ``counts`` under ``probs`` (Pearson's chi-square; cells with probability 0
+    must be empty, else the p-value is 0)."""
+    n = counts.sum()
+    if (counts[probs == 0] > 0).any():
+        return 0.0
+    keep = probs > 0
+    expected = n * probs[keep]
+    statistic = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic.double() / 2))
+
+
+# --- greedy: identical output ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [0, 3, 6])
+def test_greedy_draft_model_output_is_the_targets(shipped, k):
+    target, draft, tokenizer = shipped
+    params = SamplingParams(max_new_tokens=32, stop_at_eos=False)
+    prompt = continuation_prompts(tokenizer, 3)[k // 3]
+    stats = SpeculationStats(k)
+    assert list(speculative_stream(target, ModelDrafter(draft), prompt, params, k, stats=stats)) == \
+        list(stream(target, prompt, params))
+    assert stats.generated == 32
+    assert len(stats.rounds) == 32 if k == 0 else len(stats.rounds) < 32  # drafts accepted: fewer target calls
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_greedy_prompt_lookup_output_is_the_targets(shipped, k):
+    target, _, tokenizer = shipped
+    params = SamplingParams(max_new_tokens=32, stop_at_eos=False)
+    prompt = editing_prompts(tokenizer, 2)[k // 8]
+    stats = SpeculationStats(k)
+    drafter = PromptLookupDrafter(target.config.vocab_size)
+    assert list(speculative_stream(target, drafter, prompt, params, k, stats=stats)) == \
+        list(stream(target, prompt, params))
+    assert any(r.draft for r in stats.rounds)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_output_is_the_targets_for_random_models(seed):
+    """A draft that mostly disagrees: many rejections, every rollback exercised."""
+    target, draft = random_model(8, 2, seed), random_model(4, 1, seed + 100)
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (int(torch.randint(1, 20, (), generator=generator)),), generator=generator).tolist()
+    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    for drafter in (ModelDrafter(draft), ModelDrafter(target), PromptLookupDrafter(97, max_ngram=2)):
+        stats = SpeculationStats(3)
+        assert list(speculative_stream(target, drafter, prompt, params, 3, stats=stats)) == \
+            list(stream(target, prompt, params))
+    assert stats.generated == 30
+
+
+def test_a_perfect_draft_is_always_accepted():
+    target = random_model(4, 2, seed=7)
+    stats = SpeculationStats(4)
+    out = list(speculative_stream(target, ModelDrafter(target), [1, 2, 3], SamplingParams(max_new_tokens=26), 4,
+                                  stats=stats))
+    assert len(out) == 26 and stats.acceptance_rate == 1.0
+    assert [len(r.emitted) for r in stats.rounds] == [5] * 5 + [1]  # the last round has no room to draft
+    assert stats.tokens_per_call == 26 / 6 and stats.target_calls_per_token == 6 / 26
+
+
+def test_stops_at_eos_inside_an_accepted_run():
+    target = random_model(4, 2, seed=3)
+    params = SamplingParams(max_new_tokens=30)
+    plain = list(stream(target, [5, 6], SamplingParams(max_new_tokens=30, stop_at_eos=False)))
+    eos = plain[7]
+    expected = plain[:plain.index(eos) + 1]
+    got = list(speculative_stream(target, ModelDrafter(target), [5, 6], params, 4, eos_id=eos))
+    assert got == expected
+
+
+def test_bad_arguments_are_named(shipped):
+    target, draft, _ = shipped
+    with pytest.raises(ValueError, match="prompt is empty"):
+        list(speculative_stream(target, ModelDrafter(draft), [], SamplingParams()))
+    with pytest.raises(ValueError, match="k=-1"):
+        list(speculative_stream(target, ModelDrafter(draft), [1], SamplingParams(), k=-1))
+    with pytest.raises(ValueError, match="context limit"):
+        list(speculative_stream(target, ModelDrafter(draft), [1] * 1000, SamplingParams(max_new_tokens=64)))
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(10, max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError, match="vocabulary of 97 tokens"):
+        list(speculative_stream(target, ModelDrafter(random_model(4, 2, 0)), [1], SamplingParams()))
+
+
+# --- the acceptance rule and verification ---------------------------------------------------------
+
+def test_acceptance_rule_by_hand():
+    p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.25, 0.6, 0.1, 0.05])
+    accept, residual = acceptance_rule(p, q, 1)
+    assert accept == pytest.approx(0.5)
+    torch.testing.assert_close(residual, torch.tensor([0.25, 0.0, 0.1, 0.0]) / 0.35)
+    assert acceptance_rule(p, q, 0)[0] == 1.0  # p > q: always accepted
+    torch.testing.assert_close(acceptance_rule(p, p, 2)[1], p)  # nothing left: rejection cannot happen
+    with pytest.raises(ValueError, match="probability 0.0 under q"):
+        acceptance_rule(q, p, 3)
+
+
+def test_verify_greedy_by_hand():
+    logits = torch.eye(6)[[2, 4, 1, 5]] * 3  # the target's argmax after each prefix: 2, 4, 1, then 5
+    assert verify_greedy([2, 4, 1], logits) == ([2, 4, 1], 5)  # all accepted, and a bonus
+    assert verify_greedy([2, 3, 1], logits) == ([2], 4)
+    assert verify_greedy([0, 4, 1], logits) == ([], 2)
+    assert verify_greedy([], logits[:1]) == ([], 2)
+
+
+def _two_tokens(verify, P: torch.Tensor, Q: torch.Tensor, k: int, start: int, generator) -> tuple[int, int]:
+    """The first two tokens after ``start`` from speculative rounds over a bigram target ``P`` and a
+    bigram draft ``Q`` ([vocab, vocab]: row = previous token)."""
+    sequence = [start]
+    while len(sequence) < 3:
+        drafts, previous = [], sequence[-1]
+        for _ in range(k):
+            previous = int(torch.multinomial(Q[previous], 1, generator=generator))
+            drafts.append(previous)
+        q = Q[[sequence[-1], *drafts[:-1]]]
+        p = P[[sequence[-1], *drafts]]
+        accepted, token = verify(drafts, q, p, generator)
+        sequence += [*accepted, token]
+    return sequence[1], sequence[2]
+
+
+def _biased_verify(draft, q, p, generator):
+    """A plausible mistake: accept whenever the draft token is the target's argmax."""
+    for i, token in enumerate(draft):
+        if token == int(p[i].argmax()):
+            continue
+        accept, residual = acceptance_rule(p[i], q[i], token)
+        if float(torch.rand((), generator=generator)) >= accept:
+            return list(draft[:i]), int(torch.multinomial(residual, 1, generator=generator))
+    return list(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+def _resample_from_target(draft, q, p, generator):
+    """Another plausible mistake: after a rejection, draw from p instead of the residual."""
+    for i, token in enumerate(draft):
+        accept, _ = acceptance_rule(p[i], q[i], token)
+        if float(torch.rand((), generator=generator)) >= accept:
+            return list(draft[:i]), int(torch.multinomial(p[i], 1, generator=generator))
+    return list(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+@pytest.mark.parametrize("verify, passes", [(verify_sampled, True), (_biased_verify, False),
+                                            (_resample_from_target, False)])
+def test_sampled_tokens_have_the_targets_distribution(verify, passes):
+    """Joint distribution of the first two tokens, 16 cells, 4,000 samples: the exact rule passes
+    a chi-square test at the 0.1% level, the two mistaken rules fail it."""
+    generator = torch.Generator().manual_seed(0)
+    P = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.6, 0.2, 0.1, 0.1]])
+    Q = torch.tensor([[0.55, 0.15, 0.15, 0.15], [0.1, 0.1, 0.1, 0.7], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    counts = torch.zeros(4, 4)
+    for _ in range(4_000):
+        a, b = _two_tokens(verify, P, Q, 2, 0, generator)
+        counts[a, b] += 1
+    exact = P[0][:, None] * P
+    assert (chi_square_p(counts.flatten(), exact.flatten()) > 1e-3) == passes
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_sampling_end_to_end_matches_the_target(drafter):
+    """Tiny real models (vocabulary 5), temperature and top-k applied to both: the first two tokens
+    speculative decoding writes have the target's own (filtered) distribution."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=5, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                                max_seq_len=32)
+    target, draft = Transformer(config).eval(), Transformer(config).eval()
+    target.reset_parameters(std=0.5)
+    draft.reset_parameters(std=0.5)
+    params = SamplingParams(max_new_tokens=2, temperature=0.9, top_k=3, stop_at_eos=False)
+    prompt = [1, 3, 2, 1, 3]  # a lookup draft: after "1, 3" came "2"
+    with torch.no_grad():
+        first = sampling_probs(target(torch.tensor([prompt]))[0, -1], params)
+        following = sampling_probs(target(torch.tensor([[*prompt, t] for t in range(5)]))[:, -1], params)
+    exact = (first[:, None] * following).flatten()
+    make = (lambda: ModelDrafter(draft)) if drafter == "model" else (lambda: PromptLookupDrafter(5, max_ngram=2))
+    counts = torch.zeros(25)
+    for seed in range(1500):
+        a, b = speculative_stream(target, make(), prompt, replace(params, seed=seed), 2)
+        counts[5 * a + b] += 1
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+# --- prompt lookup and the statistics -------------------------------------------------------------
+
+def test_lookup_takes_the_longest_latest_match():
+    text = [1, 2, 3, 9, 1, 2, 4, 5, 7, 2, 3, 8, 8, 1, 2]
+    assert lookup(text, 3) == [4, 5, 7]  # "1 2" last seen before "4 5 7"
+    assert lookup(text + [3], 2) == [9, 1]  # the 3-gram "1 2 3" beats the later 2-gram "2 3"
+    assert lookup([5, 6, 7], 4) == []
+    assert lookup([4, 4, 4], 4) == [4]  # the match may overlap the tail; only what followed it
+    assert lookup([1, 2, 1], 3, max_ngram=1) == [2, 1]
+
+
+def test_statistics_from_rounds():
+    stats = SpeculationStats(3, rounds=[Round((1, 2, 3), 3, 4), Round((1, 2, 3), 1, 5), Round((), 0, 6),
+                                        Round((1, 2), 0, 7)])
+    assert stats.position_counts() == ([3, 2, 1], [2, 1, 1])
+    assert stats.acceptance_by_position == [2 / 3, 0.5, 1.0]
+    assert stats.acceptance_rate == pytest.approx(4 / 6)
+    assert stats.generated == 4 + 2 + 1 + 1 and stats.mean_accepted == 1.0
+    assert [r.bonus for r in stats.rounds] == [True, False, False, False]
+    assert SpeculationStats(2).acceptance_by_position == [None, None]
+
+
+def test_prompts_are_reproducible(shipped):
+    _, _, tokenizer = shipped
+    assert continuation_prompts(tokenizer, 3, seed=1) == continuation_prompts(tokenizer, 3, seed=1)
+    edit = tokenizer.decode(editing_prompts(tokenizer, 1, seed=2)[0])
+    body, again = edit.split("\n\n", 1)[0], edit.rsplit("\n\n", 1)[1]
+    assert body.startswith(again)
+
+
+def test_all_drafts_are_checked_for_every_k():
+    """Every combination of accepted count and draft length is counted once per position reached."""
+    for k, accepted in itertools.product(range(4), range(4)):
+        if accepted > k:
+            continue
+        stats = SpeculationStats(k, rounds=[Round(tuple(range(k)), accepted, 9)])
+        reached, ok = stats.position_counts()
+        assert sum(ok) == accepted and sum(reached) == min(k, accepted + 1)
+
+
+def test_speculation_html_colours_every_token_by_kind():
+    from labkit.viz import speculation_html
+
+    rounds = [Round((1, 2), 2, 3), Round((4, 5), 1, 6), Round((), 0, 7)]
+    text = speculation_html(rounds, lambda t: f"<{t}>")
+    body = text.split("</div>", 1)[1]
+    kinds = [part.split('"', 1)[0] for part in body.split('title="')[1:]]
+    assert kinds == ["accepted", "accepted", "bonus", "accepted", "rejected", "target", "target"]
+    assert "&lt;5&gt;" in body and "<5>" not in body
