@@ -38,7 +38,8 @@ def sweep(target, drafter, prompts, params, ks, repeats) -> float:
     plain = lambda: [list(stream(target, p, params)) for p in prompts]
     expected = plain()
     best = 0.0
-    print(f"{'k':>3}{'target s':>10}{'spec s':>9}{'speedup':>9}{'accept':>8}{'accepted':>10}{'tok/call':>10}  identical")
+    print(f"{'k':>3}{'target s':>10}{'spec s':>9}{'speedup':>9}{'accept':>8}{'accepted':>10}{'tok/call':>10}"
+          "  identical")
     for k in ks:
         stats = [SpeculationStats(k)]
         outputs = []
@@ -65,18 +66,21 @@ def main() -> None:
     target, tokenizer = labkit.load("target", device="cpu")
     draft, _ = labkit.load("draft", device="cpu")
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  {torch.get_num_threads()} threads")
+    print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  "
+          f"{torch.get_num_threads()} threads")
     print(f"target {target.num_parameters():,} parameters, draft {draft.num_parameters():,}, fp32; greedy, "
           f"{args.prompts} prompts x {args.new_tokens} new tokens; times are totals over the prompts\n")
     print("draft model, continuation workload")
-    best_draft = sweep(target, ModelDrafter(draft), continuation_prompts(tokenizer, args.prompts), params, args.ks, args.repeats)
+    best_draft = sweep(target, ModelDrafter(draft), continuation_prompts(tokenizer, args.prompts), params, args.ks,
+                       args.repeats)
     print("\nprompt lookup, editing workload")
-    best_lookup = sweep(target, PromptLookupDrafter(target.config.vocab_size), editing_prompts(tokenizer, args.prompts), params,
-          args.ks, args.repeats)
+    lookup = PromptLookupDrafter(target.config.vocab_size)
+    best_lookup = sweep(target, lookup, editing_prompts(tokenizer, args.prompts), params, args.ks, args.repeats)
     one = step_cost(target, 1)
     print(f"\none forward call, relative to a target decode step ({one * 1e3:.2f} ms) at context 128:")
-    print("  draft decode step: " + f"{step_cost(draft, 1) / one:.3f}")
-    print("  target verifying k + 1 tokens: " + ", ".join(f"k={k} {step_cost(target, k + 1) / one:.2f}" for k in args.ks))
+    verify = ", ".join(f"k={k} {step_cost(target, k + 1) / one:.2f}" for k in args.ks)
+    print(f"  draft decode step: {step_cost(draft, 1) / one:.3f}")
+    print(f"  target verifying k + 1 tokens: {verify}")
     print("\ngoals (best k, identical output):")
     for name, best in (("draft model", best_draft), ("prompt lookup", best_lookup)):
         print(f"  {name} >= 1.5x: {best:.2f}x, {'met' if best >= 1.5 else 'MISSED'}")

@@ -95,17 +95,24 @@ def seeded_generator(params: SamplingParams, device: torch.device) -> torch.Gene
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
-           use_cache: bool = True, cache: KVCache | None = None, eos_id: int | None = None,
-           counters: Counters | None = None) -> Iterator[int]:
-    """Yield new token ids one at a time. With ``use_cache`` (default) the prompt is prefilled
-    into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
+def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingParams) -> int:
+    """The tokens a generation from ``prompt`` keeps in the cache at most (the last new token is
+    never fed back); a ValueError if the prompt is empty or that exceeds the model's context."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt) + params.max_new_tokens - 1
     if total > model.config.max_seq_len:
         raise ValueError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones exceed the "
                          f"context limit max_seq_len={model.config.max_seq_len}")
+    return total
+
+
+def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
+           use_cache: bool = True, cache: KVCache | None = None, eos_id: int | None = None,
+           counters: Counters | None = None) -> Iterator[int]:
+    """Yield new token ids one at a time. With ``use_cache`` (default) the prompt is prefilled
+    into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
+    total = sequence_length(model, prompt, params)
     device = next(model.parameters()).device
     counters = counters if counters is not None else Counters()
     generator = seeded_generator(params, device)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from labkit.corpus import functions
 from labkit.device import synchronize
-from labkit.generate import SamplingParams, sampling_probs, seeded_generator
+from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
 from labkit.model import ContiguousKVCache, Transformer
 
 
@@ -49,7 +49,8 @@ def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
     residual distribution norm(max(p - q, 0)) to draw from if it is rejected (``p`` itself when
     nothing is left, p == q, where rejection cannot happen)."""
     if q[token] <= 0:
-        raise ValueError(f"draft token {token} has probability {float(q[token])} under q: it cannot have been drawn from q")
+        raise ValueError(f"draft token {token} has probability {float(q[token])} under q: "
+                         "it cannot have been drawn from q")
     accept = min(1.0, float(p[token] / q[token]))
     residual = (p - q).clamp(min=0)
     total = residual.sum()
@@ -253,17 +254,12 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
                        stats: SpeculationStats | None = None) -> Iterator[int]:
     """Yield new token ids, produced ``k`` drafts at a time and verified by ``target``. Greedy
     output equals ``generate.stream``'s token for token; sampled output has the target's distribution."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
+    capacity = sequence_length(target, prompt, params)
     if k < 0:
         raise ValueError(f"k={k} must be 0 (no drafting) or more")
     if drafter.vocab_size != target.config.vocab_size:
         raise ValueError(f"the drafter has a vocabulary of {drafter.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}: they must share one tokenizer")
-    capacity = len(prompt) + params.max_new_tokens - 1
-    if capacity > target.config.max_seq_len:
-        raise ValueError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones exceed the "
-                         f"context limit max_seq_len={target.config.max_seq_len}")
     weight = next(target.parameters())
     stats = stats if stats is not None else SpeculationStats(k)
     generator = seeded_generator(params, weight.device)

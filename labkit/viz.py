@@ -138,7 +138,8 @@ def speculation_html(rounds: Sequence, decode) -> str:
     def span(token: int, kind: str) -> str:
         text = html.escape(decode(token)).replace("\n", "↵<br>").replace(" ", "&nbsp;")
         return f'<span style="{SPECULATION_STYLES[kind]}" title="{kind}">{text}</span>'
-    legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>' for kind, style in SPECULATION_STYLES.items())
+    legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>'
+                      for kind, style in SPECULATION_STYLES.items())
     body = []
     for r in rounds:
         body += [span(t, "accepted") for t in r.draft[:r.accepted]]

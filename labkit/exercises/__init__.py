@@ -4,7 +4,8 @@ from __future__ import annotations
 from labkit.exercises import lab00, lab01, lab02, lab03, lab04, lab05
 from labkit.exercises.spec import Case, Exercise, Scenario
 
-EXERCISES: dict[str, Exercise] = {ex.id: ex for lab in (lab00, lab01, lab02, lab03, lab04, lab05) for ex in lab.EXERCISES}
+LABS = (lab00, lab01, lab02, lab03, lab04, lab05)
+EXERCISES: dict[str, Exercise] = {ex.id: ex for lab in LABS for ex in lab.EXERCISES}
 
 
 def get(exercise_id: str) -> Exercise:
