@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
@@ -167,7 +168,7 @@ class PromptLookupDrafter:
         tokens = lookup(sequence, k, self.max_ngram, self.min_ngram)
         if params.temperature == 0:
             return Proposal(tokens)
-        return Proposal(tokens, torch.eye(self.vocab_size)[tokens])
+        return Proposal(tokens, F.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float())
 
 
 def lookup(sequence: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
