@@ -102,7 +102,9 @@ def token_ids(tokenizer: Tokenizer, split: str) -> torch.Tensor:
         ids.append(eos)
     tensor = torch.tensor(ids, dtype=torch.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"ids": tensor}, str(path))
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # written whole, then renamed: a reader
+    save_file({"ids": tensor}, str(partial))  # in another process never sees half a file
+    os.replace(partial, path)
     return tensor.long()
 
 

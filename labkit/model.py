@@ -287,13 +287,17 @@ class Transformer(nn.Module):
         if tokens.numel() and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the context limit "
                              f"max_seq_len={self.config.max_seq_len}")
-        if self.rope.device != positions.device:  # follows the model, but stays fp32
-            self.rope = self.rope.to(positions.device)
-        rope = self.rope[positions.clamp(min=0)][:, None].chunk(2, dim=-1)  # cos, sin: [B, 1, T, head_dim]
+        rope = self.rotary(positions)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, rope, cache)
         return self.lm_head(self.norm(x))
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding: position 0's)."""
+        if self.rope.device != positions.device:  # follows the model, but stays fp32
+            self.rope = self.rope.to(positions.device)
+        return self.rope[positions.clamp(min=0)][:, None].chunk(2, dim=-1)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

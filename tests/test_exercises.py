@@ -257,3 +257,43 @@ def test_lab05_plausible_mistakes_fail():
         tokens = k if a == 1 else (1 - a ** k) / (1 - a)
         return tokens, tokens / (k * c + 1)
     assert run_cases(get("ex05.3"), k_terms).status == FAILED
+
+
+def test_lab06_plausible_mistakes_fail():
+    from labkit.exercises.lab06 import reference_group
+    from labkit.quant import dequantize, pack_int4, unpack_int4
+
+    def fp32_scale(w, bits, symmetric):  # keeps the scale in fp32: not what an fp16 scale dequantizes to
+        codes, scale, zero, _ = reference_group(w, bits, symmetric)
+        exact = (w.abs().max() / (2 ** (bits - 1) - 1) if symmetric else
+                 (w.max().clamp(min=0) - w.min().clamp(max=0)) / (2 ** bits - 1)).item() or 1.0
+        return codes, exact, zero, (codes.float() - zero) * exact
+    assert run_cases(get("ex06.1"), fp32_scale).status == FAILED
+
+    def symmetric_over_8(w, bits, symmetric):  # divides the largest weight by 2^(bits-1), not 2^(bits-1) - 1
+        if not symmetric:
+            return reference_group(w, bits, symmetric)
+        scale = float((w.abs().max() / 2 ** (bits - 1)).half()) or 1.0
+        codes = (torch.round(w / scale) + 2 ** (bits - 1)).clamp(0, 2 ** bits - 1).to(torch.uint8)
+        return codes, scale, float(2 ** (bits - 1)), (codes.float() - 2 ** (bits - 1)) * scale
+    assert run_cases(get("ex06.1"), symmetric_over_8).status == FAILED
+
+    class Swapped:  # the odd code in the low nibble
+        pack = staticmethod(lambda codes: pack_int4(codes.flip(-1)).flip(-1) if codes.shape[-1] % 2 == 0
+                            else pack_int4(codes))
+        unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
+    assert run_cases(get("ex06.2"), Swapped).status == FAILED
+
+    class Unchecked:  # packs whatever it is given
+        pack = staticmethod(lambda codes: codes[..., 0::2] | (codes[..., 1::2] << 4))
+        unpack = staticmethod(unpack_int4)
+    assert run_cases(get("ex06.2"), Unchecked).status == FAILED
+
+    def forgets_zeros(layer, x):  # treats every grid as symmetric around 0
+        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        return torch.nn.functional.linear(x, dequantize(codes, layer.scales, torch.zeros_like(layer.scales)))
+    assert run_cases(get("ex06.3"), forgets_zeros).status == FAILED
+
+    def calls_the_layer(layer, x):  # the layer's own forward is sealed in the exercise
+        return layer(x)
+    assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED

@@ -1,0 +1,130 @@
+"""Notebook 06 (INT4 quantization): one group's grid, packing two codes per byte, QuantLinear's forward."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.quant import QuantLinear, Scheme, dequantize, pack_int4, quantize, unpack_int4
+
+
+def reference_group(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, float, float, torch.Tensor]:
+    """labkit's answer for one group: codes, scale, zero point and the dequantized group."""
+    codes, scales, zeros = quantize(w[None], Scheme(bits, None, symmetric))
+    return codes[0], scales.item(), zeros.item(), dequantize(codes, scales, zeros)[0]
+
+
+def _group_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(6)
+    w = torch.randn(64, generator=generator) * 0.02
+    outlier = w.clone()
+    outlier[7] = 0.3
+    groups = [
+        ("64 weights, 4 bits, asymmetric", (w, 4, False)),
+        ("64 weights, 4 bits, symmetric", (w, 4, True)),
+        ("one large outlier stretches the grid", (outlier, 4, False)),
+        ("all positive: the range still includes 0, so zero = 0", (w.abs() + 0.01, 4, False)),
+        ("all zero: scale 1, every code is the zero point", (torch.zeros(32), 4, False)),
+        ("8 bits, symmetric", (w, 8, True)),
+        ("3 bits, asymmetric", (w[:32], 3, False)),
+    ]
+    return [Case(label, args, reference_group(*args), rtol=1e-6, atol=1e-8) for label, args in groups]
+
+
+def _expect(got: Any, expected: torch.Tensor, what: str) -> None:
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.uint8 or not torch.equal(got, expected):
+        raise AssertionError(f"{what}: expected {expected.tolist()} (uint8), got {got!r}")
+
+
+def _raises(call: Callable[[], Any], what: str) -> None:
+    try:
+        call()
+    except ValueError:
+        return
+    raise AssertionError(f"{what} should raise ValueError")
+
+
+def _packing_cases() -> list[Scenario]:
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (5, 64), generator=generator, dtype=torch.uint8)
+
+    def known(packer: Any) -> None:
+        _expect(packer.pack(torch.tensor([1, 2, 3, 4], dtype=torch.uint8)), torch.tensor([0x21, 0x43]).byte(),
+                "pack([1, 2, 3, 4]) (even code in the low nibble)")
+        _expect(packer.unpack(torch.tensor([0x21, 0xF0], dtype=torch.uint8)), torch.tensor([1, 2, 0, 15]).byte(),
+                "unpack([0x21, 0xF0])")
+
+    def round_trip(packer: Any) -> None:
+        packed = packer.pack(codes.clone())
+        _expect(packed, pack_int4(codes), "pack of a [5, 64] matrix of codes, row by row")
+        _expect(packer.unpack(packed), codes, "unpack(pack(codes))")
+        _expect(packer.unpack(pack_int4(codes)), unpack_int4(pack_int4(codes)), "unpack of a [5, 32] matrix")
+
+    def refuses(packer: Any) -> None:
+        _raises(lambda: packer.pack(torch.tensor([1, 2, 3], dtype=torch.uint8)), "pack of an odd number of codes")
+        _raises(lambda: packer.pack(torch.tensor([1, 16], dtype=torch.uint8)), "pack of a code above 15")
+
+    return [Scenario("known bytes, both ways", known), Scenario("a matrix, there and back", round_trip),
+            Scenario("what does not fit is refused", refuses)]
+
+
+class SealedQuantLinear(QuantLinear):
+    """A QuantLinear whose own forward and dequantization are off limits to the exercise."""
+
+    def _sealed(self, *args: Any) -> Any:
+        raise RuntimeError("compute the output from layer.packed, layer.scales and layer.zeros yourself")
+
+    forward = dequantized_weight = codes = zero_points = _sealed
+
+
+def sealed_layer(out_features: int, in_features: int, scheme: Scheme, seed: int
+                 ) -> tuple[SealedQuantLinear, QuantLinear]:
+    """A random layer, sealed for the exercise, and the same layer unsealed for the expected output."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    quantized = quantize(weight, scheme)
+    return SealedQuantLinear(*quantized, scheme), QuantLinear(*quantized, scheme)
+
+
+def _forward_cases() -> list[Case]:
+    generator = torch.Generator().manual_seed(8)
+    layers = [
+        ("INT4 g32 asymmetric, x [3, 64]", sealed_layer(16, 64, Scheme(4, 32), 1), (3, 64)),
+        ("INT4 g64 symmetric (no stored zeros), x [2, 5, 128]", sealed_layer(24, 128, Scheme(4, 64, True), 2),
+         (2, 5, 128)),
+        ("INT4 g128 asymmetric, one token", sealed_layer(40, 256, Scheme(4, 128), 3), (1, 1, 256)),
+        ("INT8 per-channel symmetric: codes not packed", sealed_layer(8, 96, Scheme(8, None, True), 4), (4, 96)),
+    ]
+    cases = []
+    for label, (sealed, layer), shape in layers:
+        x = torch.randn(shape, generator=generator)
+        cases.append(Case(label, (sealed, x), layer(x), rtol=1e-5, atol=1e-5))
+    return cases
+
+
+EXERCISES = [
+    Exercise(
+        id="ex06.1", title="Quantize and dequantize one group", points=2, function="quantize_group",
+        cases=_group_cases,
+        hint="Asymmetric: lo = min(w.min(), 0), hi = max(w.max(), 0), scale = (hi - lo) / (2**bits - 1); "
+             "symmetric: scale = w.abs().max() / (2**(bits-1) - 1) and zero = 2**(bits-1). Round the scale to "
+             "fp16 (scale.half().float()) and use 1 if it is 0; asymmetric zero = round(-lo / scale). "
+             "codes = clamp(round(w / scale) + zero, 0, 2**bits - 1) as torch.uint8; w_hat = (codes - zero) * scale. "
+             "Return (codes, scale, zero, w_hat).",
+    ),
+    Exercise(
+        id="ex06.2", title="Pack and unpack 4-bit codes", points=2, function="Int4Packer",
+        cases=_packing_cases,
+        hint="pack: low nibble = codes[..., 0::2], high nibble = codes[..., 1::2] << 4, combined with |, as uint8; "
+             "raise ValueError for an odd count or a code above 15. unpack: packed & 0x0F and packed >> 4, "
+             "interleaved back (torch.stack([...], dim=-1).flatten(-2)).",
+    ),
+    Exercise(
+        id="ex06.3", title="QuantLinear.forward", points=2, function="quant_linear_forward",
+        cases=_forward_cases,
+        hint="codes = unpack_int4(layer.packed) for 4 bits (layer.packed itself for 8); zeros = layer.zeros, or "
+             "2**(bits-1) everywhere when it is None; reshape codes to [out, groups, group_size], subtract the "
+             "zeros and multiply by the scales (both [out, groups, 1]), reshape back to [out, in] and return "
+             "F.linear(x, weight) in x's dtype.",
+    ),
+]

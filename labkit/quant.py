@@ -1,0 +1,314 @@
+"""Weight-only quantization: INT4 (and INT8) weights, dequantized on the fly.
+
+A weight matrix ``[out, in]`` is cut, along each row, into groups of ``group_size`` inputs. Each
+group gets its own grid of 2^bits evenly spaced levels, described by a scale and a zero point
+(both stored in fp16):
+
+    asymmetric:  lo = min(w_min, 0), hi = max(w_max, 0),  scale = (hi - lo) / (2^bits - 1),
+                 zero = round(-lo / scale)
+    symmetric:   scale = max|w| / (2^(bits-1) - 1),  zero = 2^(bits-1)   (fixed, not stored)
+
+    code = clamp(round(w / scale) + zero, 0, 2^bits - 1)        w_hat = (code - zero) * scale
+
+The range includes 0, so a zero weight stays exactly zero and ``zero`` is a valid code. A group
+whose weights are all 0 gets scale 1. Two 4-bit codes share a byte: the even column in the low
+nibble, the odd one in the high nibble. Per weight, INT4 with groups of g costs
+4 + 16/g bits (symmetric) or 4 + 32/g bits (asymmetric), against 16 for fp16.
+
+Rounding to nearest (RTN) treats every weight alone. GPTQ (Frantar et al., 2022) quantizes the
+columns of W one at a time and spreads each column's rounding error over the columns not yet
+quantized, weighted by the inverse of the layer's input Hessian H = 2 X^T X (X: calibration inputs
+to the layer), so that the layer's *output* error ||X W^T - X W_hat^T|| stays small:
+
+    err = (w_i - w_hat_i) / U_ii;   W[:, i+1:] -= err U_i,i+1:     with U the upper Cholesky factor of H^-1
+
+``QuantLinear`` keeps the packed codes and dequantizes the whole weight at every call: on a GPU
+with a fused kernel that saves memory traffic, here (plain PyTorch) it saves memory and costs time.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from labkit.model import Transformer
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How to quantize: ``group_size=None`` means one group per output row (per-channel)."""
+
+    bits: int = 4
+    group_size: int | None = 64
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits={self.bits}: choose 2 to 8")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size} must be at least 1 (or None: one group per row)")
+
+    def groups(self, in_features: int) -> int:
+        """Groups per row; a row that the groups do not tile exactly is refused, not padded."""
+        size = self.group_size or in_features
+        if in_features % size:
+            divisors = [g for g in (32, 64, 128, 256) if in_features % g == 0]
+            raise ValueError(f"in_features={in_features} is not a multiple of group_size={size}; "
+                             f"group sizes that fit: {divisors or 'none of 32-256, use group_size=None'}")
+        return in_features // size
+
+    def bits_per_weight(self, in_features: int) -> float:
+        """Code bits plus each group's fp16 scale (and zero), shared by the group."""
+        size = in_features // self.groups(in_features)
+        return self.bits + 16 * (1 if self.symmetric else 2) / size
+
+    @property
+    def name(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        return f"INT{self.bits} {'per-channel' if self.group_size is None else f'g{self.group_size}'} {kind}"
+
+
+def group_params(groups: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor]:
+    """Scale (rounded to fp16, returned as fp32) and zero point of each group ``[..., size]``."""
+    levels = 2 ** bits - 1
+    if symmetric:
+        scale = groups.abs().amax(-1) / (2 ** (bits - 1) - 1)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scale = (hi - lo) / levels
+    scale = scale.half().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if not symmetric:
+        zero = torch.round(-lo / scale).clamp(0, levels)
+    return scale, zero
+
+
+def quantize(weight: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor]:
+    """Round to nearest: uint8 codes ``[out, in]``, fp16 scales and zeros ``[out, groups]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [out, in], got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, scheme.groups(in_features), -1)
+    scale, zero = group_params(groups, scheme.bits, scheme.symmetric)
+    codes = torch.round(groups / scale[..., None]) + zero[..., None]
+    codes = codes.clamp(0, 2 ** scheme.bits - 1).to(torch.uint8).reshape(out_features, in_features)
+    return codes, scale.half(), zero.half()
+
+
+def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """w_hat = (code - zero) * scale, each group's scale and zero repeated over its columns."""
+    out_features, in_features = codes.shape
+    groups = codes.reshape(out_features, scales.shape[-1], -1).to(dtype)
+    return ((groups - zeros[..., None].to(dtype)) * scales[..., None].to(dtype)).reshape(out_features, in_features)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """Two 4-bit codes per byte along the last dimension: even column low, odd column high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack {codes.shape[-1]} codes per row into bytes: the count must be even")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"code {int(codes.max())} does not fit in 4 bits (0-15)")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of ``pack_int4``: ``[..., n]`` bytes to ``[..., 2n]`` codes."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+class QuantLinear(nn.Module):
+    """A Linear layer (no bias) whose weight is kept as codes with fp16 scales and zeros, and
+    dequantized to the input's dtype at every call. 4-bit codes are packed two to a byte; codes of
+    any other width take a byte each (INT8 fills it; 2, 3 and 5-7 bits are for experiments)."""
+
+    def __init__(self, codes: Tensor, scales: Tensor, zeros: Tensor, scheme: Scheme) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", pack_int4(codes) if scheme.bits == 4 else codes.to(torch.uint8))
+        self.register_buffer("scales", scales.half())
+        # a symmetric grid's zero is the fixed 2^(bits-1): nothing to store
+        self.register_buffer("zeros", None if scheme.symmetric else zeros.half())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: Scheme) -> QuantLinear:
+        if linear.bias is not None:
+            raise ValueError("QuantLinear has no bias; this Linear has one")
+        return cls(*quantize(linear.weight.detach(), scheme), scheme)
+
+    def codes(self) -> Tensor:
+        return unpack_int4(self.packed) if self.scheme.bits == 4 else self.packed
+
+    def zero_points(self) -> Tensor:
+        if self.zeros is not None:
+            return self.zeros
+        return torch.full_like(self.scales, 2 ** (self.scheme.bits - 1))
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize(self.codes(), self.scales, self.zero_points(), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and zeros."""
+        return sum(t.nbytes for t in (self.packed, self.scales, self.zeros) if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.name}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding that reads its rows from a QuantLinear (the LM head, when the two are tied):
+    only the looked-up rows are dequantized."""
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = self.table
+        rows = t.packed[tokens].flatten(0, -2)
+        codes = unpack_int4(rows) if t.scheme.bits == 4 else rows
+        weight = dequantize(codes, t.scales[tokens].flatten(0, -2), t.zero_points()[tokens].flatten(0, -2))
+        return weight.reshape(*tokens.shape, t.in_features)
+
+
+def hessian(inputs: Tensor) -> Tensor:
+    """H = 2 X^T X / n over the n rows of the inputs ``[..., in]`` a layer saw."""
+    x = inputs.reshape(-1, inputs.shape[-1]).float()
+    return 2 * x.T @ x / len(x)
+
+
+def gptq(weight: Tensor, h: Tensor, scheme: Scheme, damp: float = 0.01, block: int = 128
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    """GPTQ for one weight ``[out, in]`` given its input Hessian ``[in, in]``: codes, scales and
+    zeros as ``quantize`` returns them, each group's grid set from the weights as they stand (already
+    corrected for the earlier columns' errors) when the group is reached. Columns go in blocks: an
+    error updates the rest of its block at once and the columns past it in one matmul per block."""
+    w = weight.detach().float().clone()
+    out_features, in_features = w.shape
+    size = in_features // scheme.groups(in_features)
+    block = max(block // size, 1) * size  # whole groups per block, so a group's columns are up to date
+    h = h.double().clone()
+    dead = h.diagonal() == 0  # an input that was always 0: its column cannot matter
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * h.diagonal().mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    codes = torch.empty(out_features, in_features, dtype=torch.uint8, device=w.device)
+    scales, zeros = [], []
+    for start in range(0, in_features, block):
+        end = min(start + block, in_features)
+        errors = torch.empty(out_features, end - start, device=w.device)
+        for i in range(start, end):
+            if i % size == 0:
+                scale, zero = group_params(w[:, i:i + size], scheme.bits, scheme.symmetric)
+                scales.append(scale)
+                zeros.append(zero)
+            code = (torch.round(w[:, i] / scale) + zero).clamp(0, 2 ** scheme.bits - 1)
+            codes[:, i] = code.to(torch.uint8)
+            errors[:, i - start] = (w[:, i] - (code - zero) * scale) / u[i, i]
+            w[:, i + 1:end] -= errors[:, i - start, None] * u[i, i + 1:end]
+        w[:, end:] -= errors @ u[start:end, end:]
+    return codes, torch.stack(scales, 1).half(), torch.stack(zeros, 1).half()
+
+
+def _targets(model: Transformer, head: bool) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of each Linear to quantize, in the order the model runs them."""
+    found = [(parent, name) for block in model.blocks for parent in (block.attn, block.mlp)
+             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    return found + [(model, "lm_head")] if head else found
+
+
+def _calibrate_gptq(model: Transformer, calibration: Tensor, scheme: Scheme, head: bool, batch_size: int = 8) -> None:
+    """Quantize block by block, in place: a block's Hessians come from the inputs that the
+    already-quantized blocks before it produce, so each block corrects for their errors too."""
+    targets = {id(getattr(p, n)): (p, n) for p, n in _targets(model, head)}
+    seen: dict[int, list] = {}  # id of a Linear -> [sum of its Hessians, weighted by rows; rows]
+
+    def record(module: nn.Module, args: tuple[Tensor]) -> None:
+        rows = args[0].shape[:-1].numel()
+        total = seen.setdefault(id(module), [0, 0])
+        total[0] = total[0] + hessian(args[0]) * rows
+        total[1] += rows
+
+    def run(stage, xs: list[Tensor]) -> list[Tensor]:
+        """Record the stage's inputs, quantize its layers, then run it again quantized."""
+        for x in xs:
+            stage(x)
+        for key, (h, rows) in seen.items():
+            parent, name = targets[key]
+            setattr(parent, name, QuantLinear(*gptq(getattr(parent, name).weight, h / rows, scheme), scheme))
+        seen.clear()
+        return [stage(x) for x in xs]
+
+    hooks = [getattr(p, n).register_forward_pre_hook(record) for p, n in targets.values()]
+    positions = torch.arange(calibration.shape[1], device=calibration.device)[None]
+    rope = model.rotary(positions)
+    try:
+        with torch.no_grad():
+            xs = [model.embed(chunk) for chunk in calibration.split(batch_size)]
+            for block in model.blocks:
+                xs = run(lambda x: block(x, positions, rope, None), xs)
+            if head:
+                run(lambda x: model.lm_head(model.norm(x)), xs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def quantize_model(model: Transformer, scheme: Scheme = Scheme(), method: str = "rtn",
+                   calibration: Tensor | None = None, head: bool = False) -> Transformer:
+    """A copy of ``model`` whose blocks' Linear layers are QuantLinear (and the LM head too if
+    ``head``; a tied embedding then reads the same quantized table). ``method`` is ``"rtn"``
+    (round to nearest) or ``"gptq"``, which needs ``calibration`` token ids ``[n, length]``."""
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}: choose 'rtn' or 'gptq'")
+    if method == "gptq" and (calibration is None or calibration.dim() != 2):
+        raise ValueError("GPTQ needs calibration token ids shaped [n, length]")
+    tied = model.lm_head.weight is model.embed.weight
+    quantized = copy.deepcopy(model)
+    if method == "rtn":
+        for parent, name in _targets(quantized, head):
+            setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), scheme))
+    else:
+        _calibrate_gptq(quantized, calibration, scheme, head)
+    if head and tied:
+        quantized.embed = QuantEmbedding(quantized.lm_head)
+    return quantized
+
+
+def output_errors(model: Transformer, quantized: Transformer, tokens: Tensor) -> dict[str, float]:
+    """||X W_hat^T - X W^T|| / ||X W^T|| for each quantized Linear, X being the inputs that the
+    original ``model`` feeds that layer on ``tokens`` ``[n, length]``."""
+    inputs: dict[str, Tensor] = {}
+    names = {id(m): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(names[id(m)], args[0]))
+             for m in model.modules() if id(m) in names]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    errors = {}
+    for name, x in inputs.items():
+        layer = quantized.get_submodule(name)
+        if isinstance(layer, QuantLinear):
+            exact = x @ model.get_submodule(name).weight.T
+            errors[name] = ((x @ layer.dequantized_weight().T - exact).norm() / exact.norm()).item()
+    return errors
+
+
+def weight_bytes(model: nn.Module, float_bytes: int = 2) -> int:
+    """Bytes of the weights as they would be stored: quantized layers as they are (codes, scales,
+    zeros), every other parameter at ``float_bytes`` each (2: fp16). Shared tensors count once."""
+    quantized = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    return quantized + float_bytes * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
