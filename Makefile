@@ -31,19 +31,16 @@ lab: $(STAMP)
 
 test: test-unit test-notebooks
 
-# Test files and notebooks run on $(WORKERS) processes at once (pytest-xdist), each file or
-# notebook whole on one of them, in order: a notebook's cells share one kernel.
-WORKERS ?= 2
-PARALLEL := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
-
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests $(PARALLEL) --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests --durations=10 $(PYTEST_ARGS)
 
 # Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
-# the student copies must run top to bottom with every exercise still a stub.
+# the student copies must run top to bottom with every exercise still a stub. The student
+# copy of 02 is left to tests/test_browser.py, which runs all of it in JupyterLab and fails
+# on any error output (CI always runs it), so it is not run twice.
 test-notebooks: $(STAMP)
-	LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) $(PARALLEL) solutions $(PYTEST_ARGS)
-	LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) $(PARALLEL) notebooks $(PYTEST_ARGS)
+	LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PYTEST_ARGS)
+	LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks --ignore=notebooks/02_kv_memory.ipynb $(PYTEST_ARGS)
 
 release: $(STAMP)
 	$(BIN)/python -m labkit.release

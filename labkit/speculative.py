@@ -73,7 +73,9 @@ def verify_sampled(draft: Sequence[int], q: Tensor, p: Tensor,
                    generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Speculative sampling: ``q`` ``[k, vocab]`` are the distributions the k draft tokens were drawn
     from, ``p`` ``[k + 1, vocab]`` the target's. Returns the accepted tokens and the next token
-    (from the residual at the first rejection, else the bonus from p's last row)."""
+    (from the residual at the first rejection, else the bonus from p's last row). ``q`` is moved
+    to ``p``'s device: prompt lookup builds its one-hot q on the CPU."""
+    q = q.to(p.device) if q is not None else q
     for i, token in enumerate(draft):
         accept, residual = acceptance_rule(p[i], q[i], token)
         if float(torch.rand((), generator=generator, device=p.device)) >= accept:
