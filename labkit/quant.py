@@ -141,8 +141,10 @@ class QuantLinear(nn.Module):
             raise ValueError("QuantLinear has no bias; this Linear has one")
         return cls(*quantize(linear.weight.detach(), scheme), scheme)
 
-    def codes(self) -> Tensor:
-        return unpack_int4(self.packed) if self.scheme.bits == 4 else self.packed
+    def codes(self, rows: Tensor | None = None) -> Tensor:
+        """The codes unpacked, of every row or only of ``rows``."""
+        packed = self.packed if rows is None else self.packed[rows]
+        return unpack_int4(packed) if self.scheme.bits == 4 else packed
 
     def zero_points(self) -> Tensor:
         if self.zeros is not None:
@@ -174,9 +176,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         t = self.table
-        rows = t.packed[tokens].flatten(0, -2)
-        codes = unpack_int4(rows) if t.scheme.bits == 4 else rows
-        weight = dequantize(codes, t.scales[tokens].flatten(0, -2), t.zero_points()[tokens].flatten(0, -2))
+        rows = tokens.flatten()
+        weight = dequantize(t.codes(rows), t.scales[rows], t.zero_points()[rows])
         return weight.reshape(*tokens.shape, t.in_features)
 
 
