@@ -7,15 +7,19 @@ return before the work is done; on the CPU ``time.perf_counter`` is exact enough
 
 ``compare`` times two callables side by side, alternating A B A B, so that drift in the
 machine (turbo, thermal, other processes) hits both alike; quote the ratio of medians.
+``peak_memory`` measures the most tensor memory a callable holds at once.
 """
 from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from labkit.device import device_name, get_device, synchronize
 
@@ -127,3 +131,57 @@ def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[s
         times_b.append(run_once(fn_b))
     name = device_name(device)
     return Comparison(Timing(labels[0], name, tuple(times_a)), Timing(labels[1], name, tuple(times_b)))
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of tensors created while active, as long as they (or views of them) live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, int] = {}  # storage address -> tensors alive that use it
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self._track(tensor, inputs)
+        return out
+
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key not in self.refs:
+            if key in inputs or not size:  # a view of (or a write into) a tensor made before: nothing allocated
+                return
+            self.refs[key] = 0
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(tensor, self._release, key, size)
+
+    def _release(self, key: int, size: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= size
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device | str | None = None) -> int:
+    """The most bytes of tensor memory that ``fn()`` held at once, beyond what existed before it
+    ran. On CUDA from the allocator's peak counter; on the CPU by following every tensor that
+    torch's operators create until it is freed."""
+    device = torch.device(device) if device is not None else get_device()
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    if device.type != "cpu":
+        raise ValueError(f"peak_memory measures cuda or cpu, not {device.type}")
+    with _LiveTensors() as live:
+        fn()
+    return live.peak

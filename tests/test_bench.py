@@ -4,8 +4,9 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
-from labkit.bench import Comparison, Timing, compare, format_seconds, measure
+from labkit.bench import Comparison, Timing, compare, format_seconds, measure, peak_memory
 
 
 def test_measure_warms_up_then_times_each_repeat():
@@ -52,3 +53,26 @@ def test_format_seconds():
     assert format_seconds(0.25) == "250.0 ms"
     assert format_seconds(1.5e-5) == "15.0 us"
     assert format_seconds(3e-8) == "30 ns"
+
+
+def test_peak_memory_follows_tensors_until_they_are_freed():
+    a = torch.randn(256, 256)  # made before: not counted, nor are views of it
+
+    def two_at_once():
+        x = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes
+        y = torch.empty(500, dtype=torch.float64)  # 4,000 bytes, while x lives: peak 8,000
+        del x, y
+        z = torch.empty(1500, dtype=torch.float32)  # 6,000 bytes after both were freed
+        return a[:10].sum() + z.sum()
+    assert peak_memory(two_at_once, "cpu") == 8000  # z and the sums come after x and y are gone
+    assert peak_memory(lambda: a.T @ a, "cpu") == 256 * 256 * 4
+
+
+def test_peak_memory_keeps_a_tensor_alive_through_its_views():
+    def view_outlives():
+        x = torch.empty(1000)
+        view = x[:10]
+        del x
+        torch.empty(1000)  # x's storage is still held by the view: 8,000 bytes at once
+        return view
+    assert peak_memory(view_outlives, "cpu") == 8000

@@ -1,6 +1,8 @@
 """Exercises: solutions pass, released stubs and wrong answers do not, checks print and raise."""
 from __future__ import annotations
 
+import linecache
+
 import pytest
 import torch
 
@@ -22,8 +24,12 @@ def _cells(folder, root) -> dict[str, str]:
 
 
 def _define(source: str, name: str):
+    """Run an exercise cell and return what it defines as ``name``. The cell's source goes into
+    linecache, as IPython puts it, so that Triton can read a kernel's source."""
+    filename = f"<exercise cell {name} {hash(source)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     namespace: dict = {}
-    exec(compile(source, "<exercise cell>", "exec"), namespace)
+    exec(compile(source, filename, "exec"), namespace)
     return namespace[name]
 
 
@@ -297,3 +303,23 @@ def test_lab06_plausible_mistakes_fail():
     def calls_the_layer(layer, x):  # the layer's own forward is sealed in the exercise
         return layer(x)
     assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED
+
+
+def test_lab07_plausible_mistakes_fail(root):
+    def no_rescale(m, l, acc, scores, values):  # forgets that the old sum and output were under the old maximum
+        m_new = torch.maximum(m, scores.amax(-1))
+        p = torch.exp(scores - m_new[:, None])
+        return m_new, l + p.sum(-1), acc + p @ values
+    assert run_cases(get("ex07.1"), no_rescale).status == FAILED
+
+    kernel = _cells("solutions", root)["ex07.2"]
+    mistakes = {
+        "acc is not rescaled": ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
+        "no causal mask": ("visible = visible & (keys[None, :] <= position[:, None])", "visible = visible"),
+        "keys past S are not masked": ("visible = keys[None, :] < S", "visible = keys[None, :] >= 0"),
+        "exp of scores in log2 units": ("p = tl.exp2(scores", "p = tl.exp(scores"),
+    }
+    for what, (right, wrong) in mistakes.items():
+        assert right in kernel, what
+        result = run_cases(get("ex07.2"), _define(kernel.replace(right, wrong), "flash_attention_kernel"))
+        assert result.status == FAILED, what

@@ -1,0 +1,98 @@
+"""Notebook 07 (Triton attention): the online softmax update, and the inner loop of the kernel."""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.kernels import flash_attention, interpreted, online_softmax_update, reference_attention
+
+
+def _fresh(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.full((rows,), -math.inf), torch.zeros(rows), torch.zeros(rows, dim)
+
+
+def _fold_all(update: Callable[..., Any], scores: torch.Tensor, values: torch.Tensor, width: int) -> None:
+    """Fold ``scores`` ``[rows, S]`` a tile of ``width`` keys at a time with the student's
+    update; the result must be softmax(scores) @ values."""
+    m, l, acc = _fresh(scores.shape[0], values.shape[1])
+    for start in range(0, scores.shape[1], width):
+        m, l, acc = update(m, l, acc, scores[:, start:start + width], values[start:start + width])
+    expected = torch.softmax(scores, dim=-1) @ values
+    torch.testing.assert_close(acc / l[:, None], expected, rtol=1e-5, atol=1e-6,
+                               msg=lambda text: f"after folding tiles of {width} keys, acc / l != softmax(s) v: {text}")
+
+
+def _online_cases() -> list[Case | Scenario]:
+    generator = torch.Generator().manual_seed(7)
+    scores, values = torch.randn(4, 24, generator=generator) * 3, torch.randn(24, 8, generator=generator)
+    first = online_softmax_update(*_fresh(4, 8), scores[:, :8], values[:8])
+    larger = scores[:, 8:16] + 5  # every row's maximum grows: what was summed must be rescaled
+    masked = scores[:, 16:].masked_fill(torch.rand(4, 8, generator=generator) < 0.5, -math.inf)
+    cases: list[Case | Scenario] = [
+        Case("the first tile, from m = -inf, l = 0, acc = 0", (*_fresh(4, 8), scores[:, :8], values[:8]), first,
+             rtol=1e-5, atol=1e-6),
+        Case("a tile with larger scores: the running sum and output are rescaled", (*first, larger, values[8:16]),
+             online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6),
+        Case("a tile with smaller scores: the maximum stays", (*first, scores[:, 8:16] - 5, values[8:16]),
+             online_softmax_update(*first, scores[:, 8:16] - 5, values[8:16]), rtol=1e-5, atol=1e-6),
+        Case("masked scores (-inf) add nothing", (*first, masked, values[16:]),
+             online_softmax_update(*first, masked, values[16:]), rtol=1e-5, atol=1e-6),
+    ]
+    row, row_values = torch.randn(3, 40, generator=generator) * 10, torch.randn(40, 5, generator=generator)
+    cases += [Scenario(f"a whole row of 40 scores folded {width} keys at a time equals softmax(s) v",
+                       partial(lambda width, fn: _fold_all(fn, row, row_values, width), width))
+              for width in (8, 16)]
+    return cases
+
+
+def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal: bool, dtype: torch.dtype) -> None:
+    """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA."""
+    batch, heads, kv_heads, n_queries, n_keys, dim = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    device = "cpu" if interpreted() else "cuda"
+    q = torch.randn(batch, heads, n_queries, dim, generator=generator).to(device, dtype)
+    k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
+    try:
+        out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
+    except Exception as error:  # the interpreter wraps what the kernel raised: a stub is not attempted
+        if isinstance(error.__cause__, NotImplementedError):
+            raise error.__cause__ from None
+        raise
+    tolerance = 2e-5 if dtype == torch.float32 and device == "cpu" else 2e-3  # a GPU runs fp32 dots in TF32
+    torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal), rtol=tolerance, atol=tolerance)
+
+
+def _kernel_cases() -> list[Scenario]:
+    runs = [
+        ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False),
+        ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True),
+        ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True),
+        ("fp16 inputs, causal, 2 heads per KV head", (1, 4, 2, 24, 24, 32), True),
+    ]
+    return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal,
+                                    dtype=torch.float16 if "fp16" in label else torch.float32))
+            for label, shape, causal in runs]
+
+
+EXERCISES = [
+    Exercise(
+        id="ex07.1", title="The online softmax update", points=2, function="online_softmax_update",
+        cases=_online_cases,
+        hint="m_new = torch.maximum(m, scores.amax(-1)); alpha = torch.exp(m - m_new) rescales the old state; "
+             "p = torch.exp(scores - m_new[:, None]); return m_new, alpha * l + p.sum(-1), "
+             "alpha[:, None] * acc + p @ values.",
+    ),
+    Exercise(
+        id="ex07.2", title="The inner loop of the Triton attention kernel", points=3,
+        function="flash_attention_kernel", cases=_kernel_cases, timeout_s=180.0,
+        hint="Load the key tile transposed ([BLOCK_D, BLOCK_N], masked by keys < S and dims < HEAD_DIM), "
+             "scores = tl.dot(q, k_t) * scale_log2e; set -inf where keys >= S, and when CAUSAL where "
+             "keys > position; m_new = max(m_i, row max); alpha = tl.exp2(m_i - m_new); p = tl.exp2(scores - "
+             "m_new[:, None]); l_i = l_i * alpha + row sum of p; load the value tile [BLOCK_N, BLOCK_D]; "
+             "acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v); m_i = m_new.",
+    ),
+]

@@ -1,0 +1,104 @@
+"""Paged attention for decoding, in Triton: one new query per sequence, keys and values read
+through the block table straight from the paged cache's pools.
+
+The reference (``labkit.paged.paged_attention``) first gathers each sequence's blocks into a
+contiguous ``[B, n_kv_heads, L, d]`` copy and then attends; this kernel never makes the copy.
+One program serves one (sequence, KV head): the ``group`` query heads that share that KV head
+(GQA) are its rows, so each block of keys and values is read once for all of them. It walks
+the sequence's blocks in order, looking each up in the block table,
+
+    block = table[b, j],   keys of positions j*bs .. j*bs + bs - 1 = k_pool[block, :, kv_head, :]
+
+and folds every block into a running maximum, sum and output (online softmax, as in the
+forward kernel); slots at or past the sequence's length are masked, so lengths in a batch vary
+freely and the last block may be partly filled.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from labkit.kernels import check_device, interpreted, tl, triton
+from labkit.kernels.flash import DTYPES, LOG2E
+
+
+@triton.jit
+def paged_decode_kernel(Q, KPool, VPool, Tables, Lengths, Out, scale_log2e,
+                        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        stride_tb, stride_ob, stride_oh, group,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr):
+    b, kv_head = tl.program_id(0), tl.program_id(1)
+    members = tl.arange(0, GROUP)
+    heads = kv_head * group + members  # the query heads that read this KV head
+    dims = tl.arange(0, BLOCK_D)
+    slots = tl.arange(0, BLOCK_SIZE)
+    q_mask = (members[:, None] < group) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q = q.to(tl.float32)
+    length = tl.load(Lengths + b)
+    m_i = tl.full([GROUP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, BLOCK_D], tl.float32)
+    for first in range(0, length, BLOCK_SIZE):
+        block = tl.load(Tables + b * stride_tb + first // BLOCK_SIZE).to(tl.int64)
+        filled = (first + slots) < length  # the last block may be partly written
+        kv_mask = filled[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(KPool + block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2e  # [GROUP, BLOCK_SIZE]
+        scores = tl.where(filled[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VPool + block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
+             mask=q_mask)
+
+
+def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> None:
+    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
+                         f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    (batch, heads, dim), (_, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
+    if pool_dim != dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pools of {kv_heads} KV heads of dimension {pool_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two for this kernel")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"expected block_tables [B={batch}, max_blocks] and lengths [{batch}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+    if block_tables.is_floating_point() or lengths.is_floating_point():
+        raise ValueError("block_tables and lengths must hold integers")
+    if int(lengths.min()) < 1 or int(lengths.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
+                         f"name), got {lengths.tolist()}")
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"q and the pools must share one dtype of {DTYPES}, got {q.dtype}, {k_pool.dtype}")
+
+
+def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
+                 scale: float | None = None) -> Tensor:
+    """What ``labkit.paged.paged_attention`` computes, without gathering: ``q`` ``[B, n_heads, d]``
+    attends to the first ``lengths[b]`` keys and values of sequence b, read from the pools
+    ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables`` ``[B, max_blocks]``."""
+    _check(q, k_pool, v_pool, block_tables, lengths)
+    check_device(q, k_pool, v_pool, block_tables, lengths)
+    (batch, heads, dim), (_, block_size, kv_heads, _) = q.shape, k_pool.shape
+    q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
+    out = torch.empty_like(q)
+    group = heads // kv_heads
+    scale = 1 / math.sqrt(dim) if scale is None else scale
+    paged_decode_kernel[(batch, kv_heads)](
+        q, k_pool, v_pool, block_tables, lengths, out, scale * LOG2E, *q.stride()[:2], *k_pool.stride()[:3],
+        *v_pool.stride()[:3], block_tables.stride(0), *out.stride()[:2], group, HEAD_DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim), GROUP=triton.next_power_of_2(group), BLOCK_SIZE=block_size,
+        num_warps=1 if interpreted() else 4)
+    return out

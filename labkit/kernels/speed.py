@@ -1,0 +1,76 @@
+"""Timing the kernels on a GPU: forward throughput in TFLOP/s, and decode time against the gather.
+
+Attention costs 4 * d floating-point operations per (query, key) pair it computes (2 * d for
+q . k, 2 * d for p * v); under a causal mask only the visible pairs count, about half. The
+interpreter that runs the kernels on a CPU executes them one program at a time in NumPy, so its
+timings say nothing about the kernels: these functions refuse anything but CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from labkit.bench import measure
+from labkit.kernels import flash_attention, interpreted, paged_decode
+from labkit.kernels.tiled import naive_attention
+from labkit.paged import paged_attention
+
+NEEDS_CUDA = "kernel timings need a CUDA GPU: on a CPU the kernels run in Triton's interpreter, for correctness only"
+
+
+def require_cuda(device: torch.device) -> None:
+    """Raise, saying why, unless ``device`` is a CUDA GPU with the kernels compiled for it."""
+    if torch.device(device).type != "cuda" or interpreted():
+        raise RuntimeError(NEEDS_CUDA)
+
+
+def attention_flops(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, causal: bool) -> float:
+    """4 * d per computed (query, key) pair; causal: query i of the last T sees S - T + i + 1 keys."""
+    pairs = n_queries * n_keys
+    if causal:
+        pairs = n_queries * (n_keys - n_queries) + n_queries * (n_queries + 1) // 2
+    return 4.0 * batch * heads * pairs * dim
+
+
+def forward_speeds(lengths: list[int], dims: list[int], device: torch.device, batch_tokens: int = 16384,
+                   heads: int = 16, causal: bool = True, naive_limit: int = 4096, repeats: int = 20) -> list[dict]:
+    """TFLOP/s of the Triton kernel, SDPA and naive attention, fp16, batch = batch_tokens / length;
+    naive attention only up to ``naive_limit`` tokens (its score matrix grows as N^2)."""
+    require_cuda(device)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=causal), "sdpa": sdpa,
+             "naive": lambda q, k, v: naive_attention(q, k, v, causal)}
+    rows = []
+    for dim in dims:
+        for n in lengths:
+            batch = max(1, batch_tokens // n)
+            q, k, v = (torch.randn(batch, heads, n, dim, device=device, dtype=torch.float16) for _ in range(3))
+            flops = attention_flops(batch, heads, n, n, dim, causal)
+            for name, fn in impls.items():
+                if name == "naive" and n > naive_limit:
+                    continue
+                timing = measure(lambda: fn(q, k, v), warmup=3, repeats=repeats, device=device)
+                rows.append(dict(impl=name, n=n, dim=dim, batch=batch, ms=timing.median_s * 1e3,
+                                 tflops=flops / timing.median_s / 1e12))
+    return rows
+
+
+def decode_speeds(lengths: list[int], device: torch.device, batch: int = 32, heads: int = 32, kv_heads: int = 8,
+                  dim: int = 128, block_size: int = 16, repeats: int = 50) -> list[dict]:
+    """One decode step's attention over a paged cache (fp16, every sequence ``length`` tokens,
+    blocks in shuffled order): the Triton kernel against gathering the blocks, then attending."""
+    require_cuda(device)
+    rows = []
+    for length in lengths:
+        width = -(-length // block_size)
+        pools = [torch.randn(batch * width, block_size, kv_heads, dim, device=device, dtype=torch.float16)
+                 for _ in range(2)]
+        tables = torch.randperm(batch * width, device=device).view(batch, width)
+        lengths_t = torch.full((batch,), length, device=device)
+        q = torch.randn(batch, heads, dim, device=device, dtype=torch.float16)
+        kv_bytes = 2 * batch * length * kv_heads * dim * 2
+        for name, fn in (("triton", paged_decode), ("gather", paged_attention)):
+            timing = measure(lambda: fn(q, *pools, tables, lengths_t), warmup=3, repeats=repeats, device=device)
+            rows.append(dict(impl=name, length=length, us=timing.median_s * 1e6,
+                             gb_per_s=kv_bytes / timing.median_s / 1e9))
+    return rows

@@ -1,0 +1,241 @@
+"""The Triton kernels against PyTorch's scaled_dot_product_attention and the paged reference.
+
+On this CPU they run in Triton's interpreter (``labkit.kernels`` sets TRITON_INTERPRET=1 when
+torch sees no GPU), so the shapes are small; on a GPU the same tests run compiled.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import kernels
+from labkit.model import ModelConfig, Transformer
+from labkit.paged import BlockAllocator, PagedKVCache, paged_attention
+
+DEVICE = "cpu" if kernels.interpreted() else "cuda"
+# fp32 matmuls in a compiled kernel run on TF32 tensor cores (10-bit mantissa, like fp16's)
+TOLERANCE = {torch.float32: 2e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3}
+
+
+def _qkv(batch, heads, kv_heads, n_queries, n_keys, dim, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, n_queries, dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator) for _ in range(2))
+    return (x.to(DEVICE, dtype) for x in (q, k, v))
+
+
+def _sdpa(q, k, v, causal):
+    """PyTorch's attention in float64, each KV head repeated for its query heads; when causal,
+    the queries are the last T of the S positions (bottom-right diagonal)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - n_queries)
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask if causal else None)
+
+
+SHAPES = [  # batch, heads, kv_heads, T, S, head_dim, causal, dtype, block_m, block_n
+    (1, 2, 2, 37, 37, 16, True, torch.float32, 16, 16),  # MHA, neither length a multiple of the tile
+    (2, 4, 2, 50, 70, 48, True, torch.float32, 16, 32),  # GQA 2, prefill after a prefix, head dim not 2^k
+    (1, 8, 1, 33, 33, 32, False, torch.float32, 32, 16),  # MQA, not causal
+    (1, 4, 1, 17, 64, 64, False, torch.float16, 16, 16),  # fp16, T < S without a mask
+    (2, 6, 2, 31, 31, 32, True, torch.float16, 32, 32),  # fp16, GQA 3, one row tile
+    (1, 2, 1, 1, 23, 16, True, torch.float32, 16, 16),  # a single query: the decode case
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + f"-causal{s[6]}-{s[7]}")
+def test_flash_attention_matches_sdpa(shape):
+    *dims, causal, dtype, block_m, block_n = shape
+    q, k, v = _qkv(*dims, dtype, seed=sum(dims))
+    out = kernels.flash_attention(q, k, v, causal=causal, block_m=block_m, block_n=block_n)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_flash_attention_random_shapes():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(3):
+        kv_heads, group = (int(torch.randint(1, 3, (1,), generator=generator)) for _ in range(2))
+        n_keys = int(torch.randint(1, 60, (1,), generator=generator))
+        n_queries = int(torch.randint(1, n_keys + 1, (1,), generator=generator))
+        causal = bool(trial % 2)
+        q, k, v = _qkv(1, kv_heads * group, kv_heads, n_queries, n_keys, 16, torch.float32, seed=trial)
+        out = kernels.flash_attention(q, k, v, causal=causal, block_m=16, block_n=16)
+        torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal), rtol=TOLERANCE[torch.float32],
+                                   atol=TOLERANCE[torch.float32])
+
+
+def test_flash_attention_reads_strided_inputs_and_scales():
+    q, k, v = _qkv(1, 4, 2, 20, 20, 32, torch.float32, seed=3)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # the model's [B, T, H, d] viewed as [B, H, T, d]
+    assert not q_strided.is_contiguous()
+    out = kernels.flash_attention(q_strided, k, v, causal=True, scale=0.5, block_m=16, block_n=16)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              is_causal=True, scale=0.5)
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[torch.float32], atol=TOLERANCE[torch.float32])
+
+
+def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num_blocks=24, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    pools = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(DEVICE, dtype)
+             for _ in range(2)]
+    width = max(math.ceil(n / block_size) for n in lengths)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in lengths]).to(DEVICE)
+    q = torch.randn(len(lengths), heads, dim, generator=generator).to(DEVICE, dtype)
+    return q, *pools, tables, torch.tensor(lengths, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_paged_decode_matches_the_gather_reference(dtype, heads, kv_heads):
+    q, k_pool, v_pool, tables, lengths = _paged_batch(dtype, [1, 16, 37, 70], kv_heads=kv_heads, heads=heads)
+    out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
+    expected = paged_attention(q.double(), k_pool.double(), v_pool.double(), tables, lengths)
+    torch.testing.assert_close(out.double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_paged_decode_never_reads_past_a_length():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20])
+    out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
+    for pool in (k_pool, v_pool):  # noise in every slot past each length, and in blocks no table names
+        spoiled = tables.new_zeros(pool.shape[0], pool.shape[1], dtype=torch.bool)
+        spoiled[:] = True
+        for row, length in zip(tables, lengths.tolist()):
+            for slot in range(length):
+                spoiled[row[slot // pool.shape[1]], slot % pool.shape[1]] = False
+        pool[spoiled] = 1e4
+    torch.testing.assert_close(kernels.paged_decode(q, k_pool, v_pool, tables, lengths), out)
+
+
+def test_paged_decode_on_a_models_paged_cache():
+    config = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=128)
+    model = Transformer(config).eval()
+    cache = PagedKVCache(config, BlockAllocator(num_blocks=16, block_size=8), device=DEVICE)
+    prompts = [[1, 2, 3], list(range(5, 25)), list(range(30, 43))]
+    for index, prompt in enumerate(prompts):
+        cache.allocator.add_sequence(index, prompt)
+    cache.seq_ids, cache.query_lens = list(range(3)), list(map(len, prompts))
+    flat = [t for p in prompts for t in p]
+    positions = torch.tensor([[i for p in prompts for i in range(len(p))]])
+    with torch.no_grad():
+        model.to(DEVICE)(torch.tensor([flat], device=DEVICE), positions.to(DEVICE), cache)
+    q = torch.randn(3, config.n_heads, config.head_dim, device=DEVICE)
+    lengths = torch.tensor(list(map(len, prompts)), device=DEVICE)
+    for layer in range(config.n_layers):
+        pools = cache.k[layer], cache.v[layer]
+        torch.testing.assert_close(kernels.paged_decode(q, *pools, cache.block_tables(), lengths),
+                                   paged_attention(q, *pools, cache.block_tables(), lengths), rtol=2e-5, atol=2e-5)
+
+
+def test_tiled_attention_and_online_softmax_match_sdpa():
+    q, k, v = _qkv(1, 1, 1, 45, 70, 16, torch.float32, seed=5)
+    for causal in (False, True):
+        out = kernels.tiled_attention(q[0, 0].cpu(), k[0, 0].cpu(), v[0, 0].cpu(), causal, block_m=16, block_n=32)
+        torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal)[0, 0].cpu(), rtol=1e-5, atol=1e-5)
+    state = (torch.full((3,), -math.inf), torch.zeros(3), torch.zeros(3, 4))
+    scores, values = torch.randn(3, 10), torch.randn(10, 4)
+    for start in (0, 4, 8):
+        state = kernels.online_softmax_update(*state, scores[:, start:start + 4], values[start:start + 4])
+    torch.testing.assert_close(state[2] / state[1][:, None], torch.softmax(scores, -1) @ values)
+
+
+def test_tile_map_skips_the_tiles_above_the_diagonal():
+    square = kernels.tile_map(64, 64, 16, 16, causal=True)
+    assert (square == 0).sum() == 6 and (square == 1).sum() == 4 and (square == 2).sum() == 6
+    assert (kernels.tile_map(40, 50, 16, 16, causal=False) == 2).all()
+    prefix = kernels.tile_map(16, 48, 16, 16, causal=True)  # the last 16 of 48 positions see every earlier key
+    assert prefix.tolist() == [[2, 2, 1]]
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, k, v: kernels.flash_attention(q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16)),
+     "not a multiple of n_kv_heads"),
+    (lambda q, k, v: kernels.flash_attention(q, k[:, :, :4], v[:, :, :4], causal=True), "T=8 > S=4"),
+    (lambda q, k, v: kernels.flash_attention(q, k.half(), v), "share one dtype"),
+    (lambda q, k, v: kernels.flash_attention(q, k, v, block_m=24), "block_m=24 must be a power of two"),
+    (lambda q, k, v: kernels.flash_attention(q[0], k, v), r"expected q \[B, n_heads, T, d\]"),
+])
+def test_flash_attention_refuses_bad_input(call, message):
+    q, k, v = _qkv(1, 4, 2, 8, 8, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=message):
+        call(q, k, v)
+
+
+def test_paged_decode_refuses_bad_input():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20])
+    with pytest.raises(ValueError, match="every length must be in"):
+        kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 20], device=DEVICE))
+    with pytest.raises(ValueError, match="every length must be in"):
+        kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([5, 33], device=DEVICE))
+    with pytest.raises(ValueError, match="block_size=12 must be a power of two"):
+        kernels.paged_decode(q, k_pool[:, :12], v_pool[:, :12], tables, lengths)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="needs a machine without a GPU")
+def test_cpu_tensors_without_the_interpreter_get_a_clear_error():
+    ran = _python("import torch; from labkit import kernels; q = torch.zeros(1, 1, 4, 16)\n"
+                  "try:\n    kernels.flash_attention(q, q, q)\nexcept ValueError as e:\n    print(e)",
+                  TRITON_INTERPRET="0")
+    assert "set TRITON_INTERPRET=1" in ran.stdout, ran.stderr
+
+
+def test_without_triton_the_package_imports_and_says_what_is_missing():
+    ran = _python("import sys; sys.modules['triton'] = None\nimport torch\nfrom labkit import kernels\n"
+                  "print(kernels.MISSING)\nq = torch.zeros(1, 1, 4, 16)\n"
+                  "print(kernels.tiled_attention(q[0, 0], q[0, 0], q[0, 0]).shape)\n"
+                  "try:\n    kernels.flash_attention(q, q, q)\nexcept ImportError as e:\n    print('raised', e)")
+    assert ran.returncode == 0, ran.stderr
+    assert "Triton is not installed" in ran.stdout and "raised Triton is not installed" in ran.stdout
+    assert "torch.Size([4, 16])" in ran.stdout
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from labkit.kernels import flash_attention_kernel, paged_decode_kernel
+
+def build(kernel, pointers, constexprs, capability, **options):
+    kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
+    kinds["scale_log2e"] = "fp32"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=kinds, constexprs=constexprs),
+                              target=GPUTarget("cuda", capability, 32), options=options)
+    return compiled.asm
+
+for capability, dtype, dim, causal in ((90, "fp16", 64, True), (90, "bf16", 128, False), (80, "fp16", 48, True),
+                                       (80, "fp32", 64, False)):
+    asm = build(flash_attention_kernel, dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Out=f"*{dtype}"),
+                dict(CAUSAL=causal, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=128, BLOCK_N=64),
+                capability, num_warps=4 if dim <= 64 else 8, num_stages=3)
+    tensor_cores = "wgmma.mma_async" in asm["ptx"] if capability == 90 else "mma.sync" in asm["ptx"]
+    print("flash", capability, dtype, dim, causal, "cubin" in asm, tensor_cores)
+for capability, dtype in ((90, "fp16"), (80, "fp32")):
+    pools = dict(Q=f"*{dtype}", KPool=f"*{dtype}", VPool=f"*{dtype}", Tables="*i64", Lengths="*i64", Out=f"*{dtype}")
+    asm = build(paged_decode_kernel, pools, dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_SIZE=16), capability,
+                num_warps=4)
+    print("paged", capability, dtype, "cubin" in asm)
+"""
+
+
+def test_the_kernels_compile_for_hopper_and_ampere_gpus():
+    """Without a GPU, Triton still compiles a kernel down to a cubin for a named GPU: this checks
+    the compiled path that the interpreter never takes (tile shapes tl.dot accepts, types), and
+    that the forward kernel's matmuls land on tensor cores (wgmma on an H100, mma on an A100)."""
+    ran = _python(_COMPILE, TRITON_INTERPRET="0")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = ran.stdout.split("\n")
+    assert sum(line.startswith("flash") for line in lines) == 4 and sum(line.startswith("paged") for line in lines) == 2
+    assert all(line.endswith("True True") for line in lines if line.startswith("flash")), ran.stdout
+    assert all(line.endswith("True") for line in lines if line.startswith("paged")), ran.stdout
