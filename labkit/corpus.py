@@ -43,8 +43,14 @@ def source_files(split: str) -> list[Path]:
     if split not in ("train", "validation"):
         raise ValueError(f"split={split!r}: choose 'train' or 'validation'")
     root = stdlib_root()
-    files = (p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-    return sorted(p for p in files if split_of(p.relative_to(root).as_posix()) == split)
+    return [p for p in _python_files(root) if split_of(p.relative_to(root).as_posix()) == split]
+
+
+@functools.cache
+def _python_files(root: Path) -> tuple[Path, ...]:
+    """Every .py file under ``root`` outside site-packages, sorted: walked once per process (about
+    a second for the standard library, and every ``token_ids`` call needs the list for its cache key)."""
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()))
 
 
 def read_texts(files: list[Path]) -> list[str]:
