@@ -317,6 +317,8 @@ def test_lab07_plausible_mistakes_fail(root):
         "acc is not rescaled": ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
         "no causal mask": ("visible = visible & (keys[None, :] <= position[:, None])", "visible = visible"),
         "keys past S are not masked": ("visible = keys[None, :] < S", "visible = keys[None, :] >= 0"),
+        "diagonal tiles left unmasked": ("partly_masked = partly_masked | (start + BLOCK_N - 1 > first_position)",
+                                         "partly_masked = partly_masked"),
         "exp of scores in log2 units": ("p = tl.exp2(scores", "p = tl.exp(scores"),
     }
     for what, (right, wrong) in mistakes.items():

@@ -58,6 +58,16 @@ def test_flash_attention_matches_sdpa(shape):
     torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's default tiles; the interpreter uses small ones")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_flash_attention_with_the_default_gpu_tiles(dtype, dim):
+    for n_queries, n_keys in ((300, 300), (200, 500)):
+        q, k, v = _qkv(2, 8, 2, n_queries, n_keys, dim, dtype, seed=n_keys)
+        out = kernels.flash_attention(q, k, v, causal=True)
+        torch.testing.assert_close(out.double(), _sdpa(q, k, v, True), rtol=1e-2, atol=1e-2)
+
+
 def test_flash_attention_random_shapes():
     generator = torch.Generator().manual_seed(0)
     for trial in range(3):
@@ -159,6 +169,7 @@ def test_tile_map_skips_the_tiles_above_the_diagonal():
     (lambda q, k, v: kernels.flash_attention(q, k[:, :, :4], v[:, :, :4], causal=True), "T=8 > S=4"),
     (lambda q, k, v: kernels.flash_attention(q, k.half(), v), "share one dtype"),
     (lambda q, k, v: kernels.flash_attention(q, k, v, block_m=24), "block_m=24 must be a power of two"),
+    (lambda q, k, v: kernels.flash_attention(q, k, v, block_n=512), "block_n=512 must be a power of two"),
     (lambda q, k, v: kernels.flash_attention(q[0], k, v), r"expected q \[B, n_heads, T, d\]"),
 ])
 def test_flash_attention_refuses_bad_input(call, message):
@@ -173,6 +184,8 @@ def test_paged_decode_refuses_bad_input():
         kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([0, 20], device=DEVICE))
     with pytest.raises(ValueError, match="every length must be in"):
         kernels.paged_decode(q, k_pool, v_pool, tables, torch.tensor([5, 33], device=DEVICE))
+    with pytest.raises(ValueError, match="pools hold blocks 0..23"):
+        kernels.paged_decode(q, k_pool, v_pool, tables + 24, lengths)
     with pytest.raises(ValueError, match="block_size=12 must be a power of two"):
         kernels.paged_decode(q, k_pool[:, :12], v_pool[:, :12], tables, lengths)
 
@@ -202,40 +215,64 @@ def test_without_triton_the_package_imports_and_says_what_is_missing():
 
 
 _COMPILE = """
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from labkit.kernels import flash_attention_kernel, paged_decode_kernel
+from labkit.kernels.flash import tiles
+
+SHARED = {90: 232448, 80: 166912}  # bytes of shared memory a block may use on an H100, an A100
 
 def build(kernel, pointers, constexprs, capability, **options):
     kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
     kinds["scale_log2e"] = "fp32"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=kinds, constexprs=constexprs),
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)  # as a launch on
+               if kinds[name] not in ("constexpr", "fp32")}  # 16-aligned tensors with sizes of 4096 sees them
+    compiled = triton.compile(ASTSource(fn=kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
                               target=GPUTarget("cuda", capability, 32), options=options)
-    return compiled.asm
+    return compiled.asm, compiled.metadata.shared
 
-for capability, dtype, dim, causal in ((90, "fp16", 64, True), (90, "bf16", 128, False), (80, "fp16", 48, True),
-                                       (80, "fp32", 64, False)):
-    asm = build(flash_attention_kernel, dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Out=f"*{dtype}"),
-                dict(CAUSAL=causal, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=128, BLOCK_N=64),
-                capability, num_warps=4 if dim <= 64 else 8, num_stages=3)
+NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+for capability, dtype, dim, causal in ((90, "fp16", 64, True), (90, "bf16", 128, False), (90, "fp16", 256, True),
+                                       (80, "fp16", 48, True), (80, "fp32", 128, False), (80, "fp32", 256, True)):
+    block_m, block_n, warps, stages = tiles(dim, NAMES[dtype])
+    asm, shared = build(flash_attention_kernel, dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Out=f"*{dtype}"),
+                        dict(CAUSAL=causal, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=block_m,
+                             BLOCK_N=block_n), capability, num_warps=warps, num_stages=stages)
     tensor_cores = "wgmma.mma_async" in asm["ptx"] if capability == 90 else "mma.sync" in asm["ptx"]
-    print("flash", capability, dtype, dim, causal, "cubin" in asm, tensor_cores)
+    print("flash", capability, dtype, dim, causal, shared, "cubin" in asm, tensor_cores, shared <= SHARED[capability])
 for capability, dtype in ((90, "fp16"), (80, "fp32")):
     pools = dict(Q=f"*{dtype}", KPool=f"*{dtype}", VPool=f"*{dtype}", Tables="*i64", Lengths="*i64", Out=f"*{dtype}")
-    asm = build(paged_decode_kernel, pools, dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_SIZE=16), capability,
-                num_warps=4)
-    print("paged", capability, dtype, "cubin" in asm)
+    asm, shared = build(paged_decode_kernel, pools, dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_SIZE=16),
+                        capability, num_warps=4)
+    print("paged", capability, dtype, "cubin" in asm, shared <= SHARED[capability])
 """
 
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Without a GPU, Triton still compiles a kernel down to a cubin for a named GPU: this checks
-    the compiled path that the interpreter never takes (tile shapes tl.dot accepts, types), and
-    that the forward kernel's matmuls land on tensor cores (wgmma on an H100, mma on an A100)."""
+    the compiled path that the interpreter never takes (tile shapes tl.dot accepts, types), that the
+    tiles ``flash.tiles`` picks fit in shared memory for each dtype and head size, and that the
+    forward kernel's matmuls land on tensor cores (wgmma on an H100, mma on an A100)."""
     ran = _python(_COMPILE, TRITON_INTERPRET="0")
     assert ran.returncode == 0, ran.stderr[-3000:]
     lines = ran.stdout.split("\n")
-    assert sum(line.startswith("flash") for line in lines) == 4 and sum(line.startswith("paged") for line in lines) == 2
-    assert all(line.endswith("True True") for line in lines if line.startswith("flash")), ran.stdout
-    assert all(line.endswith("True") for line in lines if line.startswith("paged")), ran.stdout
+    assert sum(line.startswith("flash") for line in lines) == 6 and sum(line.startswith("paged") for line in lines) == 2
+    assert all(line.endswith("True True True") for line in lines if line.startswith("flash")), ran.stdout
+    assert all(line.endswith("True True") for line in lines if line.startswith("paged")), ran.stdout
+
+
+def test_attention_flops_count_the_visible_pairs():
+    from labkit.kernels.speed import attention_flops
+    for n_queries, n_keys in ((7, 7), (5, 12)):
+        visible = int(torch.ones(n_queries, n_keys).tril(n_keys - n_queries).sum())
+        assert attention_flops(2, 3, n_queries, n_keys, 16, causal=True) == 4 * 2 * 3 * 16 * visible
+        assert attention_flops(2, 3, n_queries, n_keys, 16, causal=False) == 4 * 2 * 3 * 16 * n_queries * n_keys
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="needs a machine without a GPU")
+def test_timings_refuse_the_interpreter():
+    from labkit.kernels.speed import forward_speeds
+    with pytest.raises(RuntimeError, match="kernel timings need a CUDA GPU"):
+        forward_speeds([512], [64], torch.device("cpu"))

@@ -58,9 +58,11 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
     k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
     try:
         out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
-    except Exception as error:  # the interpreter wraps what the kernel raised: a stub is not attempted
-        if isinstance(error.__cause__, NotImplementedError):
+    except Exception as error:  # a stub is not attempted: the interpreter wraps what it raised, and
+        if isinstance(error.__cause__, NotImplementedError):  # a GPU compiler refuses its raise
             raise error.__cause__ from None
+        if type(error).__name__ == "CompilationError" and "Raise" in str(error):
+            raise NotImplementedError("the kernel still raises NotImplementedError") from None
         raise
     tolerance = 2e-5 if dtype == torch.float32 and device == "cpu" else 2e-3  # a GPU runs fp32 dots in TF32
     torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal), rtol=tolerance, atol=tolerance)
@@ -82,17 +84,17 @@ EXERCISES = [
     Exercise(
         id="ex07.1", title="The online softmax update", points=2, function="online_softmax_update",
         cases=_online_cases,
-        hint="m_new = torch.maximum(m, scores.amax(-1)); alpha = torch.exp(m - m_new) rescales the old state; "
-             "p = torch.exp(scores - m_new[:, None]); return m_new, alpha * l + p.sum(-1), "
-             "alpha[:, None] * acc + p @ values.",
+        hint="The new maximum is the larger of m and the tile's row maxima. Everything summed so far was "
+             "weighted by exp(. - m): multiply the old l and acc by exp(m - m_new) before adding the tile's "
+             "p = exp(scores - m_new), summed for l and times values for acc. exp(-inf - x) is 0, as it should be.",
     ),
     Exercise(
         id="ex07.2", title="The inner loop of the Triton attention kernel", points=3,
         function="flash_attention_kernel", cases=_kernel_cases, timeout_s=180.0,
         hint="Load the key tile transposed ([BLOCK_D, BLOCK_N], masked by keys < S and dims < HEAD_DIM), "
-             "scores = tl.dot(q, k_t) * scale_log2e; set -inf where keys >= S, and when CAUSAL where "
-             "keys > position; m_new = max(m_i, row max); alpha = tl.exp2(m_i - m_new); p = tl.exp2(scores - "
-             "m_new[:, None]); l_i = l_i * alpha + row sum of p; load the value tile [BLOCK_N, BLOCK_D]; "
-             "acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v); m_i = m_new.",
+             "scores = tl.dot(q, k_t) * scale_log2e; when the tile is partly masked, set -inf where keys >= S "
+             "and, when CAUSAL, where keys > position; then exercise 1's update in base 2 (tl.maximum, tl.max, "
+             "tl.exp2, tl.sum over axis 1); load the value tile [BLOCK_N, BLOCK_D] and add "
+             "tl.dot(p.to(v.dtype), v) to the rescaled acc.",
     ),
 ]

@@ -8,7 +8,8 @@ The ``[T, S]`` score matrix never exists in memory: each tile lives in registers
 - Scores are scaled by log2(e) / sqrt(d) so the kernel can use exp2, the GPU's native exponential.
 - Causal: queries are the last T of S positions (a prefill after a cached prefix, or T = S);
   a program stops at the last key tile any of its queries sees, so tiles above the diagonal are
-  skipped, not masked.
+  skipped, not masked; only the tiles that cross the diagonal or the end of S pay for a mask.
+  Programs take their row tiles last first, so the longest (causal) rows start earliest.
 - GQA: query head h reads KV head h // (n_heads / n_kv_heads).
 - Any lengths: rows past T and keys past S are masked, so neither needs to be a multiple of a
   tile; a head dimension that is not a power of two is padded to one (``BLOCK_D``) and masked.
@@ -36,8 +37,8 @@ def flash_attention_kernel(Q, K, V, Out, scale_log2e,
                            n_heads, group, T, S,
                            CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tile, batch_head = tl.program_id(0), tl.program_id(1)
-    b, h = batch_head // n_heads, batch_head % n_heads
+    tile, batch_head = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    b, h = (batch_head // n_heads).to(tl.int64), batch_head % n_heads  # int64: b * stride can pass 2^31
     kv_head = h // group  # GQA: `group` query heads share one KV head
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -47,6 +48,7 @@ def flash_attention_kernel(Q, K, V, Out, scale_log2e,
     K += b * stride_kb + kv_head * stride_kh
     V += b * stride_vb + kv_head * stride_vh
     position = rows + S - T  # each query's position among the keys: the queries are the last T
+    first_position = tile * BLOCK_M + S - T  # keys after it are in the future of some row of this tile
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running maximum of each row's scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running, unnormalised output
@@ -58,10 +60,14 @@ def flash_attention_kernel(Q, K, V, Out, scale_log2e,
         k_t = tl.load(K + keys[None, :] * stride_kt + dims[:, None],
                       mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM), other=0.0)  # [BLOCK_D, BLOCK_N]
         scores = tl.dot(q, k_t) * scale_log2e  # in log2 units: exp2 below is exp of the true score
-        visible = keys[None, :] < S
+        partly_masked = start + BLOCK_N > S
         if CAUSAL:
-            visible = visible & (keys[None, :] <= position[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
+            partly_masked = partly_masked | (start + BLOCK_N - 1 > first_position)
+        if partly_masked:  # only tiles on the diagonal or at the end of S pay for the mask
+            visible = keys[None, :] < S
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= position[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old maximum
         p = tl.exp2(scores - m_new[:, None])
@@ -94,11 +100,16 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
         raise ValueError(f"head dimension {dim} is above the 256 this kernel holds in registers")
 
 
-def _tiles(dim: int) -> tuple[int, int, int, int]:
-    """Block sizes and launch options: large tiles on a GPU, smaller ones in the interpreter."""
+def tiles(dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """BLOCK_M, BLOCK_N, warps and pipeline stages. On a GPU the queries' tile and ``stages``
+    tiles of K and V must fit in shared memory (227 KiB on an H100, 163 KiB on an A100), so wider
+    rows (bytes per element x padded head size) take smaller tiles and fewer stages."""
     if interpreted():
         return 32, 32, 4, 1
-    return 128, 64, 4 if dim <= 64 else 8, 3
+    row_bytes = torch.finfo(dtype).bits // 8 * max(16, triton.next_power_of_2(dim))
+    if row_bytes <= 256:
+        return 128, 64, 4 if dim <= 64 else 8, 3
+    return (64, 32, 4, 2) if row_bytes <= 512 else (32, 32, 4, 1)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
@@ -110,11 +121,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale
     _check_shapes(q, k, v, causal)
     check_device(q, k, v)
     (batch, heads, n_queries, dim), n_keys = q.shape, k.shape[2]
-    default_m, default_n, warps, stages = _tiles(dim)
+    default_m, default_n, warps, stages = tiles(dim, q.dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name}={size} must be a power of two >= 16 (the smallest tile tl.dot takes)")
+        if size < 16 or size > 256 or size & (size - 1):
+            raise ValueError(f"{name}={size} must be a power of two from 16 (the smallest tile tl.dot takes) to 256")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(dim) if scale is None else scale

@@ -67,21 +67,27 @@ def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, leng
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
                          f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
-    (batch, heads, dim), (_, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
-    if pool_dim != dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit pools of {kv_heads} KV heads of dimension {pool_dim}")
+    (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
+    if pool_dim != dim:
+        raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for this kernel")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
-        raise ValueError(f"expected block_tables [B={batch}, max_blocks] and lengths [{batch}], got "
-                         f"{tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+    if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"expected at least one sequence, block_tables [B={batch}, max_blocks] and lengths "
+                         f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
     if block_tables.is_floating_point() or lengths.is_floating_point():
         raise ValueError("block_tables and lengths must hold integers")
-    if int(lengths.min()) < 1 or int(lengths.max()) > block_tables.shape[1] * block_size:
-        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
-                         f"name), got {lengths.tolist()}")
     if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
         raise ValueError(f"q and the pools must share one dtype of {DTYPES}, got {q.dtype}, {k_pool.dtype}")
+    ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
+    shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
+    if shortest < 1 or longest > block_tables.shape[1] * block_size:
+        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
+                         f"name), got {lengths.tolist()}")
+    if first < 0 or last >= num_blocks:
+        raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
 
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from labkit.bench import measure
+from labkit.bench import compare, measure
 from labkit.kernels import flash_attention, interpreted, paged_decode
 from labkit.kernels.tiled import naive_attention
 from labkit.paged import paged_attention
@@ -37,21 +37,21 @@ def forward_speeds(lengths: list[int], dims: list[int], device: torch.device, ba
     """TFLOP/s of the Triton kernel, SDPA and naive attention, fp16, batch = batch_tokens / length;
     naive attention only up to ``naive_limit`` tokens (its score matrix grows as N^2)."""
     require_cuda(device)
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=causal), "sdpa": sdpa,
-             "naive": lambda q, k, v: naive_attention(q, k, v, causal)}
     rows = []
     for dim in dims:
         for n in lengths:
             batch = max(1, batch_tokens // n)
             q, k, v = (torch.randn(batch, heads, n, dim, device=device, dtype=torch.float16) for _ in range(3))
+            pair = compare(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                           lambda: flash_attention(q, k, v, causal=causal), labels=("sdpa", "triton"),
+                           warmup=3, repeats=repeats, device=device)  # alternated: A B A B
+            timings = [pair.b, pair.a]
+            if n <= naive_limit:
+                timings.append(measure(lambda: naive_attention(q, k, v, causal), warmup=3, repeats=repeats,
+                                       label="naive", device=device))
             flops = attention_flops(batch, heads, n, n, dim, causal)
-            for name, fn in impls.items():
-                if name == "naive" and n > naive_limit:
-                    continue
-                timing = measure(lambda: fn(q, k, v), warmup=3, repeats=repeats, device=device)
-                rows.append(dict(impl=name, n=n, dim=dim, batch=batch, ms=timing.median_s * 1e3,
-                                 tflops=flops / timing.median_s / 1e12))
+            rows += [dict(impl=t.label, n=n, dim=dim, batch=batch, ms=t.median_s * 1e3,
+                          tflops=flops / t.median_s / 1e12) for t in timings]
     return rows
 
 
@@ -69,8 +69,9 @@ def decode_speeds(lengths: list[int], device: torch.device, batch: int = 32, hea
         lengths_t = torch.full((batch,), length, device=device)
         q = torch.randn(batch, heads, dim, device=device, dtype=torch.float16)
         kv_bytes = 2 * batch * length * kv_heads * dim * 2
-        for name, fn in (("triton", paged_decode), ("gather", paged_attention)):
-            timing = measure(lambda: fn(q, *pools, tables, lengths_t), warmup=3, repeats=repeats, device=device)
-            rows.append(dict(impl=name, length=length, us=timing.median_s * 1e6,
-                             gb_per_s=kv_bytes / timing.median_s / 1e9))
+        pair = compare(lambda: paged_attention(q, *pools, tables, lengths_t),
+                       lambda: paged_decode(q, *pools, tables, lengths_t), labels=("gather", "triton"),
+                       warmup=3, repeats=repeats, device=device)
+        rows += [dict(impl=t.label, length=length, us=t.median_s * 1e6, gb_per_s=kv_bytes / t.median_s / 1e9)
+                 for t in (pair.b, pair.a)]
     return rows
