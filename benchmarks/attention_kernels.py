@@ -29,11 +29,14 @@ GOAL = (4096, 64, 0.7)  # length, head dimension, least fraction of SDPA's forwa
 
 
 def check(device: torch.device) -> float:
-    """The largest error of either kernel against PyTorch over a few shapes, fp32 and fp16."""
+    """The largest error of either kernel against PyTorch over a few shapes, fp32 and fp16; on a
+    GPU also at lengths that span many of its (larger) default tiles."""
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
-    for dtype, (heads, kv_heads, n_queries, n_keys, dim) in [(torch.float32, (4, 2, 45, 70, 64)),
-                                                            (torch.float16, (4, 1, 40, 40, 128))]:
+    shapes = [(torch.float32, (4, 2, 45, 70, 64)), (torch.float16, (4, 1, 40, 40, 128))]
+    if device.type == "cuda":
+        shapes += [(torch.float16, (8, 2, 1000, 1000, 64)), (torch.float16, (8, 8, 700, 1500, 128))]
+    for dtype, (heads, kv_heads, n_queries, n_keys, dim) in shapes:
         q = torch.randn(1, heads, n_queries, dim, generator=generator).to(device, dtype)
         k, v = (torch.randn(1, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
         out = flash_attention(q, k, v, causal=True)
