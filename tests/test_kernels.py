@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit import kernels
+from labkit.kernels.tiled import naive_attention
 from labkit.model import ModelConfig, Transformer
 from labkit.paged import BlockAllocator, PagedKVCache, paged_attention
 
@@ -143,11 +144,13 @@ def test_paged_decode_on_a_models_paged_cache():
                                    paged_attention(q, *pools, cache.block_tables(), lengths), rtol=2e-5, atol=2e-5)
 
 
-def test_tiled_attention_and_online_softmax_match_sdpa():
+def test_tiled_and_naive_attention_and_online_softmax_match_sdpa():
     q, k, v = _qkv(1, 1, 1, 45, 70, 16, torch.float32, seed=5)
     for causal in (False, True):
         out = kernels.tiled_attention(q[0, 0].cpu(), k[0, 0].cpu(), v[0, 0].cpu(), causal, block_m=16, block_n=32)
         torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal)[0, 0].cpu(), rtol=1e-5, atol=1e-5)
+        naive = naive_attention(q, k, v, causal)
+        torch.testing.assert_close(naive.double(), _sdpa(q, k, v, causal), rtol=1e-5, atol=1e-5)
     state = (torch.full((3,), -math.inf), torch.zeros(3), torch.zeros(3, 4))
     scores, values = torch.randn(3, 10), torch.randn(10, 4)
     for start in (0, 4, 8):

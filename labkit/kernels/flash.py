@@ -30,6 +30,32 @@ LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_heads_and_dtype(heads: int, kv_heads: int, *tensors: Tensor) -> None:
+    """What both kernels need of their operands: whole groups of query heads per KV head, and one
+    dtype of ``DTYPES`` for all of them."""
+    if heads % kv_heads:
+        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
+    dtypes = [t.dtype for t in tensors]
+    if len(set(dtypes)) != 1 or dtypes[0] not in DTYPES:
+        raise ValueError(f"the inputs must share one dtype of {DTYPES}, got {', '.join(map(str, dtypes))}")
+
+
+def unit_last_stride(*tensors: Tensor) -> list[Tensor]:
+    """The tensors, copied only where needed so that their last dimension is contiguous: the
+    kernels pass every other stride but step along the head dimension by 1."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def log2_scale(scale: float | None, dim: int) -> float:
+    """The score scale (1/sqrt(d) unless given) times log2(e): the kernels exponentiate with exp2."""
+    return (1 / math.sqrt(dim) if scale is None else scale) * LOG2E
+
+
+def padded(dim: int) -> int:
+    """A head dimension rounded up to the power of two (at least 16) that a block of it spans."""
+    return max(16, triton.next_power_of_2(dim))
+
+
 @triton.jit
 def flash_attention_kernel(Q, K, V, Out, scale_log2e,
                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
@@ -88,14 +114,11 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     (batch, heads, n_queries, dim), (kv_batch, kv_heads, n_keys, kv_dim) = q.shape, k.shape
     if kv_batch != batch or kv_dim != dim:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch size or head dimension")
-    if heads % kv_heads:
-        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
+    check_heads_and_dtype(heads, kv_heads, q, k, v)
     if min(n_queries, n_keys) < 1:
         raise ValueError(f"need at least one query and one key, got T={n_queries}, S={n_keys}")
     if causal and n_queries > n_keys:
         raise ValueError(f"causal attention takes the queries as the last T of S positions: T={n_queries} > S={n_keys}")
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
-        raise ValueError(f"q, k and v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if dim > 256:
         raise ValueError(f"head dimension {dim} is above the 256 this kernel holds in registers")
 
@@ -106,7 +129,7 @@ def tiles(dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     rows (bytes per element x padded head size) take smaller tiles and fewer stages."""
     if interpreted():
         return 32, 32, 4, 1
-    row_bytes = torch.finfo(dtype).bits // 8 * max(16, triton.next_power_of_2(dim))
+    row_bytes = torch.finfo(dtype).bits // 8 * padded(dim)
     if row_bytes <= 256:
         return 128, 64, 4 if dim <= 64 else 8, 3
     return (64, 32, 4, 2) if row_bytes <= 512 else (32, 32, 4, 1)
@@ -126,13 +149,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size < 16 or size > 256 or size & (size - 1):
             raise ValueError(f"{name}={size} must be a power of two from 16 (the smallest tile tl.dot takes) to 256")
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     out = torch.empty_like(q)
-    scale = 1 / math.sqrt(dim) if scale is None else scale
     grid = (triton.cdiv(n_queries, block_m), batch * heads)
     (kernel or flash_attention_kernel)[grid](
-        q, k, v, out, scale * LOG2E, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, log2_scale(scale, dim), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         heads, heads // k.shape[1], n_queries, n_keys, CAUSAL=causal, HEAD_DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=padded(dim), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
     return out

@@ -15,13 +15,11 @@ freely and the last block may be partly filled.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from labkit.kernels import check_device, interpreted, tl, triton
-from labkit.kernels.flash import DTYPES, LOG2E
+from labkit.kernels.flash import check_heads_and_dtype, log2_scale, padded, unit_last_stride
 
 
 @triton.jit
@@ -70,8 +68,7 @@ def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, leng
     (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
     if pool_dim != dim:
         raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
+    check_heads_and_dtype(heads, kv_heads, q, k_pool, v_pool)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for this kernel")
     if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
@@ -79,8 +76,6 @@ def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, leng
                          f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
     if block_tables.is_floating_point() or lengths.is_floating_point():
         raise ValueError("block_tables and lengths must hold integers")
-    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in DTYPES:
-        raise ValueError(f"q and the pools must share one dtype of {DTYPES}, got {q.dtype}, {k_pool.dtype}")
     ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
     shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
     if shortest < 1 or longest > block_tables.shape[1] * block_size:
@@ -98,13 +93,12 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor
     _check(q, k_pool, v_pool, block_tables, lengths)
     check_device(q, k_pool, v_pool, block_tables, lengths)
     (batch, heads, dim), (_, block_size, kv_heads, _) = q.shape, k_pool.shape
-    q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
+    q, k_pool, v_pool = unit_last_stride(q, k_pool, v_pool)
     out = torch.empty_like(q)
     group = heads // kv_heads
-    scale = 1 / math.sqrt(dim) if scale is None else scale
     paged_decode_kernel[(batch, kv_heads)](
-        q, k_pool, v_pool, block_tables, lengths, out, scale * LOG2E, *q.stride()[:2], *k_pool.stride()[:3],
+        q, k_pool, v_pool, block_tables, lengths, out, log2_scale(scale, dim), *q.stride()[:2], *k_pool.stride()[:3],
         *v_pool.stride()[:3], block_tables.stride(0), *out.stride()[:2], group, HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), GROUP=triton.next_power_of_2(group), BLOCK_SIZE=block_size,
+        BLOCK_D=padded(dim), GROUP=triton.next_power_of_2(group), BLOCK_SIZE=block_size,
         num_warps=1 if interpreted() else 4)
     return out

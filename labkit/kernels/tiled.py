@@ -76,15 +76,18 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, block
     return out
 
 
+def last_positions_mask(n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+    """``[1, 1, T, S]``, True where a query may see a key under a causal mask when the T queries
+    are the last T of the S positions (a prefill after a cached prefix, or T = S)."""
+    positions = torch.arange(n_keys, device=device)[None]
+    return causal_mask(positions[:, n_keys - n_queries:], positions)
+
+
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
     """PyTorch's scaled_dot_product_attention (through ``labkit.model.attention``) for ``q``
     ``[B, n_heads, T, d]`` and ``k``, ``v`` ``[B, n_kv_heads, S, d]``; when causal, the queries
     are the last T positions. Computed in float32 whatever the inputs' dtype."""
-    n_queries, n_keys = q.shape[2], k.shape[2]
-    mask = None
-    if causal:
-        positions = torch.arange(n_keys, device=q.device)[None]
-        mask = causal_mask(positions[:, n_keys - n_queries:], positions)
+    mask = last_positions_mask(q.shape[2], k.shape[2], q.device) if causal else None
     return attention(q.float(), k.float(), v.float(), mask)
 
 
@@ -95,7 +98,5 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Te
     k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
-        n_queries, n_keys = q.shape[2], k.shape[2]
-        future = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).triu(n_keys - n_queries + 1)
-        scores = scores.masked_fill(future, -math.inf)
+        scores = scores.masked_fill(~last_positions_mask(q.shape[2], k.shape[2], q.device), -math.inf)
     return torch.softmax(scores, dim=-1) @ v
