@@ -2,9 +2,11 @@
 
 On a CUDA GPU the kernels compile to native code. Without one, Triton's interpreter runs them
 on the CPU, one program instance after another, in NumPy: far too slow to time, but exact, which
-is what the tests and the notebook need. Triton chooses the interpreter when a kernel is
-defined, so importing this package sets ``TRITON_INTERPRET=1`` (unless it is set already) when
-torch sees no CUDA GPU: the device comes from torch, not from Triton's driver.
+is what the tests and the notebook need. The choice has to be made before triton is imported
+(``triton.language``'s own functions, ``tl.max`` and ``tl.sum`` among them, are defined then), so
+importing this package sets ``TRITON_INTERPRET=1`` (unless it is set already) when torch sees no
+CUDA GPU, and only then imports triton: the device comes from torch, not from Triton's driver.
+``import labkit`` imports this package (exercise 07's cases use it), so the choice comes first.
 
 Without triton installed the package still imports: ``MISSING`` says what is missing, and the
 kernels raise it when called. ``labkit.kernels.tiled`` (the same algorithm in plain PyTorch)
