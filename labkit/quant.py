@@ -151,8 +151,10 @@ class QuantLinear(nn.Module):
             return self.zeros
         return torch.full_like(self.scales, 2 ** (self.scheme.bits - 1))
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize(self.codes(), self.scales, self.zero_points(), dtype)
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: Tensor | None = None) -> Tensor:
+        """The weight ``[out, in]``, or only its ``rows``, as ``dtype``."""
+        pick = slice(None) if rows is None else rows
+        return dequantize(self.codes(rows), self.scales[pick], self.zero_points()[pick], dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dequantized_weight(x.dtype))
@@ -175,10 +177,8 @@ class QuantEmbedding(nn.Module):
         self.table = table
 
     def forward(self, tokens: Tensor) -> Tensor:
-        t = self.table
-        rows = tokens.flatten()
-        weight = dequantize(t.codes(rows), t.scales[rows], t.zero_points()[rows])
-        return weight.reshape(*tokens.shape, t.in_features)
+        weight = self.table.dequantized_weight(rows=tokens.flatten())
+        return weight.reshape(*tokens.shape, self.table.in_features)
 
 
 def hessian(inputs: Tensor) -> Tensor:
