@@ -312,10 +312,11 @@ def _timed(stats: SpeculationStats, name: str, device: torch.device, work: Calla
     return result
 
 
-def continuation_prompts(tokenizer: Tokenizer, n: int, seed: int = 0, lines: int = 3) -> list[list[int]]:
-    """The first ``lines`` lines of ``n`` functions of the validation split, chosen at random with
-    ``seed``: the model writes the rest."""
-    chosen = _sample_functions(tokenizer, n, seed)
+def continuation_prompts(tokenizer: Tokenizer, n: int, seed: int = 0, lines: int = 3,
+                         split: str = "validation") -> list[list[int]]:
+    """The first ``lines`` lines of ``n`` functions of ``split``, chosen at random with ``seed``:
+    the model writes the rest."""
+    chosen = _sample_functions(tokenizer, n, seed, split)
     return [tokenizer.encode("\n".join(f.split("\n")[:lines])).ids for f in chosen]
 
 
@@ -326,7 +327,8 @@ def editing_prompts(tokenizer: Tokenizer, n: int, seed: int = 0) -> list[list[in
     return [tokenizer.encode(f + "\n\n" + "\n".join(f.split("\n")[:2])).ids for f in chosen]
 
 
-def _sample_functions(tokenizer: Tokenizer, n: int, seed: int, tokens: tuple[int, int] = (60, 160)) -> list[str]:
-    """``n`` validation functions of ``tokens`` (low, high) tokens, chosen at random with ``seed``."""
-    pool = [f for f in functions("validation") if tokens[0] <= len(tokenizer.encode(f).ids) <= tokens[1]]
+def _sample_functions(tokenizer: Tokenizer, n: int, seed: int, split: str = "validation",
+                      tokens: tuple[int, int] = (60, 160)) -> list[str]:
+    """``n`` functions of ``split`` of ``tokens`` (low, high) tokens, chosen at random with ``seed``."""
+    pool = [f for f in functions(split) if tokens[0] <= len(tokenizer.encode(f).ids) <= tokens[1]]
     return random.Random(seed).sample(pool, n)

@@ -7,7 +7,7 @@ decay, gradient clipping, all seeded. Writes, in ``labkit/checkpoints/NAME/`` (o
 
 The presets: ``target`` (about 14M parameters, GQA 8/2), ``draft`` (one layer, for
 speculative decoding: a decode step is mostly fixed per-operation cost on a CPU, so depth is
-what makes it cheap), and ``mha``, ``gqa``, ``mqa``: three models identical but for ``n_kv_heads``,
+what makes it cheap; after the corpus it is distilled from the target, see ``distill``), and ``mha``, ``gqa``, ``mqa``: three models identical but for ``n_kv_heads``,
 trained on the same tokens, for the memory lab.
 """
 from __future__ import annotations
@@ -29,8 +29,28 @@ from tqdm import tqdm
 
 from labkit.corpus import VOCAB_SIZE, token_ids
 from labkit.device import device_name, get_device
-from labkit.load import CHECKPOINTS, TOKENIZER, save_checkpoint
+from labkit.engine import Engine, Request, SchedulerConfig
+from labkit.generate import SamplingParams
+from labkit.load import CHECKPOINTS, TOKENIZER, load_checkpoint, save_checkpoint
 from labkit.model import ModelConfig, Transformer
+from labkit.speculative import continuation_prompts
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """A second stage for a draft model: fit it to ``teacher`` where speculative decoding will
+    use it, on the teacher's own greedy continuations of ``prompts`` function openings from the
+    training split (``new_tokens`` each), learning the teacher's whole next-token distribution
+    at every generated position. Its success is measured on validation functions: how often the
+    student's top token is the one the teacher wrote, before and after."""
+
+    teacher: str
+    prompts: int = 256
+    new_tokens: int = 128
+    epochs: int = 3
+    lr: float = 3e-4
+    batch_size: int = 16
+    held_out: int = 32  # validation prompts for the agreement figure
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,7 @@ class Preset:
     lr: float = 2e-3
     warmup_steps: int = 50
     eval_every: int = 100
+    distill: Distillation | None = None
 
 
 def _config(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int) -> ModelConfig:
@@ -51,7 +72,7 @@ def _config(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: in
 
 PRESETS: dict[str, Preset] = {
     "target": Preset(_config(384, 8, 8, 2, 1024), tokens=2_400_000),
-    "draft": Preset(_config(128, 1, 4, 2, 384), tokens=2_400_000, lr=3e-3),
+    "draft": Preset(_config(128, 1, 4, 2, 384), tokens=2_400_000, lr=3e-3, distill=Distillation("target")),
     "mha": Preset(_config(192, 4, 8, 8, 512), tokens=2_000_000, lr=3e-3),
     "gqa": Preset(_config(192, 4, 8, 2, 512), tokens=2_000_000, lr=3e-3),
     "mqa": Preset(_config(192, 4, 8, 1, 512), tokens=2_000_000, lr=3e-3),
@@ -100,19 +121,105 @@ def learning_rate(step: int, steps: int, preset: Preset) -> float:
     return preset.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _plot(history: dict[str, list[tuple[int, float]]], title: str, path: Path) -> None:
+def distillation_loss(student_logits: torch.Tensor, teacher_log_probs: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, averaged: both ``[positions, vocab]``."""
+    return F.kl_div(student_logits.float().log_softmax(-1), teacher_log_probs, log_target=True,
+                    reduction="batchmean")
+
+
+def teacher_continuations(teacher: Transformer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``new_tokens`` greedy tokens after each prompt, EOS ignored, many at a time (continuous batching)."""
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    requests = [Request(i, prompt, params) for i, prompt in enumerate(prompts)]
+    longest = max(map(len, prompts)) + new_tokens
+    Engine(teacher, num_blocks=64 * -(-longest // 16), config=SchedulerConfig(max_num_seqs=64)).run(requests)
+    return [r.output for r in requests]
+
+
+def continuation_batches(prompts: list[list[int]], outputs: list[list[int]], batch_size: int
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prompt + continuation, right-padded, ``batch_size`` rows at a time, with the mask of the
+    positions whose next token is a continuation token."""
+    batches = []
+    for first in range(0, len(prompts), batch_size):
+        rows = list(zip(prompts[first:first + batch_size], outputs[first:first + batch_size]))
+        width = max(len(p) + len(o) for p, o in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for row, (prompt, output) in enumerate(rows):
+            tokens[row, :len(prompt) + len(output)] = torch.tensor(prompt + output)
+            mask[row, len(prompt) - 1:len(prompt) + len(output) - 1] = True
+        batches.append((tokens, mask))
+    return batches
+
+
+@torch.no_grad()
+def agreement(student: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """How often the student's top next token is the continuation's (the teacher's greedy) token."""
+    hits = [(student(x)[:, :-1].argmax(-1) == x[:, 1:])[mask[:, :-1]] for x, mask in batches]
+    return torch.cat(hits).float().mean().item()
+
+
+def distill(student: Transformer, teacher: Transformer, prompts: list[list[int]], spec: Distillation,
+            seed: int = 0) -> list[tuple[int, float]]:
+    """Fit ``student`` to ``teacher``'s next-token distributions on the teacher's greedy
+    continuations of ``prompts`` (``spec.epochs`` passes, AdamW at a constant ``spec.lr``);
+    returns the loss of each step, against continuation tokens seen."""
+    teacher.eval()
+    batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens),
+                                   spec.batch_size)
+    device = next(student.parameters()).device
+    batches = [(x.to(device), mask.to(device)) for x, mask in batches]
+    with torch.no_grad():
+        targets = [teacher(x)[mask].float().log_softmax(-1) for x, mask in batches]
+    student.train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    history, seen = [], 0
+    for _ in range(spec.epochs):
+        for i in torch.randperm(len(batches), generator=generator).tolist():
+            (x, mask), target = batches[i], targets[i]
+            loss = distillation_loss(student(x)[mask], target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            optimizer.step()
+            seen += len(target)
+            history.append((seen, loss.item()))
+    return history
+
+
+def _plot(history: dict[str, list[tuple[int, float]]], title: str, path: Path,
+          distilled: list[tuple[int, float]] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2 if distilled else 1, figsize=(12 if distilled else 7, 4), squeeze=False)
+    ax = axes[0, 0]
     for label, points in history.items():
         ax.plot(*zip(*points), label=label, marker="o" if label == "validation" else None, lw=1)
     ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats / token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
+    if distilled:
+        ax = axes[0, 1]
+        ax.plot(*zip(*distilled), lw=1)
+        ax.set(xlabel="continuation tokens seen (all epochs)", ylabel="KL(teacher || model), nats / token",
+               title="then distilled from the teacher")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _distillation_rows(spec: Distillation | None, stats: dict) -> str:
+    if spec is None:
+        return ""
+    return (f"| distillation | KL to `{spec.teacher}` on its greedy continuations of {spec.prompts} training-split "
+            f"function openings ({spec.prompts * spec.new_tokens:,} tokens, {spec.epochs} pass{'es' * (spec.epochs != 1)}) |\n"
+            f"| agreement with `{spec.teacher}` | its top token is the one `{spec.teacher}` wrote "
+            f"{stats['agreement_before']:.1%} of the time before distillation, {stats['agreement_after']:.1%} after "
+            f"({spec.held_out} validation functions, {spec.new_tokens} tokens each) |\n")
 
 
 def _card(name: str, preset: Preset, model: Transformer, stats: dict) -> str:
@@ -126,7 +233,7 @@ on the Python {platform.python_version()} standard library (byte-level BPE, {pre
 | parameters | {model.num_parameters():,} |
 | layers / d_model / heads / KV heads / d_ff | {preset.config.n_layers} / {preset.config.d_model} / {preset.config.n_heads} / {preset.config.n_kv_heads} / {preset.config.d_ff} |
 | tokens seen | {stats['tokens']:,} ({stats['steps']} steps of {preset.batch_size} x {preset.seq_len}) |
-| wall time | {stats['seconds'] / 60:.1f} min |
+{_distillation_rows(preset.distill, stats)}| wall time | {stats['seconds'] / 60:.1f} min |
 | machine | {stats['machine']}, torch {torch.__version__} |
 | validation loss | {stats['val_loss']:.4f} nats/token (256 windows of 256 tokens, evenly spread) |
 | validation perplexity | {math.exp(stats['val_loss']):.2f} |
@@ -139,24 +246,16 @@ Config: `{asdict(preset.config)}`
 """
 
 
-def train(name: str, out: Path | None = None, tokens: int | None = None, seed: int = 0,
-          device: torch.device | None = None) -> dict:
-    """Train preset ``name`` and write its checkpoint, loss curve and model card; return the stats."""
-    preset = PRESETS[name] if tokens is None else replace(PRESETS[name], tokens=tokens)
-    out = out or CHECKPOINTS / name
-    device = device or get_device()
-    tokenizer = Tokenizer.from_file(str(TOKENIZER))
-    train_ids, val_ids = token_ids(tokenizer, "train"), token_ids(tokenizer, "validation")
-    torch.manual_seed(seed)
+def train_on_corpus(model: Transformer, preset: Preset, train_ids: torch.Tensor, val_ids: torch.Tensor,
+                    seed: int, label: str) -> dict[str, list[tuple[int, float]]]:
+    """Next-token prediction on random windows of ``train_ids``; the train and validation loss curves."""
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    model = Transformer(preset.config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps = preset.tokens // (preset.batch_size * preset.seq_len)
-    if steps < 1:
-        raise ValueError(f"tokens={preset.tokens} is less than one batch of {preset.batch_size} x {preset.seq_len}")
     history: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
-    start = time.perf_counter()
-    for step in (bar := tqdm(range(steps), desc=f"train {name}", file=sys.stdout, mininterval=5)):
+    model.train()
+    for step in (bar := tqdm(range(steps), desc=f"train {label}", file=sys.stdout, mininterval=5)):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, preset)
         x, y = (t.to(device) for t in random_batch(train_ids, preset.batch_size, preset.seq_len, generator))
@@ -170,11 +269,43 @@ def train(name: str, out: Path | None = None, tokens: int | None = None, seed: i
         if (step + 1) % preset.eval_every == 0 or step + 1 == steps:
             history["validation"].append((seen, validation_loss(model, val_ids, max_windows=32)))
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{history['validation'][-1][1]:.3f}")
-    stats = {"tokens": steps * preset.batch_size * preset.seq_len, "steps": steps, "seed": seed,
-             "seconds": time.perf_counter() - start, "machine": device_name(device),
-             "val_loss": validation_loss(model, val_ids, max_windows=256), "date": str(datetime.date.today())}
+    return history
+
+
+def distill_stage(model: Transformer, spec: Distillation, tokenizer: Tokenizer, seed: int
+                  ) -> tuple[list[tuple[int, float]], dict]:
+    """``distill`` from the shipped ``spec.teacher`` on training-split prompts, with the
+    agreement on validation functions before and after; the loss curve and those figures."""
+    teacher = load_checkpoint(CHECKPOINTS / spec.teacher, next(model.parameters()).device)
+    held_out = continuation_prompts(tokenizer, spec.held_out, seed, split="validation")
+    check = continuation_batches(held_out, teacher_continuations(teacher, held_out, spec.new_tokens),
+                                 spec.batch_size)
+    before = agreement(model.eval(), check)
+    history = distill(model, teacher, continuation_prompts(tokenizer, spec.prompts, seed, split="train"), spec, seed)
+    return history, {"agreement_before": before, "agreement_after": agreement(model.eval(), check)}
+
+
+def train(name: str, out: Path | None = None, tokens: int | None = None, seed: int = 0,
+          device: torch.device | None = None) -> dict:
+    """Train preset ``name`` and write its checkpoint, loss curve and model card; return the stats."""
+    preset = PRESETS[name] if tokens is None else replace(PRESETS[name], tokens=tokens)
+    steps = preset.tokens // (preset.batch_size * preset.seq_len)
+    if steps < 1:
+        raise ValueError(f"tokens={preset.tokens} is less than one batch of {preset.batch_size} x {preset.seq_len}")
+    out = out or CHECKPOINTS / name
+    device = device or get_device()
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    train_ids, val_ids = token_ids(tokenizer, "train"), token_ids(tokenizer, "validation")
+    torch.manual_seed(seed)
+    model = Transformer(preset.config).to(device)
+    start = time.perf_counter()
+    history = train_on_corpus(model, preset, train_ids, val_ids, seed, name)
+    distilled, stats = distill_stage(model, preset.distill, tokenizer, seed) if preset.distill else (None, {})
+    stats |= {"tokens": steps * preset.batch_size * preset.seq_len, "steps": steps, "seed": seed,
+              "seconds": time.perf_counter() - start, "machine": device_name(device),
+              "val_loss": validation_loss(model, val_ids, max_windows=256), "date": str(datetime.date.today())}
     save_checkpoint(model, out)
-    _plot(history, f"labkit {name}: {model.num_parameters() / 1e6:.1f}M parameters", out / "loss.png")
+    _plot(history, f"labkit {name}: {model.num_parameters() / 1e6:.1f}M parameters", out / "loss.png", distilled)
     (out / "MODEL_CARD.md").write_text(_card(name, preset, model, stats))
     return stats
 

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from labkit import train
+from labkit.exercises.lab01 import random_model
 from labkit.load import load_checkpoint
-from labkit.train import PRESETS, Preset, learning_rate, main
+from labkit.train import (PRESETS, Distillation, Preset, agreement, continuation_batches, distill, distillation_loss,
+                          learning_rate, main, teacher_continuations)
 
 
 def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch):
@@ -18,13 +21,19 @@ def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(train, "validation_loss",
                         lambda model, ids, seq_len=256, max_windows=64: validation_loss(model, ids, seq_len,
                                                                                          min(max_windows, 8)))
+    # the draft's distillation from the shipped target, shrunk to a few short continuations
+    monkeypatch.setitem(PRESETS, "draft", replace(PRESETS["draft"], distill=Distillation(
+        "target", prompts=4, new_tokens=8, epochs=2, batch_size=2, held_out=2)))
     runs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
     for out, seed in zip(runs, (0, 0, 1)):
         assert main(["--preset", "draft", "--tokens", "4096", "--seed", str(seed), "--out", str(out)]) == 0
     weights = [(out / "model.safetensors").read_bytes() for out in runs]
     assert weights[0] == weights[1] and weights[0] != weights[2]
     assert {p.name for p in runs[0].iterdir()} == {"model.safetensors", "config.json", "loss.png", "MODEL_CARD.md"}
-    assert "| tokens seen | 4,096 (2 steps of 4 x 512) |" in (runs[0] / "MODEL_CARD.md").read_text()
+    card = (runs[0] / "MODEL_CARD.md").read_text()
+    assert "| tokens seen | 4,096 (2 steps of 4 x 512) |" in card
+    assert "greedy continuations of 4 training-split function openings (32 tokens, 2 passes) |" in card
+    assert "| agreement with `target` | its top token is the one `target` wrote" in card
     assert load_checkpoint(runs[0], device="cpu").num_parameters() == 721_280
 
 
@@ -58,3 +67,35 @@ def test_window_losses_spread_over_the_ids_and_keep_the_mode():
                     for s in range(0, 10 * stride, stride)]
     torch.testing.assert_close(losses, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert validation_loss(model.train(), ids, 64, 10) == pytest.approx(sum(expected) / 10, rel=1e-5)
+
+
+def test_distillation_loss_is_the_kl_divergence_from_teacher_to_student():
+    teacher, student = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0)).unbind()
+    expected = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=teacher),
+                                                 torch.distributions.Categorical(logits=student)).mean()
+    torch.testing.assert_close(distillation_loss(student, teacher.log_softmax(-1)), expected)
+    assert distillation_loss(teacher, teacher.log_softmax(-1)).abs() < 1e-6
+
+
+def test_continuation_batches_mark_the_positions_that_predict_the_continuation():
+    prompts, outputs = [[5, 6, 7], [8], [9, 10]], [[1, 2], [3, 4, 5, 6], [7]]
+    batches = continuation_batches(prompts, outputs, batch_size=2)
+    assert [x.shape for x, _ in batches] == [(2, 5), (1, 3)]
+    for first, (x, mask) in zip((0, 2), batches):
+        for row in range(len(x)):
+            prompt, output = prompts[first + row], outputs[first + row]
+            assert x[row, :len(prompt) + len(output)].tolist() == prompt + output
+            assert x[row, 1:][mask[row, :-1]].tolist() == output  # each marked position is followed by the output
+
+
+def test_a_model_agrees_with_its_own_continuations_and_distilling_brings_a_student_to_its_teacher():
+    teacher, student = random_model(4, 2, seed=0), random_model(4, 2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (12,), generator=g)]
+    spec = Distillation("unused", new_tokens=12, epochs=30, lr=1e-2, batch_size=4)
+    batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens), 4)
+    assert agreement(teacher, batches) == 1.0  # the continuations are the teacher's own greedy tokens
+    before = agreement(student, batches)
+    history = distill(student, teacher, prompts, spec, seed=0)
+    assert history[-1][1] < history[0][1] / 4
+    assert agreement(student.eval(), batches) > max(before + 0.3, 0.8)
