@@ -330,5 +330,6 @@ def editing_prompts(tokenizer: Tokenizer, n: int, seed: int = 0) -> list[list[in
 def _sample_functions(tokenizer: Tokenizer, n: int, seed: int, split: str = "validation",
                       tokens: tuple[int, int] = (60, 160)) -> list[str]:
     """``n`` functions of ``split`` of ``tokens`` (low, high) tokens, chosen at random with ``seed``."""
-    pool = [f for f in functions(split) if tokens[0] <= len(tokenizer.encode(f).ids) <= tokens[1]]
+    found = functions(split)
+    pool = [f for f, e in zip(found, tokenizer.encode_batch(list(found))) if tokens[0] <= len(e.ids) <= tokens[1]]
     return random.Random(seed).sample(pool, n)

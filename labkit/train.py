@@ -7,13 +7,16 @@ decay, gradient clipping, all seeded. Writes, in ``labkit/checkpoints/NAME/`` (o
 
 The presets: ``target`` (about 14M parameters, GQA 8/2), ``draft`` (one layer, for
 speculative decoding: a decode step is mostly fixed per-operation cost on a CPU, so depth is
-what makes it cheap; after the corpus it is distilled from the target, see ``distill``), and ``mha``, ``gqa``, ``mqa``: three models identical but for ``n_kv_heads``,
-trained on the same tokens, for the memory lab.
+what makes it cheap; after the corpus it is distilled from the target, see ``distill``), and
+``mha``, ``gqa``, ``mqa``: three models identical but for ``n_kv_heads``, trained on the same
+tokens, for the memory lab.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import json
 import math
 import platform
 import sys
@@ -33,6 +36,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams
 from labkit.load import CHECKPOINTS, TOKENIZER, load_checkpoint, save_checkpoint
 from labkit.model import ModelConfig, Transformer
+from labkit.paged import blocks_for
 from labkit.speculative import continuation_prompts
 
 
@@ -44,13 +48,19 @@ class Distillation:
     at every generated position. Its success is measured on validation functions: how often the
     student's top token is the one the teacher wrote, before and after."""
 
-    teacher: str
+    teacher: str  # a shipped checkpoint, trained first
     prompts: int = 256
     new_tokens: int = 128
     epochs: int = 3
     lr: float = 3e-4
     batch_size: int = 16
     held_out: int = 32  # validation prompts for the agreement figure
+
+    def __post_init__(self) -> None:
+        counts = {"prompts": self.prompts, "new_tokens": self.new_tokens, "epochs": self.epochs,
+                  "batch_size": self.batch_size, "held_out": self.held_out}
+        if min(counts.values()) < 1 or self.lr <= 0:
+            raise ValueError(f"distillation needs counts of at least 1 and a positive lr, got {counts}, lr={self.lr}")
 
 
 @dataclass(frozen=True)
@@ -127,19 +137,25 @@ def distillation_loss(student_logits: torch.Tensor, teacher_log_probs: torch.Ten
                     reduction="batchmean")
 
 
-def teacher_continuations(teacher: Transformer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """``new_tokens`` greedy tokens after each prompt, EOS ignored, many at a time (continuous batching)."""
+def teacher_continuations(teacher: Transformer, prompts: list[list[int]], new_tokens: int,
+                          at_once: int = 64, block_size: int = 16) -> list[list[int]]:
+    """``new_tokens`` greedy tokens after each prompt, EOS ignored, ``at_once`` sequences at a
+    time (continuous batching, with blocks enough that none is ever preempted)."""
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     requests = [Request(i, prompt, params) for i, prompt in enumerate(prompts)]
-    longest = max(map(len, prompts)) + new_tokens
-    Engine(teacher, num_blocks=64 * -(-longest // 16), config=SchedulerConfig(max_num_seqs=64)).run(requests)
+    blocks = at_once * blocks_for(max(map(len, prompts)) + new_tokens, block_size)
+    Engine(teacher, blocks, block_size, SchedulerConfig(max_num_seqs=at_once)).run(requests)
     return [r.output for r in requests]
 
 
-def continuation_batches(prompts: list[list[int]], outputs: list[list[int]], batch_size: int
-                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def continuation_batches(prompts: list[list[int]], outputs: list[list[int]], batch_size: int,
+                         device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prompt + continuation, right-padded, ``batch_size`` rows at a time, with the mask of the
-    positions whose next token is a continuation token."""
+    positions whose next token is a continuation token (padding comes after every real token,
+    so a causal model's outputs at those positions do not depend on it)."""
+    if len(prompts) != len(outputs) or not all(outputs):
+        raise ValueError(f"one non-empty continuation per prompt: {len(prompts)} prompts, "
+                         f"continuation lengths {[len(o) for o in outputs]}")
     batches = []
     for first in range(0, len(prompts), batch_size):
         rows = list(zip(prompts[first:first + batch_size], outputs[first:first + batch_size]))
@@ -149,27 +165,28 @@ def continuation_batches(prompts: list[list[int]], outputs: list[list[int]], bat
         for row, (prompt, output) in enumerate(rows):
             tokens[row, :len(prompt) + len(output)] = torch.tensor(prompt + output)
             mask[row, len(prompt) - 1:len(prompt) + len(output) - 1] = True
-        batches.append((tokens, mask))
+        batches.append((tokens.to(device), mask.to(device)))
     return batches
 
 
 @torch.no_grad()
-def agreement(student: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """How often the student's top next token is the continuation's (the teacher's greedy) token."""
-    hits = [(student(x)[:, :-1].argmax(-1) == x[:, 1:])[mask[:, :-1]] for x, mask in batches]
+def agreement(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """How often the model's top next token is the continuation's (the teacher's greedy) token."""
+    hits = [(model(x)[:, :-1].argmax(-1) == x[:, 1:])[mask[:, :-1]] for x, mask in batches]
     return torch.cat(hits).float().mean().item()
 
 
 def distill(student: Transformer, teacher: Transformer, prompts: list[list[int]], spec: Distillation,
             seed: int = 0) -> list[tuple[int, float]]:
     """Fit ``student`` to ``teacher``'s next-token distributions on the teacher's greedy
-    continuations of ``prompts`` (``spec.epochs`` passes, AdamW at a constant ``spec.lr``);
-    returns the loss of each step, against continuation tokens seen."""
+    continuations of ``prompts`` (``spec.epochs`` passes, AdamW at a constant ``spec.lr``; the
+    teacher is the model given, not ``spec.teacher``'s checkpoint); returns the loss of each step,
+    against continuation tokens seen. The teacher's log-probabilities are computed once and kept:
+    positions x vocabulary x 4 bytes (512 MiB for the draft preset)."""
     teacher.eval()
-    batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens),
-                                   spec.batch_size)
     device = next(student.parameters()).device
-    batches = [(x.to(device), mask.to(device)) for x, mask in batches]
+    batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens),
+                                   spec.batch_size, device)
     with torch.no_grad():
         targets = [teacher(x)[mask].float().log_softmax(-1) for x, mask in batches]
     student.train()
@@ -215,11 +232,14 @@ def _plot(history: dict[str, list[tuple[int, float]]], title: str, path: Path,
 def _distillation_rows(spec: Distillation | None, stats: dict) -> str:
     if spec is None:
         return ""
-    return (f"| distillation | KL to `{spec.teacher}` on its greedy continuations of {spec.prompts} training-split "
-            f"function openings ({spec.prompts * spec.new_tokens:,} tokens, {spec.epochs} pass{'es' * (spec.epochs != 1)}) |\n"
+    passes = f"{spec.epochs} pass{'es' * (spec.epochs != 1)}"
+    return (f"| distillation | KL to `{spec.teacher}` (model.safetensors sha256 {stats['teacher_sha256'][:16]}...) "
+            f"on its greedy continuations of {spec.prompts} training-split function openings "
+            f"({spec.prompts * spec.new_tokens:,} tokens, {passes}) |\n"
             f"| agreement with `{spec.teacher}` | its top token is the one `{spec.teacher}` wrote "
             f"{stats['agreement_before']:.1%} of the time before distillation, {stats['agreement_after']:.1%} after "
-            f"({spec.held_out} validation functions, {spec.new_tokens} tokens each) |\n")
+            f"({spec.held_out} validation functions, {spec.new_tokens} tokens each) |\n"
+            f"| validation loss before distillation | {stats['val_loss_before']:.4f} nats/token |\n")
 
 
 def _card(name: str, preset: Preset, model: Transformer, stats: dict) -> str:
@@ -246,13 +266,33 @@ Config: `{asdict(preset.config)}`
 """
 
 
+def corpus_steps(preset: Preset) -> int:
+    """Optimizer steps in the preset's token budget; at least one."""
+    steps = preset.tokens // (preset.batch_size * preset.seq_len)
+    if steps < 1:
+        raise ValueError(f"tokens={preset.tokens} is less than one batch of {preset.batch_size} x {preset.seq_len}")
+    return steps
+
+
+def check_teacher(spec: Distillation, config: ModelConfig) -> Path:
+    """The teacher's checkpoint folder, if it is there and shares the student's vocabulary."""
+    folder = CHECKPOINTS / spec.teacher
+    if not (folder / "model.safetensors").exists():
+        raise ValueError(f"distillation needs the {spec.teacher!r} checkpoint, not in {folder}: "
+                         f"train it first with python -m labkit.train --preset {spec.teacher}")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    if vocab != config.vocab_size:
+        raise ValueError(f"teacher {spec.teacher!r} has a vocabulary of {vocab}, the student {config.vocab_size}")
+    return folder
+
+
 def train_on_corpus(model: Transformer, preset: Preset, train_ids: torch.Tensor, val_ids: torch.Tensor,
                     seed: int, label: str) -> dict[str, list[tuple[int, float]]]:
     """Next-token prediction on random windows of ``train_ids``; the train and validation loss curves."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    steps = preset.tokens // (preset.batch_size * preset.seq_len)
+    steps = corpus_steps(preset)
     history: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
     model.train()
     for step in (bar := tqdm(range(steps), desc=f"train {label}", file=sys.stdout, mininterval=5)):
@@ -272,26 +312,30 @@ def train_on_corpus(model: Transformer, preset: Preset, train_ids: torch.Tensor,
     return history
 
 
-def distill_stage(model: Transformer, spec: Distillation, tokenizer: Tokenizer, seed: int
+def distill_stage(model: Transformer, spec: Distillation, tokenizer: Tokenizer, val_ids: torch.Tensor, seed: int
                   ) -> tuple[list[tuple[int, float]], dict]:
-    """``distill`` from the shipped ``spec.teacher`` on training-split prompts, with the
-    agreement on validation functions before and after; the loss curve and those figures."""
-    teacher = load_checkpoint(CHECKPOINTS / spec.teacher, next(model.parameters()).device)
+    """``distill`` from the shipped ``spec.teacher`` on training-split prompts; the loss curve, and
+    for the card: the teacher's weights' digest, the validation loss before this stage, and the
+    agreement on validation functions before and after."""
+    folder, device = check_teacher(spec, model.config), next(model.parameters()).device
+    teacher = load_checkpoint(folder, device)
     held_out = continuation_prompts(tokenizer, spec.held_out, seed, split="validation")
     check = continuation_batches(held_out, teacher_continuations(teacher, held_out, spec.new_tokens),
-                                 spec.batch_size)
-    before = agreement(model.eval(), check)
+                                 spec.batch_size, device)
+    stats = {"teacher_sha256": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
+             "val_loss_before": validation_loss(model, val_ids, max_windows=256),
+             "agreement_before": agreement(model.eval(), check)}
     history = distill(model, teacher, continuation_prompts(tokenizer, spec.prompts, seed, split="train"), spec, seed)
-    return history, {"agreement_before": before, "agreement_after": agreement(model.eval(), check)}
+    return history, stats | {"agreement_after": agreement(model.eval(), check)}
 
 
 def train(name: str, out: Path | None = None, tokens: int | None = None, seed: int = 0,
           device: torch.device | None = None) -> dict:
     """Train preset ``name`` and write its checkpoint, loss curve and model card; return the stats."""
     preset = PRESETS[name] if tokens is None else replace(PRESETS[name], tokens=tokens)
-    steps = preset.tokens // (preset.batch_size * preset.seq_len)
-    if steps < 1:
-        raise ValueError(f"tokens={preset.tokens} is less than one batch of {preset.batch_size} x {preset.seq_len}")
+    steps = corpus_steps(preset)
+    if preset.distill:
+        check_teacher(preset.distill, preset.config)  # now, not after the corpus stage
     out = out or CHECKPOINTS / name
     device = device or get_device()
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
@@ -300,7 +344,7 @@ def train(name: str, out: Path | None = None, tokens: int | None = None, seed: i
     model = Transformer(preset.config).to(device)
     start = time.perf_counter()
     history = train_on_corpus(model, preset, train_ids, val_ids, seed, name)
-    distilled, stats = distill_stage(model, preset.distill, tokenizer, seed) if preset.distill else (None, {})
+    distilled, stats = distill_stage(model, preset.distill, tokenizer, val_ids, seed) if preset.distill else (None, {})
     stats |= {"tokens": steps * preset.batch_size * preset.seq_len, "steps": steps, "seed": seed,
               "seconds": time.perf_counter() - start, "machine": device_name(device),
               "val_loss": validation_loss(model, val_ids, max_windows=256), "date": str(datetime.date.today())}

@@ -1,7 +1,9 @@
 """Training is seeded and reproducible, and writes everything a checkpoint needs."""
 from __future__ import annotations
 
+import copy
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 from labkit import train
 from labkit.exercises.lab01 import random_model
 from labkit.load import load_checkpoint
-from labkit.train import (PRESETS, Distillation, Preset, agreement, continuation_batches, distill, distillation_loss,
-                          learning_rate, main, teacher_continuations)
+from labkit.train import (PRESETS, Distillation, Preset, agreement, check_teacher, continuation_batches, distill,
+                          distillation_loss, learning_rate, main, teacher_continuations)
 
 
 def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch):
@@ -21,9 +23,14 @@ def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(train, "validation_loss",
                         lambda model, ids, seq_len=256, max_windows=64: validation_loss(model, ids, seq_len,
                                                                                          min(max_windows, 8)))
-    # the draft's distillation from the shipped target, shrunk to a few short continuations
+    # the draft's distillation from the shipped target, shrunk to a few short continuations of
+    # fixed openings (choosing them from the corpus tokenizes all of its functions)
     monkeypatch.setitem(PRESETS, "draft", replace(PRESETS["draft"], distill=Distillation(
         "target", prompts=4, new_tokens=8, epochs=2, batch_size=2, held_out=2)))
+    openings = {"train": ["def read(path):\n", "class Cache:\n", "import os\n", "def main():\n"],
+                "validation": ["def parse(text):\n", "for line in lines:\n"]}
+    monkeypatch.setattr(train, "continuation_prompts", lambda tokenizer, n, seed, split: [
+        tokenizer.encode(text).ids for text in openings[split][:n]])
     runs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
     for out, seed in zip(runs, (0, 0, 1)):
         assert main(["--preset", "draft", "--tokens", "4096", "--seed", str(seed), "--out", str(out)]) == 0
@@ -33,7 +40,10 @@ def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch)
     card = (runs[0] / "MODEL_CARD.md").read_text()
     assert "| tokens seen | 4,096 (2 steps of 4 x 512) |" in card
     assert "greedy continuations of 4 training-split function openings (32 tokens, 2 passes) |" in card
-    assert "| agreement with `target` | its top token is the one `target` wrote" in card
+    agreed = re.search(r"\| agreement with `target` \| its top token is the one `target` wrote ([\d.]+)% of the time "
+                       r"before distillation, ([\d.]+)% after \(2 validation functions, 8 tokens each\) \|", card)
+    assert agreed and all(0 <= float(p) <= 100 for p in agreed.groups()), card
+    assert re.search(r"\| validation loss before distillation \| \d+\.\d{4} nats/token \|", card), card
     assert load_checkpoint(runs[0], device="cpu").num_parameters() == 721_280
 
 
@@ -99,3 +109,27 @@ def test_a_model_agrees_with_its_own_continuations_and_distilling_brings_a_stude
     history = distill(student, teacher, prompts, spec, seed=0)
     assert history[-1][1] < history[0][1] / 4
     assert agreement(student.eval(), batches) > max(before + 0.3, 0.8)
+
+
+def test_distill_fits_the_teachers_distribution_at_the_continuation_positions_only():
+    # one batch, one pass: the first step's loss is the KL at exactly the masked positions
+    teacher, student = random_model(4, 2, seed=0), random_model(4, 2, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    spec = Distillation("unused", new_tokens=5, epochs=1, batch_size=3)
+    (x, mask), = continuation_batches(prompts, teacher_continuations(teacher, prompts, 5), 3)
+    assert mask.sum() == 15
+    with torch.no_grad():
+        expected = distillation_loss(copy.deepcopy(student)(x)[mask], teacher(x)[mask].log_softmax(-1))
+    (seen, first), = distill(student, teacher, prompts, spec)
+    assert seen == 15 and first == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_distillation_refuses_bad_settings_and_a_missing_or_mismatched_teacher():
+    with pytest.raises(ValueError, match="counts of at least 1"):
+        Distillation("target", new_tokens=0)
+    with pytest.raises(ValueError, match="train it first with python -m labkit.train --preset nothing_here"):
+        check_teacher(Distillation("nothing_here"), PRESETS["draft"].config)
+    with pytest.raises(ValueError, match="vocabulary of 4096, the student 97"):
+        check_teacher(Distillation("target"), random_model(4, 2, seed=0).config)
+    with pytest.raises(ValueError, match="one non-empty continuation per prompt"):
+        continuation_batches([[1], [2]], [[3], []], batch_size=2)
