@@ -6,7 +6,10 @@ The shipped model is written out as a Hugging Face Llama checkpoint and loaded w
 ``LlamaForCausalLM``; both generate greedily from the same prompt, batch 1, the same number of
 new tokens, in fp32, timed alternately (labkit, transformers, labkit, ...). The outputs must be
 identical token for token. Also times the draft's decode step against the target's, with torch's
-default number of threads and with one.
+default number of threads and with one, two ways: one call of each in turn (each draft step right
+after a target step, its weights and code out of the caches), and as speculative decoding runs
+them, a target step and then ``ROUND`` draft steps in a row (the first cold, the rest warm),
+against a target step alone: the draft step is the difference over ``ROUND``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from labkit.generate import SamplingParams, decode_step, stream
 from labkit.load import save_hf
 
 PROMPT = "import os\n\n\ndef read_config(path):\n"
+ROUND = 4  # draft steps per round of speculative decoding
 
 
 def main() -> None:
@@ -65,12 +69,22 @@ def main() -> None:
 
     draft, _ = labkit.load("draft", device=device)
     print()
+    target_step, draft_step = decode_step(model, 100), decode_step(draft, 100)
+
+    def round_() -> None:
+        target_step()
+        for _ in range(ROUND):
+            draft_step()
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):  # torch's default, then one
         torch.set_num_threads(threads)
-        steps = compare(decode_step(model, 100), decode_step(draft, 100), labels=(args.model, "draft"),
-                        warmup=5, repeats=200, device=device)
+        steps = compare(target_step, draft_step, labels=(args.model, "draft"), warmup=5, repeats=200, device=device)
         print(f"decode step at position 100, {threads} thread(s): {args.model} {steps.a.median_s * 1e3:.2f} ms, "
               f"draft {steps.b.median_s * 1e3:.2f} ms, draft / {args.model} = {1 / steps.speedup:.3f}")
+        rounds = compare(target_step, round_, labels=(args.model, "round"), warmup=5, repeats=200, device=device)
+        drafted = (rounds.b.median_s - rounds.a.median_s) / ROUND
+        print(f"  in rounds of a {args.model} step then {ROUND} draft steps: "
+              f"{args.model} {rounds.a.median_s * 1e3:.2f} ms, draft {drafted * 1e3:.2f} ms, "
+              f"draft / {args.model} = {drafted / rounds.a.median_s:.3f}")
 
 
 if __name__ == "__main__":
