@@ -312,12 +312,12 @@ def train_on_corpus(model: Transformer, preset: Preset, train_ids: torch.Tensor,
     return history
 
 
-def distill_stage(model: Transformer, spec: Distillation, tokenizer: Tokenizer, val_ids: torch.Tensor, seed: int
-                  ) -> tuple[list[tuple[int, float]], dict]:
-    """``distill`` from the shipped ``spec.teacher`` on training-split prompts; the loss curve, and
-    for the card: the teacher's weights' digest, the validation loss before this stage, and the
-    agreement on validation functions before and after."""
-    folder, device = check_teacher(spec, model.config), next(model.parameters()).device
+def distill_stage(model: Transformer, spec: Distillation, folder: Path, tokenizer: Tokenizer, val_ids: torch.Tensor,
+                  seed: int) -> tuple[list[tuple[int, float]], dict]:
+    """``distill`` from the teacher checkpoint in ``folder`` (``check_teacher``'s) on training-split
+    prompts; the loss curve, and for the card: the teacher's weights' digest, the validation loss
+    before this stage, and the agreement on validation functions before and after."""
+    device = next(model.parameters()).device
     teacher = load_checkpoint(folder, device)
     held_out = continuation_prompts(tokenizer, spec.held_out, seed, split="validation")
     check = continuation_batches(held_out, teacher_continuations(teacher, held_out, spec.new_tokens),
@@ -334,8 +334,7 @@ def train(name: str, out: Path | None = None, tokens: int | None = None, seed: i
     """Train preset ``name`` and write its checkpoint, loss curve and model card; return the stats."""
     preset = PRESETS[name] if tokens is None else replace(PRESETS[name], tokens=tokens)
     steps = corpus_steps(preset)
-    if preset.distill:
-        check_teacher(preset.distill, preset.config)  # now, not after the corpus stage
+    teacher = check_teacher(preset.distill, preset.config) if preset.distill else None  # now, not after the corpus
     out = out or CHECKPOINTS / name
     device = device or get_device()
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
@@ -344,7 +343,8 @@ def train(name: str, out: Path | None = None, tokens: int | None = None, seed: i
     model = Transformer(preset.config).to(device)
     start = time.perf_counter()
     history = train_on_corpus(model, preset, train_ids, val_ids, seed, name)
-    distilled, stats = distill_stage(model, preset.distill, tokenizer, val_ids, seed) if preset.distill else (None, {})
+    distilled, stats = (distill_stage(model, preset.distill, teacher, tokenizer, val_ids, seed) if teacher
+                        else (None, {}))
     stats |= {"tokens": steps * preset.batch_size * preset.seq_len, "steps": steps, "seed": seed,
               "seconds": time.perf_counter() - start, "machine": device_name(device),
               "val_loss": validation_loss(model, val_ids, max_windows=256), "date": str(datetime.date.today())}
