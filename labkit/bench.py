@@ -170,10 +170,12 @@ class _LiveTensors(TorchDispatchMode):
 
 def peak_memory(fn: Callable[[], Any], device: torch.device | str | None = None) -> int:
     """The most bytes of tensor memory that ``fn()`` held at once, beyond what existed before it
-    ran. On CUDA from the allocator's peak counter; on the CPU by following every tensor that
-    torch's operators create until it is freed."""
+    ran. On CUDA from the allocator's peak counter, after one untimed call: a first call can
+    allocate what stays for good (cuBLAS's workspace, tens of MiB), which is not ``fn``'s memory.
+    On the CPU by following every tensor that torch's operators create until it is freed."""
     device = torch.device(device) if device is not None else get_device()
     if device.type == "cuda":
+        fn()
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)

@@ -76,3 +76,9 @@ def test_peak_memory_keeps_a_tensor_alive_through_its_views():
         torch.empty(1000)  # x's storage is still held by the view: 8,000 bytes at once
         return view
     assert peak_memory(view_outlives, "cpu") == 8000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_peak_memory_on_cuda_leaves_out_what_a_first_call_keeps():
+    a = torch.randn(256, 256, device="cuda")  # the first matmul of a process allocates cuBLAS's workspace
+    assert peak_memory(lambda: a.T @ a, "cuda") == 256 * 256 * 4

@@ -224,6 +224,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from labkit.kernels import flash_attention_kernel, paged_decode_kernel
 from labkit.kernels.flash import tiles
+from labkit.kernels.paged_decode import decode_tile
 
 SHARED = {90: 232448, 80: 166912}  # bytes of shared memory a block may use on an H100, an A100
 
@@ -245,25 +246,27 @@ for capability, dtype, dim, causal in ((90, "fp16", 64, True), (90, "bf16", 128,
                              BLOCK_N=block_n), capability, num_warps=warps, num_stages=stages)
     tensor_cores = "wgmma.mma_async" in asm["ptx"] if capability == 90 else "mma.sync" in asm["ptx"]
     print("flash", capability, dtype, dim, causal, shared, "cubin" in asm, tensor_cores, shared <= SHARED[capability])
-for capability, dtype in ((90, "fp16"), (80, "fp32")):
+for capability, dtype, dim in ((90, "fp16", 128), (90, "bf16", 256), (80, "fp16", 64), (80, "fp32", 128)):
     pools = dict(Q=f"*{dtype}", KPool=f"*{dtype}", VPool=f"*{dtype}", Tables="*i64", Lengths="*i64", Out=f"*{dtype}")
-    asm, shared = build(paged_decode_kernel, pools, dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_SIZE=16),
-                        capability, num_warps=4)
-    print("paged", capability, dtype, "cubin" in asm, shared <= SHARED[capability])
+    constexprs = dict(HEAD_DIM=dim, BLOCK_D=dim, ROWS=16, BLOCK_SIZE=16, TILE=decode_tile(16, dim, NAMES[dtype]),
+                      PRECISION="ieee" if dtype == "fp32" else "tf32")
+    asm, shared = build(paged_decode_kernel, pools, constexprs, capability, num_warps=4, num_stages=2)
+    tensor_cores = "mma" in asm["ptx"]  # fp32 takes exact (ieee) products, off the tensor cores
+    print("paged", capability, dtype, dim, shared, "cubin" in asm, tensor_cores == (dtype != "fp32"),
+          shared <= SHARED[capability])
 """
 
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Without a GPU, Triton still compiles a kernel down to a cubin for a named GPU: this checks
     the compiled path that the interpreter never takes (tile shapes tl.dot accepts, types), that the
-    tiles ``flash.tiles`` picks fit in shared memory for each dtype and head size, and that the
-    forward kernel's matmuls land on tensor cores (wgmma on an H100, mma on an A100)."""
+    tiles ``flash.tiles`` and ``decode_tile`` pick fit in shared memory for each dtype and head size,
+    and that both kernels' matmuls land on tensor cores (wgmma or mma) except the exact fp32 decode."""
     ran = _python(_COMPILE, TRITON_INTERPRET="0")
     assert ran.returncode == 0, ran.stderr[-3000:]
     lines = ran.stdout.split("\n")
-    assert sum(line.startswith("flash") for line in lines) == 6 and sum(line.startswith("paged") for line in lines) == 2
-    assert all(line.endswith("True True True") for line in lines if line.startswith("flash")), ran.stdout
-    assert all(line.endswith("True True") for line in lines if line.startswith("paged")), ran.stdout
+    assert sum(line.startswith("flash") for line in lines) == 6 and sum(line.startswith("paged") for line in lines) == 4
+    assert all(line.endswith("True True True") for line in lines if line.startswith(("flash", "paged"))), ran.stdout
 
 
 def test_attention_flops_count_the_visible_pairs():

@@ -4,14 +4,16 @@ through the block table straight from the paged cache's pools.
 The reference (``labkit.paged.paged_attention``) first gathers each sequence's blocks into a
 contiguous ``[B, n_kv_heads, L, d]`` copy and then attends; this kernel never makes the copy.
 One program serves one (sequence, KV head): the ``group`` query heads that share that KV head
-(GQA) are its rows, so each block of keys and values is read once for all of them. It walks
-the sequence's blocks in order, looking each up in the block table,
+(GQA) are its rows, so each key and value is read once for all of them. It walks the sequence
+``TILE`` positions at a time (several blocks per step: a block of 16 is too little work to hide
+the latency of reading it), looking up where each position lives,
 
-    block = table[b, j],   keys of positions j*bs .. j*bs + bs - 1 = k_pool[block, :, kv_head, :]
+    block = table[b, pos // block_size],   slot = pos % block_size,   key = k_pool[block, slot, kv_head, :]
 
-and folds every block into a running maximum, sum and output (online softmax, as in the
-forward kernel); slots at or past the sequence's length are masked, so lengths in a batch vary
-freely and the last block may be partly filled.
+and folds each tile into a running maximum, sum and output (online softmax, as in the forward
+kernel), with two ``tl.dot`` products on tensor cores (the rows are padded to the 16 that
+``tl.dot`` needs). Positions at or past the sequence's length are masked, so lengths in a batch
+vary freely and the last block may be partly filled.
 """
 from __future__ import annotations
 
@@ -26,39 +28,46 @@ from labkit.kernels.flash import check_heads_and_dtype, log2_scale, padded, unit
 def paged_decode_kernel(Q, KPool, VPool, Tables, Lengths, Out, scale_log2e,
                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                         stride_tb, stride_ob, stride_oh, group,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
     b, kv_head = tl.program_id(0), tl.program_id(1)
-    members = tl.arange(0, GROUP)
+    members = tl.arange(0, ROWS)  # rows past `group` are padding: zero queries, never stored
     heads = kv_head * group + members  # the query heads that read this KV head
     dims = tl.arange(0, BLOCK_D)
-    slots = tl.arange(0, BLOCK_SIZE)
     q_mask = (members[:, None] < group) & (dims[None, :] < HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
-    q = q.to(tl.float32)
     length = tl.load(Lengths + b)
-    m_i = tl.full([GROUP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP], tl.float32)
-    acc = tl.zeros([GROUP, BLOCK_D], tl.float32)
-    for first in range(0, length, BLOCK_SIZE):
-        block = tl.load(Tables + b * stride_tb + first // BLOCK_SIZE).to(tl.int64)
-        filled = (first + slots) < length  # the last block may be partly written
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for first in range(0, length, TILE):
+        positions = first + tl.arange(0, TILE)
+        filled = positions < length  # the last block may be partly written
+        block = tl.load(Tables + b * stride_tb + positions // BLOCK_SIZE, mask=filled, other=0).to(tl.int64)
+        slot = positions % BLOCK_SIZE
         kv_mask = filled[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(KPool + block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2e  # [GROUP, BLOCK_SIZE]
+        k = tl.load(KPool + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [ROWS, TILE]
         scores = tl.where(filled[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VPool + block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        v = tl.load(VPool + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
              mask=q_mask)
+
+
+def decode_tile(block_size: int, dim: int, dtype: torch.dtype) -> int:
+    """Positions per step: 128 for fp16 rows of up to 128 elements, fewer for wider rows so that two
+    pipelined stages of the K and V tiles stay within 128 KiB of shared memory; at least one block."""
+    row_bytes = torch.finfo(dtype).bits // 8 * padded(dim)
+    return max(block_size, min(128, 32768 // row_bytes))
 
 
 def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> None:
@@ -99,6 +108,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor
     paged_decode_kernel[(batch, kv_heads)](
         q, k_pool, v_pool, block_tables, lengths, out, log2_scale(scale, dim), *q.stride()[:2], *k_pool.stride()[:3],
         *v_pool.stride()[:3], block_tables.stride(0), *out.stride()[:2], group, HEAD_DIM=dim,
-        BLOCK_D=padded(dim), GROUP=triton.next_power_of_2(group), BLOCK_SIZE=block_size,
-        num_warps=1 if interpreted() else 4)
+        BLOCK_D=padded(dim), ROWS=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        TILE=decode_tile(block_size, dim, q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=1 if interpreted() else 4, num_stages=2)
     return out
