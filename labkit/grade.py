@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 from labkit import notebook
 from labkit.check import Result, run_cases
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
@@ -90,11 +92,14 @@ _PRELOAD = ["torch", "labkit", "labkit.grade", "IPython.core.interactiveshell"]
 
 @lru_cache(maxsize=1)
 def _context() -> multiprocessing.context.BaseContext:
-    """Fresh processes that start in milliseconds: a fork server that has imported torch once."""
+    """Fresh processes that start in milliseconds: a fork server that has imported torch once.
+    With a GPU it imports torch alone: importing labkit asks torch whether a GPU exists, which starts
+    the CUDA driver, and a process forked from one that has started it cannot use CUDA ("Cannot
+    re-initialize CUDA in forked subprocess"): every exercise would fail on a GPU machine."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD if not torch.cuda.is_available() else ["torch", "IPython.core.interactiveshell"])
     return ctx
 
 

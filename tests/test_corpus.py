@@ -1,6 +1,10 @@
 """The corpus split and the shipped tokenizer."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -32,3 +36,25 @@ def test_functions_are_whole_defs_without_blank_lines():
     assert len(found) > 100
     for f in found[:200]:
         assert f.startswith("def ") and "\n\n" not in f and not f.endswith("\n")
+
+
+_UNWRITABLE_CACHE = """
+import resource, sys
+from pathlib import Path
+from tokenizers import Tokenizer
+from labkit.corpus import token_ids
+from labkit.load import TOKENIZER
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # as the grader's worker: no file over 1 MiB
+ids = token_ids(Tokenizer.from_file(str(TOKENIZER)), "validation")
+print(ids.numel(), sorted(p.name for p in Path(sys.argv[1]).iterdir()))
+"""
+
+
+def test_token_ids_work_when_the_cache_cannot_be_written(tmp_path):
+    """The grader caps the size of files a submission writes; lab 06's setup cells tokenize the
+    validation split, whose cache is larger than the cap on a machine that has none yet."""
+    ran = subprocess.run([sys.executable, "-c", _UNWRITABLE_CACHE, str(tmp_path)], capture_output=True, text=True,
+                         env={**os.environ, "LABKIT_CACHE": str(tmp_path)}, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    count, files = ran.stdout.split(" ", 1)
+    assert int(count) > (1 << 20) // 4 and files.strip() == "[]"  # larger than the cap; no half-written file left

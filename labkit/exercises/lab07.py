@@ -61,7 +61,8 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
     except Exception as error:  # a stub is not attempted: the interpreter wraps what it raised, and
         if isinstance(error.__cause__, NotImplementedError):  # a GPU compiler refuses its raise
             raise error.__cause__ from None
-        if type(error).__name__ == "CompilationError" and "Raise" in str(error):
+        compile_error = any(kind.__name__ == "CompilationError" for kind in type(error).__mro__)  # or a subclass,
+        if compile_error and "Raise" in str(error):  # UnsupportedLanguageConstruct in Triton 3.6
             raise NotImplementedError("the kernel still raises NotImplementedError") from None
         raise
     tolerance = 2e-5 if dtype == torch.float32 and device == "cpu" else 2e-3  # a GPU runs fp32 dots in TF32
