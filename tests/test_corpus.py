@@ -44,7 +44,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from labkit.corpus import token_ids
 from labkit.load import TOKENIZER
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # as the grader's worker: no file over 1 MiB
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))  # a cap, as the grader's worker has (1 MiB)
 ids = token_ids(Tokenizer.from_file(str(TOKENIZER)), "validation")
 print(ids.numel(), sorted(p.name for p in Path(sys.argv[1]).iterdir()))
 """
@@ -52,9 +52,10 @@ print(ids.numel(), sorted(p.name for p in Path(sys.argv[1]).iterdir()))
 
 def test_token_ids_work_when_the_cache_cannot_be_written(tmp_path):
     """The grader caps the size of files a submission writes; lab 06's setup cells tokenize the
-    validation split, whose cache is larger than the cap on a machine that has none yet."""
+    corpus, whose cache can be larger than the cap on a machine that has none yet (the split's size
+    depends on the Python: here the cap is set well below it)."""
     ran = subprocess.run([sys.executable, "-c", _UNWRITABLE_CACHE, str(tmp_path)], capture_output=True, text=True,
                          env={**os.environ, "LABKIT_CACHE": str(tmp_path)}, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
     count, files = ran.stdout.split(" ", 1)
-    assert int(count) > (1 << 20) // 4 and files.strip() == "[]"  # larger than the cap; no half-written file left
+    assert int(count) > (1 << 16) // 4 and files.strip() == "[]"  # larger than the cap; no half-written file left
