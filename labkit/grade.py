@@ -87,7 +87,7 @@ def find_submissions(paths: list[Path]) -> list[Submission]:
     return submissions
 
 
-_PRELOAD = ["torch", "labkit", "labkit.grade", "IPython.core.interactiveshell"]
+_PRELOAD = ["torch", "IPython.core.interactiveshell"]
 
 
 @lru_cache(maxsize=1)
@@ -99,7 +99,7 @@ def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD if not torch.cuda.is_available() else ["torch", "IPython.core.interactiveshell"])
+    ctx.set_forkserver_preload(_PRELOAD + ([] if torch.cuda.is_available() else ["labkit", "labkit.grade"]))
     return ctx
 
 

@@ -11,9 +11,9 @@ the latency of reading it), looking up where each position lives,
     block = table[b, pos // block_size],   slot = pos % block_size,   key = k_pool[block, slot, kv_head, :]
 
 and folds each tile into a running maximum, sum and output (online softmax, as in the forward
-kernel), with two ``tl.dot`` products on tensor cores (the rows are padded to the 16 that
-``tl.dot`` needs). Positions at or past the sequence's length are masked, so lengths in a batch
-vary freely and the last block may be partly filled.
+kernel), with two ``tl.dot`` products (the rows are padded to the 16 that ``tl.dot`` needs): on
+tensor cores for fp16 and bf16, exact (``"ieee"``) for fp32. Positions at or past the sequence's
+length are masked, so lengths in a batch vary freely and the last block may be partly filled.
 """
 from __future__ import annotations
 
@@ -40,22 +40,21 @@ def paged_decode_kernel(Q, KPool, VPool, Tables, Lengths, Out, scale_log2e,
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    k_head, v_head = KPool + kv_head * stride_kh + dims[None, :], VPool + kv_head * stride_vh + dims[None, :]
     for first in range(0, length, TILE):
         positions = first + tl.arange(0, TILE)
         filled = positions < length  # the last block may be partly written
         block = tl.load(Tables + b * stride_tb + positions // BLOCK_SIZE, mask=filled, other=0).to(tl.int64)
         slot = positions % BLOCK_SIZE
         kv_mask = filled[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(KPool + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [ROWS, TILE]
+        k = tl.load(k_head + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # k: [TILE, BLOCK_D]
         scores = tl.where(filled[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VPool + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        v = tl.load(v_head + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
