@@ -51,9 +51,16 @@ def log2_scale(scale: float | None, dim: int) -> float:
     return (1 / math.sqrt(dim) if scale is None else scale) * LOG2E
 
 
-def padded(dim: int) -> int:
-    """A head dimension rounded up to the power of two (at least 16) that a block of it spans."""
-    return max(16, triton.next_power_of_2(dim))
+def padded(size: int) -> int:
+    """A size (a head dimension, a number of rows) rounded up to the power of two that a block of
+    it spans, at least 16: the smallest block ``tl.dot`` takes."""
+    return max(16, triton.next_power_of_2(size))
+
+
+def row_bytes(dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one row of a K or V tile: the head dimension, padded, in ``dtype``. Tile sizes are
+    chosen by it, so that the tiles fit in a GPU's shared memory."""
+    return torch.finfo(dtype).bits // 8 * padded(dim)
 
 
 @triton.jit
@@ -129,10 +136,10 @@ def tiles(dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     rows (bytes per element x padded head size) take smaller tiles and fewer stages."""
     if interpreted():
         return 32, 32, 4, 1
-    row_bytes = torch.finfo(dtype).bits // 8 * padded(dim)
-    if row_bytes <= 256:
+    width = row_bytes(dim, dtype)
+    if width <= 256:
         return 128, 64, 4 if dim <= 64 else 8, 3
-    return (64, 32, 4, 2) if row_bytes <= 512 else (32, 32, 4, 1)
+    return (64, 32, 4, 2) if width <= 512 else (32, 32, 4, 1)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,

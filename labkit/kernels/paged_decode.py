@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from labkit.kernels import check_device, interpreted, tl, triton
-from labkit.kernels.flash import check_heads_and_dtype, log2_scale, padded, unit_last_stride
+from labkit.kernels.flash import check_heads_and_dtype, log2_scale, padded, row_bytes, unit_last_stride
 
 
 @triton.jit
@@ -65,8 +65,7 @@ def paged_decode_kernel(Q, KPool, VPool, Tables, Lengths, Out, scale_log2e,
 def decode_tile(block_size: int, dim: int, dtype: torch.dtype) -> int:
     """Positions per step: 128 for fp16 rows of up to 128 elements, fewer for wider rows so that two
     pipelined stages of the K and V tiles stay within 128 KiB of shared memory; at least one block."""
-    row_bytes = torch.finfo(dtype).bits // 8 * padded(dim)
-    return max(block_size, min(128, 32768 // row_bytes))
+    return max(block_size, min(128, 32768 // row_bytes(dim, dtype)))
 
 
 def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> None:
@@ -107,7 +106,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor
     paged_decode_kernel[(batch, kv_heads)](
         q, k_pool, v_pool, block_tables, lengths, out, log2_scale(scale, dim), *q.stride()[:2], *k_pool.stride()[:3],
         *v_pool.stride()[:3], block_tables.stride(0), *out.stride()[:2], group, HEAD_DIM=dim,
-        BLOCK_D=padded(dim), ROWS=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        BLOCK_D=padded(dim), ROWS=padded(group), BLOCK_SIZE=block_size,
         TILE=decode_tile(block_size, dim, q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=1 if interpreted() else 4, num_stages=2)
     return out
