@@ -169,6 +169,13 @@ def continuation_batches(prompts: list[list[int]], outputs: list[list[int]], bat
     return batches
 
 
+def teacher_batches(teacher: Transformer, prompts: list[list[int]], spec: Distillation,
+                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The prompts with the teacher's greedy continuations, batched as ``spec`` says."""
+    return continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens), spec.batch_size,
+                                device)
+
+
 @torch.no_grad()
 def agreement(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """How often the model's top next token is the continuation's (the teacher's greedy) token."""
@@ -185,8 +192,7 @@ def distill(student: Transformer, teacher: Transformer, prompts: list[list[int]]
     positions x vocabulary x 4 bytes (512 MiB for the draft preset)."""
     teacher.eval()
     device = next(student.parameters()).device
-    batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens),
-                                   spec.batch_size, device)
+    batches = teacher_batches(teacher, prompts, spec, device)
     with torch.no_grad():
         targets = [teacher(x)[mask].float().log_softmax(-1) for x, mask in batches]
     student.train()
@@ -320,8 +326,7 @@ def distill_stage(model: Transformer, spec: Distillation, folder: Path, tokenize
     device = next(model.parameters()).device
     teacher = load_checkpoint(folder, device)
     held_out = continuation_prompts(tokenizer, spec.held_out, seed, split="validation")
-    check = continuation_batches(held_out, teacher_continuations(teacher, held_out, spec.new_tokens),
-                                 spec.batch_size, device)
+    check = teacher_batches(teacher, held_out, spec, device)
     stats = {"teacher_sha256": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
              "val_loss_before": validation_loss(model, val_ids, max_windows=256),
              "agreement_before": agreement(model.eval(), check)}
