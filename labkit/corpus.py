@@ -69,14 +69,16 @@ def read_texts(files: list[Path]) -> list[str]:
 @functools.cache
 def functions(split: str) -> tuple[str, ...]:
     """Every function in the split's files (a ``def`` line up to the first blank line, dedented),
-    in file order: prompts for the generation labs."""
+    in file order: prompts for the generation labs. A method with a line at column 0 inside it
+    (a comment, a string's continuation) cannot be dedented and is left out."""
     found: list[str] = []
     for text in read_texts(source_files(split)):
-        found += [textwrap.dedent(m.group(0)) for m in _FUNCTION.finditer(text)]
+        found += [f for f in map(textwrap.dedent, _FUNCTION.findall(text)) if f.startswith("def ")]
     return tuple(found)
 
 
-_FUNCTION = re.compile(r"^[ \t]*def \w+\(.*?(?=\n[ \t]*\n|\Z)", re.M | re.S)
+# a def up to its first blank line, or to the end of its file (whose last newline is not the def's)
+_FUNCTION = re.compile(r"^[ \t]*def \w+\(.*?(?=\n[ \t]*\n|\n?\Z)", re.M | re.S)
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:

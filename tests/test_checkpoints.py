@@ -51,12 +51,26 @@ def test_target_and_draft_share_the_tokenizer_and_sizes_are_as_promised():
     assert tokenizer.get_vocab_size() == target["vocab_size"]
 
 
+# openings of methods, as a student would prompt the model; greedy, so the test is deterministic
+_CLASS_OPENINGS = ("class Config:\n    def __init__(self, path):\n",
+                   "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+                   "class Reader:\n    def read(self, size=-1):\n",
+                   "class Server:\n    def __init__(self, host, port):\n",
+                   "class Cache(dict):\n    def get(self, key, default=None):\n",
+                   "class Parser:\n    def parse(self, text):\n",
+                   "class Node:\n    def __init__(self, value, children=()):\n",
+                   "class Timer:\n    def start(self):\n")
+
+
 def test_target_writes_python_looking_code():
+    """Over eight method openings: indentation in steps of four everywhere, and most continuations
+    define functions that return, on attributes of self (one prompt alone may fall into a loop)."""
     model, tokenizer = labkit.load("target", device="cpu")
-    text = generate(model, tokenizer, "class Config:\n    def __init__(self, path):\n",
-                    SamplingParams(max_new_tokens=160))
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) >= 4, text
-    assert all((len(line) - len(line.lstrip(" "))) % 4 == 0 for line in lines), f"odd indentation:\n{text}"
-    assert re.search(r"\bdef \w+\(", text) and re.search(r"\breturn\b", text), f"no def and return:\n{text}"
-    assert re.search(r"\bself\.\w+", text), f"no attribute access:\n{text}"
+    texts = [generate(model, tokenizer, p, SamplingParams(max_new_tokens=160)) for p in _CLASS_OPENINGS]
+    shown = "\n-----\n".join(texts)
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    assert len(lines) >= 4 * len(texts), f"too little code:\n{shown}"
+    assert all((len(line) - len(line.lstrip(" "))) % 4 == 0 for line in lines), f"odd indentation:\n{shown}"
+    assert sum(bool(re.search(r"\bdef \w+\(", t)) for t in texts) >= 6, f"few defs:\n{shown}"
+    assert sum(bool(re.search(r"\breturn\b", t)) for t in texts) >= 6, f"few returns:\n{shown}"
+    assert sum(bool(re.search(r"\bself\.\w+", t)) for t in texts) >= 4, f"little attribute access:\n{shown}"
