@@ -123,10 +123,14 @@ def median_runs(runs: list[Run]) -> dict[str, Run]:
 def alternate(systems: dict[str, Callable[[list[Request]], Run]], workload: Callable[..., list[Request]],
               warmup: int, repeats: int) -> dict[str, Run]:
     """Warm each system up on ``warmup`` other requests, then run them in turn ``repeats`` times,
-    each on a fresh copy of the workload; the median run of each."""
+    each on a fresh copy of the workload; the median run of each (every run's wall time printed)."""
     for system in systems.values():
         system(workload(warmup, seed=100))
-    return median_runs([system(workload()) for _ in range(repeats) for system in systems.values()])
+    runs = [system(workload()) for _ in range(repeats) for system in systems.values()]
+    if repeats > 1:
+        print("wall s of each run, in order: " + "; ".join(
+            f"{name} " + " ".join(f"{r.wall_s:.1f}" for r in runs if r.name == name) for name in systems) + "\n")
+    return median_runs(runs)
 
 
 def print_table(runs: dict[str, Run], output_tokens: int) -> None:
