@@ -72,7 +72,8 @@ class KVCache(Protocol):
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store new keys and values ``[B, n_kv_heads, T, head_dim]`` at ``positions`` ``[B, T]``
         (-1: padding, not stored). Return what the new queries may attend to: keys and values
-        ``[B, n_kv_heads, S, head_dim]`` and a boolean mask ``[B, 1, T, S]``, True where allowed."""
+        ``[B, n_kv_heads, S, head_dim]`` and a boolean mask ``[B, 1, T, S]``, True where allowed
+        (or None when every query may see every key)."""
         ...
 
     # A cache may also take over attention itself, ``attend(layer, q, k, v, positions)`` returning
@@ -80,10 +81,10 @@ class KVCache(Protocol):
     # sequence with its own number of new tokens) without padding every sequence to the longest.
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """Scaled dot-product attention of ``q`` ``[B, n_heads, T, d]`` over ``keys`` and ``values``
-    ``[B, n_kv_heads, S, d]`` (cast to q's dtype), where ``mask`` ``[B, 1, T, S]`` allows; each KV
-    head serves n_heads / n_kv_heads consecutive query heads."""
+    ``[B, n_kv_heads, S, d]`` (cast to q's dtype), where ``mask`` ``[B, 1, T, S]`` allows (None:
+    everywhere); each KV head serves n_heads / n_kv_heads consecutive query heads."""
     return F.scaled_dot_product_attention(q, keys.type_as(q), values.type_as(q), attn_mask=mask,
                                           enable_gqa=q.shape[1] != keys.shape[1])
 
@@ -113,9 +114,9 @@ class ContiguousKVCache:
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if layer == 0:  # the slots and the mask are the same for every layer of one forward
             self._step = self._plan(positions)
-        rows, cols, slots, mask = self._step
+        rows, cols, slots, length, mask = self._step
         self._write(layer, rows, slots, k[rows, :, cols], v[rows, :, cols])
-        keys, values = self._read(layer, mask.shape[-1], k.dtype)
+        keys, values = self._read(layer, length, k.dtype)
         return keys, values, mask
 
     def _write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -127,10 +128,11 @@ class ContiguousKVCache:
         """The first ``length`` slots of a layer, as stored (attention casts them to its dtype)."""
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
-    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Where this forward's tokens go, and what each of them may attend to afterwards. Slot s
-        holds position s, so a query at position p sees slots 0..p: causality alone hides the
-        slots past the end of a shorter sequence in the batch."""
+    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+        """Where this forward's tokens go, how many slots attention reads, and what each token may
+        attend to. Slot s holds position s, so a query at position p sees slots 0..p: causality
+        alone hides the slots past the end of a shorter sequence in the batch. One sequence's one
+        new token at its end (a decode step at batch 1) sees every slot: no mask to build or apply."""
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
         slots = positions[rows, cols]
         lengths = self.lengths.scatter_reduce(0, rows, slots + 1, reduce="amax")
@@ -138,8 +140,10 @@ class ContiguousKVCache:
         if longest > self.max_len:
             raise ValueError(f"position {longest - 1} does not fit a cache of max_len={self.max_len}")
         self.lengths = lengths
+        if positions.shape == (1, 1) and longest > 0 and int(positions) == longest - 1:
+            return rows, cols, slots, longest, None
         key_positions = torch.arange(longest, device=positions.device)[None]
-        return rows, cols, slots, causal_mask(positions, key_positions)
+        return rows, cols, slots, longest, causal_mask(positions, key_positions)
 
     def truncate(self, lengths: Tensor | list[int]) -> None:
         """Forget everything past ``lengths`` tokens per sequence (speculative decoding's rollback)."""

@@ -49,6 +49,22 @@ def test_cached_decoding_matches_recomputing_everything(n_kv_heads):
     assert cache.lengths.tolist() == [12, 12]
 
 
+def test_one_sequence_decodes_unmasked_and_a_rewritten_position_sees_only_its_past():
+    model = _model()
+    tokens = torch.randint(0, 97, (1, 10))
+    full = model(tokens)
+    cache = ContiguousKVCache(model.config, batch_size=1, max_len=12)
+    steps = [model(tokens[:, :4], None, cache)]
+    for t in range(4, 10):  # a decode step at batch 1: its query sees every slot, and no mask is built
+        steps.append(model(tokens[:, t:t + 1], torch.tensor([[t]]), cache))
+        assert cache._step[-1] is None
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    # position 5 again, without rolling back: slots 6 to 9 still hold keys it must not see
+    other = torch.tensor([[(int(tokens[0, 5]) + 1) % 97]])
+    again = model(other, torch.tensor([[5]]), cache)
+    torch.testing.assert_close(again[0, 0], model(torch.cat([tokens[:, :5], other], 1))[0, -1], rtol=1e-4, atol=1e-4)
+
+
 def test_a_padded_batch_equals_each_sequence_alone():
     model = _model()
     a, b = torch.randint(0, 97, (1, 7)), torch.randint(0, 97, (1, 4))
