@@ -6,7 +6,9 @@
    timed alternately (naive, cached, naive, ...); the outputs must be identical.
 2. Decode bandwidth: bytes one decode step moves (every matmul weight, the KV cache read and
    written, ``labkit.cost.forward_bytes``) over its median time, at the middle of that
-   generation, against the copy bandwidth of this device (``labkit.hardware``).
+   generation, against the copy bandwidth of this device (``labkit.hardware``, 256 MiB: from
+   memory). Then against a copy whose source and destination together are the size of those
+   bytes: a last-level cache that holds the model serves it (and the decode step) faster.
 3. For comparison, the same weights streamed by the model's matrix-vector products alone, one
    token through each weight matrix in turn with nothing else in between.
 """
@@ -74,6 +76,10 @@ def main() -> None:
           f"-> {step_bytes / step_s / 1e9:.1f} GB/s = {step_bytes / step_s / copy:.2f} of copy bandwidth")
     print(f"its matrix-vector products alone: {alone_s * 1e3:.2f} ms, {weight_bytes / 1e6:.1f} MB "
           f"-> {weight_bytes / alone_s / 1e9:.1f} GB/s = {weight_bytes / alone_s / copy:.2f} of copy bandwidth")
+    resident = measure_bandwidth(device, step_bytes // 2, repeats=20)
+    print(f"copy of {step_bytes / 2e6:.1f} MB into {step_bytes / 2e6:.1f} MB (the step's bytes in all, which a large "
+          f"last-level cache may hold): {resident / 1e9:.1f} GB/s; the decode step reaches "
+          f"{step_bytes / step_s / resident:.2f} of it, the matrix-vector products {weight_bytes / alone_s / resident:.2f}")
 
 
 if __name__ == "__main__":
