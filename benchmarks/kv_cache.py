@@ -71,15 +71,16 @@ def main() -> None:
     copy = measure_bandwidth(device, 256 << 20, repeats=10)
     step_bytes = cost.forward_bytes(config, 1, context, weight_bytes=4, kv_dtype="fp32")
     weight_bytes = cost.matmul_weights(config) * 4
+    step_rate, alone_rate = step_bytes / step_s, weight_bytes / alone_s
     print(f"\ncopy bandwidth (read + write, 256 MiB): {copy / 1e9:.1f} GB/s")
     print(f"decode step at position {context}: {step_s * 1e3:.2f} ms, {step_bytes / 1e6:.1f} MB "
-          f"-> {step_bytes / step_s / 1e9:.1f} GB/s = {step_bytes / step_s / copy:.2f} of copy bandwidth")
+          f"-> {step_rate / 1e9:.1f} GB/s = {step_rate / copy:.2f} of copy bandwidth")
     print(f"its matrix-vector products alone: {alone_s * 1e3:.2f} ms, {weight_bytes / 1e6:.1f} MB "
-          f"-> {weight_bytes / alone_s / 1e9:.1f} GB/s = {weight_bytes / alone_s / copy:.2f} of copy bandwidth")
+          f"-> {alone_rate / 1e9:.1f} GB/s = {alone_rate / copy:.2f} of copy bandwidth")
     resident = measure_bandwidth(device, step_bytes // 2, repeats=20)
     print(f"copy of {step_bytes / 2e6:.1f} MB into {step_bytes / 2e6:.1f} MB (the step's bytes in all, which a large "
           f"last-level cache may hold): {resident / 1e9:.1f} GB/s; the decode step reaches "
-          f"{step_bytes / step_s / resident:.2f} of it, the matrix-vector products {weight_bytes / alone_s / resident:.2f}")
+          f"{step_rate / resident:.2f} of it, the matrix-vector products {alone_rate / resident:.2f}")
 
 
 if __name__ == "__main__":
