@@ -339,7 +339,7 @@ class Engine:
         self.cache.seq_ids = [r.request_id for r, _ in plan.scheduled]
         self.cache.query_lens = [n for _, n in plan.scheduled]
         last = torch.tensor(self.cache.query_lens).cumsum(0) - 1
-        with torch.no_grad():
+        with torch.inference_mode():
             logits = self.model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
                                 self.cache)[0]
         return sample(logits[last[list(rows)].to(device)], [plan.scheduled[i][0] for i in rows])
@@ -384,7 +384,7 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
     for r in batch:
         r.status = RUNNING
     active = list(batch)
-    with torch.no_grad():
+    with torch.inference_mode():
         for step in range(steps):
             begin = now()
             logits = model(fed, positions, cache)[:, -1]

@@ -120,18 +120,17 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
         cache = ContiguousKVCache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
     fed = torch.tensor([list(prompt)], device=device)  # what the next forward call runs
     length = len(prompt)  # tokens in the sequence so far
-    with torch.no_grad():
-        for _ in range(params.max_new_tokens):
+    for _ in range(params.max_new_tokens):
+        with torch.inference_mode():  # only around the model: the caller's code between tokens runs as usual
             positions = torch.arange(length - fed.shape[1], length, device=device)[None]
-            logits = model(fed, positions, cache if use_cache else None)[:, -1]
-            counters.tokens_processed += fed.shape[1]
-            counters.forward_calls += 1
-            token = next_token(logits, params, generator)
-            yield int(token)
-            if params.stop_at_eos and eos_id is not None and int(token) == eos_id:
-                return
-            length += 1
-            fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
+            token = next_token(model(fed, positions, cache if use_cache else None)[:, -1], params, generator)
+        counters.tokens_processed += fed.shape[1]
+        counters.forward_calls += 1
+        yield int(token)
+        if params.stop_at_eos and eos_id is not None and int(token) == eos_id:
+            return
+        length += 1
+        fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
 
 
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:
@@ -141,13 +140,13 @@ def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[
     weight = next(model.parameters())
     device = weight.device
     cache = ContiguousKVCache(model.config, 1, context + tokens, dtype=weight.dtype, device=device)
-    with torch.no_grad():
+    with torch.inference_mode():
         model(torch.zeros(1, context, dtype=torch.long, device=device), None, cache)
     fed = torch.zeros(1, tokens, dtype=torch.long, device=device)
     positions = torch.arange(context, context + tokens, device=device)[None]
 
     def step() -> Tensor:
-        with torch.no_grad():
+        with torch.inference_mode():
             logits = model(fed, positions, cache)
         cache.truncate([context])
         return logits

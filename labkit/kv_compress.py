@@ -142,7 +142,7 @@ class Int8KVCache(ContiguousKVCache):
         self.k_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
 
-    def _write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    def _write(self, layer: int, rows: Tensor | int, slots: Tensor | slice, k: Tensor, v: Tensor) -> None:
         for stored, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             stored[layer, rows, :, slots], scales[layer, rows, :, slots] = quantize_int8(new)
 
@@ -173,7 +173,7 @@ def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: KVC
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be at least 1")
     nll = 0.0
-    with torch.no_grad():
+    with torch.inference_mode():
         for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
             end = min(start + chunk, n - 1)
             positions = torch.arange(start, end, device=device)[None]

@@ -84,9 +84,18 @@ class KVCache(Protocol):
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """Scaled dot-product attention of ``q`` ``[B, n_heads, T, d]`` over ``keys`` and ``values``
     ``[B, n_kv_heads, S, d]`` (cast to q's dtype), where ``mask`` ``[B, 1, T, S]`` allows (None:
-    everywhere); each KV head serves n_heads / n_kv_heads consecutive query heads."""
-    return F.scaled_dot_product_attention(q, keys.type_as(q), values.type_as(q), attn_mask=mask,
-                                          enable_gqa=q.shape[1] != keys.shape[1])
+    everywhere); each KV head serves n_heads / n_kv_heads consecutive query heads.
+
+    With one query per sequence (a decode step), the query heads that share a KV head are that
+    head's queries, ``[B, n_kv_heads, group, d]``: plain attention over the KV heads as they are,
+    which runs about twice as fast on a CPU as SDPA's GQA mode over the same numbers."""
+    batch, heads, length, dim = q.shape
+    kv_heads = keys.shape[1]
+    keys, values = keys.type_as(q), values.type_as(q)
+    if length == 1 and heads != kv_heads:
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).view(batch, heads, 1, dim)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
 
 
 def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
@@ -109,7 +118,12 @@ class ContiguousKVCache:
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.filled = [0] * batch_size  # tokens held per sequence, kept on the host
+
+    @property
+    def lengths(self) -> Tensor:
+        """Tokens held per sequence, ``[batch]``."""
+        return torch.tensor(self.filled)
 
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if layer == 0:  # the slots and the mask are the same for every layer of one forward
@@ -119,8 +133,9 @@ class ContiguousKVCache:
         keys, values = self._read(layer, length, k.dtype)
         return keys, values, mask
 
-    def _write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store the new keys and values ``[tokens, n_kv_heads, head_dim]`` at (row, slot)."""
+    def _write(self, layer: int, rows: Tensor | int, slots: Tensor | slice, k: Tensor, v: Tensor) -> None:
+        """Store the new keys and values at (row, slot): ``[tokens, n_kv_heads, head_dim]`` for index
+        tensors, ``[n_kv_heads, tokens, head_dim]`` for one row's slice of slots."""
         self.k[layer, rows, :, slots] = k.type_as(self.k)
         self.v[layer, rows, :, slots] = v.type_as(self.v)
 
@@ -128,26 +143,34 @@ class ContiguousKVCache:
         """The first ``length`` slots of a layer, as stored (attention casts them to its dtype)."""
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
-    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+    def _plan(self, positions: Tensor) -> tuple[Tensor | int, Tensor | slice, Tensor | slice, int, Tensor | None]:
         """Where this forward's tokens go, how many slots attention reads, and what each token may
         attend to. Slot s holds position s, so a query at position p sees slots 0..p: causality
-        alone hides the slots past the end of a shorter sequence in the batch. One sequence's one
-        new token at its end (a decode step at batch 1) sees every slot: no mask to build or apply."""
-        rows, cols = (positions >= 0).nonzero(as_tuple=True)
-        slots = positions[rows, cols]
-        lengths = self.lengths.scatter_reduce(0, rows, slots + 1, reduce="amax")
-        longest = int(lengths.max())  # on the host: it sets how many slots attention reads
+        alone hides the slots past the end of a shorter sequence in the batch. One sequence at
+        consecutive positions (prefill, decode) is written as one slice, with no index tensors,
+        and its one new token at the end (a decode step) sees every slot: no mask at all."""
+        table = positions.tolist()  # one copy to the host: the new lengths and how many slots to read
+        filled = [max([held, *(p + 1 for p in row if p >= 0)]) for held, row in zip(self.filled, table)]
+        longest = max(filled)
         if longest > self.max_len:
             raise ValueError(f"position {longest - 1} does not fit a cache of max_len={self.max_len}")
-        self.lengths = lengths
-        if positions.shape == (1, 1) and longest > 0 and int(positions) == longest - 1:
-            return rows, cols, slots, longest, None
+        self.filled = filled
+        run = table[0] if len(table) == 1 else []
+        if run and run[0] >= 0 and run == list(range(run[0], run[0] + len(run))):
+            rows, cols, slots = 0, slice(None), slice(run[0], run[-1] + 1)
+            if run == [longest - 1]:
+                return rows, cols, slots, longest, None
+        else:
+            rows, cols = (positions >= 0).nonzero(as_tuple=True)
+            slots = positions[rows, cols]
         key_positions = torch.arange(longest, device=positions.device)[None]
         return rows, cols, slots, longest, causal_mask(positions, key_positions)
 
     def truncate(self, lengths: Tensor | list[int]) -> None:
         """Forget everything past ``lengths`` tokens per sequence (speculative decoding's rollback)."""
-        self.lengths = torch.minimum(self.lengths, torch.as_tensor(lengths, device=self.lengths.device))
+        if len(lengths) != len(self.filled):
+            raise ValueError(f"{len(lengths)} lengths given for a cache of {len(self.filled)} sequences")
+        self.filled = [min(held, int(keep)) for held, keep in zip(self.filled, lengths)]
 
     @property
     def nbytes(self) -> int:
@@ -298,10 +321,11 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding: position 0's)."""
+        """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding, -1, indexes
+        the table's last row: finite values for an output that is ignored)."""
         if self.rope.device != positions.device:  # follows the model, but stays fp32
             self.rope = self.rope.to(positions.device)
-        return self.rope[positions.clamp(min=0)][:, None].chunk(2, dim=-1)
+        return self.rope[positions][:, None].chunk(2, dim=-1)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

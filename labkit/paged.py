@@ -429,18 +429,38 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     return attend_blocks(q[:, :, None], k_pool, v_pool, block_tables, mask[:, None, None])[:, :, 0]
 
 
+def length_groups(lengths: Sequence[int], overhead: int) -> list[list[int]]:
+    """Split the indices of ``lengths`` into groups of similar length, to be attended one group
+    at a time, each padded to its longest: the split, among groups of consecutive lengths in
+    sorted order, that minimises the padded slots (members x longest, summed over the groups)
+    plus ``overhead`` slots per group, the fixed cost of one more call. Dynamic programming
+    over the sorted lengths, longest group first."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):  # the first ``end`` sorted lengths, last group ending there
+        longest = lengths[order[end - 1]]
+        for start in range(end):
+            cost = best[start] + (end - start) * longest + overhead
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return groups
+
+
 @dataclass
 class _Batch:
     """What one forward pass over the paged cache does, the same for every layer: the flat index
-    and slot of each real token; the decoding sequences (one new token each), attended together;
-    and each sequence with several new tokens (a prompt or a chunk of one), attended on its own."""
+    and slot of each real token; the decoding sequences (one new token each), attended in groups
+    of similar length; and each sequence with several new tokens (a prompt or a chunk of one),
+    attended on its own. Each group or chunk: flat indices, block tables, mask."""
 
     tokens: Tensor  # flat indices (in B * T) of the real tokens
     slots: Tensor
-    decode_tokens: Tensor
-    decode_tables: Tensor
-    decode_mask: Tensor  # [decoding, 1, 1, longest]
-    chunks: list[tuple[Tensor, Tensor, Tensor]]  # per sequence: flat indices, block table [1, M], causal mask
+    decodes: list[tuple[Tensor, Tensor, Tensor]]  # per group: indices, tables [G, M], mask [G, 1, 1, longest]
+    chunks: list[tuple[Tensor, Tensor, Tensor]]  # per sequence: indices, table [1, M], causal mask [1, 1, n, end]
     ends: list[int]  # per sequence: its tokens in the cache after this pass
 
 
@@ -455,10 +475,12 @@ class PagedKVCache:
     prompt chunk and many one-token decodes together, no padding). A sequence runs only tokens
     not yet in the cache; once the last layer has written them, the cache marks them computed.
 
-    The cache does attention itself (``attend``): decoding sequences in one batched call, each
-    sequence with several new tokens in its own causal call, so no token is padded to another's
-    length.
+    The cache does attention itself (``attend``): decoding sequences in batched calls, grouped by
+    length so that few are padded far past their own (``group_overhead``: the padded key slots one
+    more call is worth), each sequence with several new tokens in its own causal call.
     """
+
+    group_overhead = 512  # on a CPU a call costs about what attending to 500 padded slots does
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -495,9 +517,9 @@ class PagedKVCache:
         self.v[layer].flatten(0, 1)[step.slots] = v[step.tokens].type_as(self.v)
         pools = self.k[layer], self.v[layer]
         out = torch.zeros_like(q)
-        if len(step.decode_tokens):
-            query = q[step.decode_tokens][:, :, None]  # [decoding, heads, 1, dim]
-            out[step.decode_tokens] = attend_blocks(query, *pools, step.decode_tables, step.decode_mask)[:, :, 0]
+        for tokens, tables, mask in step.decodes:
+            query = q[tokens][:, :, None]  # [group, heads, 1, dim]
+            out[tokens] = attend_blocks(query, *pools, tables, mask)[:, :, 0]
         for tokens, table, mask in step.chunks:
             query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, dim]
             out[tokens] = attend_blocks(query, *pools, table, mask)[0].transpose(0, 1)
@@ -540,14 +562,26 @@ class PagedKVCache:
                                  f"{self.allocator.computed[seq_id]} tokens are): run only the tokens after them")
         tables = self.block_tables()
         slots = slot_mapping(tables[seq], at[:, None], self.allocator.block_size)[:, 0]
-        decoding = [i for i, count in enumerate(counts) if count == 1]
-        lengths = torch.tensor([ends[i] for i in decoding], device=at.device)
-        on_own = torch.tensor(counts, device=at.device)[seq] == 1
-        decode_mask = torch.arange(max(lengths.tolist(), default=0), device=at.device) < lengths[:, None]
         chunks = [(tokens[seq == i], tables[i:i + 1],
                    causal_mask(at[seq == i][None], torch.arange(ends[i], device=at.device)[None]))
                   for i, count in enumerate(counts) if count > 1]
-        return _Batch(tokens, slots, tokens[on_own], tables[decoding], decode_mask[:, None, None], chunks, ends)
+        return _Batch(tokens, slots, self._decode_groups(tokens, seq, tables, counts, ends), chunks, ends)
+
+    def _decode_groups(self, tokens: Tensor, seq: Tensor, tables: Tensor, counts: list[int],
+                       ends: list[int]) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """The sequences with one new token, in groups of similar length (``length_groups``): a
+        group's keys and values are gathered and attended padded to its longest member."""
+        decoding = [i for i, count in enumerate(counts) if count == 1]
+        token_of = dict(zip(seq.tolist(), tokens.tolist()))  # a decoding sequence's only token
+        device = tokens.device
+        groups = []
+        for group in length_groups([ends[i] for i in decoding], self.group_overhead):
+            members = [decoding[g] for g in group]
+            lengths = torch.tensor([ends[i] for i in members], device=device)
+            mask = torch.arange(max(ends[i] for i in members), device=device) < lengths[:, None]
+            groups.append((torch.tensor([token_of[i] for i in members], device=device),
+                           tables[members], mask[:, None, None]))
+        return groups
 
     @property
     def nbytes(self) -> int:
@@ -568,7 +602,7 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
     out: list[list[int]] = []
     cached: list[int] = []
     try:
-        with torch.no_grad():
+        with torch.inference_mode():
             for seq, prompt in zip(seq_ids, prompts):
                 cached.append(allocator.add_sequence(seq, prompt))
                 added.append(seq)

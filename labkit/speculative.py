@@ -296,7 +296,7 @@ def _run(model: Transformer, tokens: list[int], start: int, cache: ContiguousKVC
     """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1, ..."""
     device = cache.k.device
     positions = torch.arange(start, start + len(tokens), device=device)[None]
-    with torch.no_grad():
+    with torch.inference_mode():
         return model(torch.tensor([tokens], device=device), positions, cache)[0]
 
 

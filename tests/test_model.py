@@ -1,10 +1,12 @@
 """The decoder: config checks, cache against no cache, batching with padding, GQA grouping."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from labkit.model import ContiguousKVCache, ModelConfig, Transformer
+from labkit.model import ContiguousKVCache, ModelConfig, Transformer, attention
 
 TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
 
@@ -130,3 +132,40 @@ def test_attention_works_through_any_cache_implementation():
     out = [model(tokens[:, :6], None, cache)] + [model(tokens[:, t:t + 1], torch.tensor([[t]]), cache)
                                                   for t in range(6, 10)]
     torch.testing.assert_close(torch.cat(out, 1), model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def _reference_attention(q, keys, values, mask):
+    """Softmax attention written out, each query head over its KV head (head h uses h // group)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ values
+
+
+@pytest.mark.parametrize("n_kv_heads", [6, 3, 2, 1])
+@pytest.mark.parametrize("length", [1, 4])
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_matches_softmax_attention_written_out(n_kv_heads, length, masked):
+    generator = torch.Generator().manual_seed(n_kv_heads * 10 + length)
+    q = torch.randn(3, 6, length, 8, generator=generator)
+    keys, values = (torch.randn(3, n_kv_heads, 9, 8, generator=generator) for _ in range(2))
+    mask = torch.rand(3, 1, length, 9, generator=generator) < 0.7 if masked else None
+    if masked:
+        mask[..., 0] = True  # every query sees at least one key
+    torch.testing.assert_close(attention(q, keys, values, mask), _reference_attention(q, keys, values, mask))
+
+
+def test_one_sequence_with_padding_or_gaps_is_placed_by_its_positions():
+    model = _model()
+    tokens = torch.randint(0, 97, (1, 6))
+    cache = ContiguousKVCache(model.config, batch_size=1, max_len=8)
+    padded = model(torch.cat([tokens[:, :3], torch.zeros(1, 2, dtype=torch.long)], 1),
+                   torch.tensor([[0, 1, 2, -1, -1]]), cache)
+    torch.testing.assert_close(padded[:, :3], model(tokens[:, :3]), rtol=1e-4, atol=1e-4)
+    assert cache.lengths.tolist() == [3]
+    shuffled = model(tokens[:, [4, 3, 5]], torch.tensor([[4, 3, 5]]), cache)  # not in order: the general path
+    torch.testing.assert_close(shuffled, model(tokens)[:, [4, 3, 5]], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="2 lengths given for a cache of 1 sequences"):
+        cache.truncate([1, 1])

@@ -4,6 +4,7 @@ contiguous cache."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from labkit.generate import SamplingParams, stream
 from labkit.memory import kv_cache_bytes, shape_of
 from labkit.model import ContiguousKVCache
 from labkit.paged import (BlockAllocator, BlockPool, OutOfBlocks, PagedKVCache, blocks_for, check_invariants,
-                          fragmentation, gather_kv, generate_paged, num_blocks_for_memory, paged_attention,
-                          sequences_that_fit, slot_mapping)
+                          fragmentation, gather_kv, generate_paged, length_groups, num_blocks_for_memory,
+                          paged_attention, sequences_that_fit, slot_mapping)
 
 
 def _state(allocator: BlockAllocator) -> dict:
@@ -268,16 +269,41 @@ def test_paged_attention_matches_attention_over_contiguous_keys():
         torch.testing.assert_close(got[b], expected)
 
 
+def _padded_slots(lengths, groups, overhead):
+    return sum(len(g) * max(lengths[i] for i in g) + overhead for g in groups)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_groups_split_at_least_cost(seed):
+    rng = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 300, (int(torch.randint(1, 9, (1,), generator=rng)),), generator=rng).tolist()
+    overhead = int(torch.randint(0, 400, (1,), generator=rng))
+    groups = length_groups(lengths, overhead)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    every_split = [[order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+                   for n in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), n)]
+    cheapest = min(_padded_slots(lengths, split, overhead) for split in every_split)
+    assert _padded_slots(lengths, groups, overhead) == cheapest
+
+
+def test_length_groups_at_the_extremes():
+    assert length_groups([5, 300, 7, 290], overhead=10 ** 6) == [[0, 2, 3, 1]]
+    assert sorted(map(sorted, length_groups([5, 300, 5, 290], overhead=0))) == [[0, 2], [1], [3]]
+    assert length_groups([], overhead=512) == []
+
+
 def _contiguous(model, prompt, new_tokens):
     return list(stream(model, prompt, SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)))
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_batched_generation_through_the_paged_cache_equals_the_contiguous_cache(block_size):
+@pytest.mark.parametrize("block_size, group_overhead", [(1, 512), (3, 512), (16, 512), (3, 0), (16, 0)])
+def test_batched_generation_through_the_paged_cache_equals_the_contiguous_cache(block_size, group_overhead):
     model = random_model(8, 2, seed=4)
     prompts = [[5, 17, 3, 9, 9, 1, 4], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 2], [5, 17, 3, 9, 9, 1, 8, 8]]
     num_blocks = 128 // block_size + 8
     cache = PagedKVCache(model.config, BlockAllocator(num_blocks, block_size))
+    cache.group_overhead = group_overhead  # 0: every length decodes in a group of its own
     out, cached = generate_paged(model, cache, prompts, 12)  # the last prompt shares the first's blocks
     assert out == [_contiguous(model, p, 12) for p in prompts]
     assert cached == [0, 0, 0, 6 // block_size * block_size]
