@@ -338,11 +338,11 @@ class Engine:
         positions = [p for r, n in plan.scheduled for p in range(r.num_computed, r.num_computed + n)]
         self.cache.seq_ids = [r.request_id for r, _ in plan.scheduled]
         self.cache.query_lens = [n for _, n in plan.scheduled]
-        last = torch.tensor(self.cache.query_lens).cumsum(0) - 1
+        last = torch.tensor(self.cache.query_lens, device=device).cumsum(0) - 1
         with torch.inference_mode():
             logits = self.model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
-                                self.cache)[0]
-        return sample(logits[last[list(rows)].to(device)], [plan.scheduled[i][0] for i in rows])
+                                self.cache, logits_at=last[list(rows)])[0]
+        return sample(logits, [plan.scheduled[i][0] for i in rows])
 
 
 def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
@@ -387,7 +387,7 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
     with torch.inference_mode():
         for step in range(steps):
             begin = now()
-            logits = model(fed, positions, cache)[:, -1]
+            logits = model(fed, positions, cache, logits_at=torch.tensor([-1], device=fed.device))[:, -1]
             rows = [i for i, r in enumerate(batch) if r in active]
             new = sample(logits[rows], active)
             end = now()

@@ -169,3 +169,13 @@ def test_one_sequence_with_padding_or_gaps_is_placed_by_its_positions():
     torch.testing.assert_close(shuffled, model(tokens)[:, [4, 3, 5]], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="2 lengths given for a cache of 1 sequences"):
         cache.truncate([1, 1])
+
+
+def test_logits_at_gives_those_positions_and_fills_the_cache_the_same():
+    model = _model()
+    tokens = torch.randint(0, 97, (2, 7))
+    full, caches = model(tokens), [ContiguousKVCache(model.config, 2, 8) for _ in range(2)]
+    some = model(tokens, None, caches[0], logits_at=torch.tensor([6, 2]))
+    torch.testing.assert_close(some, full[:, [6, 2]])
+    model(tokens, None, caches[1])
+    assert torch.equal(caches[0].k, caches[1].k) and caches[0].lengths.tolist() == [7, 7]
