@@ -84,7 +84,8 @@ class KVCache(Protocol):
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """Scaled dot-product attention of ``q`` ``[B, n_heads, T, d]`` over ``keys`` and ``values``
     ``[B, n_kv_heads, S, d]`` (cast to q's dtype), where ``mask`` ``[B, 1, T, S]`` allows (None:
-    everywhere); each KV head serves n_heads / n_kv_heads consecutive query heads.
+    everywhere; a float mask is added to the scores); each KV head serves n_heads / n_kv_heads
+    consecutive query heads.
 
     With one query per sequence (a decode step), the query heads that share a KV head are that
     head's queries, ``[B, n_kv_heads, group, d]``: plain attention over the KV heads as they are,
@@ -92,6 +93,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> T
     batch, heads, length, dim = q.shape
     kv_heads = keys.shape[1]
     keys, values = keys.type_as(q), values.type_as(q)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.type_as(q)
     if length == 1 and heads != kv_heads:
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
         return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).view(batch, heads, 1, dim)

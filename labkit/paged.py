@@ -513,8 +513,10 @@ class PagedKVCache:
             self._step = self._plan(positions)
         step, (batch, heads, length, dim) = self._step, q.shape
         q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (q, k, v))  # [B * T, heads, dim]
-        self.k[layer].flatten(0, 1)[step.slots] = k[step.tokens].type_as(self.k)
-        self.v[layer].flatten(0, 1)[step.slots] = v[step.tokens].type_as(self.v)
+        if len(step.tokens) < len(k):  # padding: write the real tokens only
+            k, v = k[step.tokens], v[step.tokens]
+        self.k[layer].flatten(0, 1)[step.slots] = k.type_as(self.k)
+        self.v[layer].flatten(0, 1)[step.slots] = v.type_as(self.v)
         pools = self.k[layer], self.v[layer]
         out = torch.zeros_like(q)
         for tokens, tables, mask in step.decodes:
@@ -562,8 +564,8 @@ class PagedKVCache:
                                  f"{self.allocator.computed[seq_id]} tokens are): run only the tokens after them")
         tables = self.block_tables()
         slots = slot_mapping(tables[seq], at[:, None], self.allocator.block_size)[:, 0]
-        chunks = [(tokens[seq == i], tables[i:i + 1],
-                   causal_mask(at[seq == i][None], torch.arange(ends[i], device=at.device)[None]))
+        chunks = [(tokens[seq == i], self._tables(tables, [i], ends[i]),
+                   self._additive(causal_mask(at[seq == i][None], torch.arange(ends[i], device=at.device)[None])))
                   for i, count in enumerate(counts) if count > 1]
         return _Batch(tokens, slots, self._decode_groups(tokens, seq, tables, counts, ends), chunks, ends)
 
@@ -577,11 +579,22 @@ class PagedKVCache:
         groups = []
         for group in length_groups([ends[i] for i in decoding], self.group_overhead):
             members = [decoding[g] for g in group]
+            longest = max(ends[i] for i in members)
             lengths = torch.tensor([ends[i] for i in members], device=device)
-            mask = torch.arange(max(ends[i] for i in members), device=device) < lengths[:, None]
+            mask = torch.arange(longest, device=device) < lengths[:, None]
             groups.append((torch.tensor([token_of[i] for i in members], device=device),
-                           tables[members], mask[:, None, None]))
+                           self._tables(tables, members, longest), self._additive(mask[:, None, None])))
         return groups
+
+    def _tables(self, tables: Tensor, rows: list[int], length: int) -> Tensor:
+        """The block tables of ``rows``, cut to the blocks of their first ``length`` positions and
+        laid out in one piece, once per forward pass instead of in every layer's gather."""
+        return tables[rows, :blocks_for(length, self.allocator.block_size)].contiguous()
+
+    def _additive(self, mask: Tensor) -> Tensor:
+        """A boolean mask as SDPA's additive one (0 where allowed, -inf elsewhere), made once per
+        forward pass instead of inside every layer's attention call."""
+        return torch.zeros(mask.shape, dtype=self.k.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
     @property
     def nbytes(self) -> int:
