@@ -97,7 +97,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> T
         mask = mask.type_as(q)
     if length == 1 and heads != kv_heads:
         grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).view(batch, heads, 1, dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+        return out.reshape(batch, heads, 1, dim)  # a copy where a GPU kernel lays it out [B, group, n_kv, d]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
 
 
@@ -125,7 +126,8 @@ class ContiguousKVCache:
 
     @property
     def lengths(self) -> Tensor:
-        """Tokens held per sequence, ``[batch]``."""
+        """Tokens held per sequence, ``[batch]``: a new CPU tensor at each call (the cache keeps
+        them as a list on the host; ``truncate`` changes them)."""
         return torch.tensor(self.filled)
 
     def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,6 +155,8 @@ class ContiguousKVCache:
         consecutive positions (prefill, decode) is written as one slice, with no index tensors,
         and its one new token at the end (a decode step) sees every slot: no mask at all."""
         table = positions.tolist()  # one copy to the host: the new lengths and how many slots to read
+        if len(table) != len(self.filled):
+            raise ValueError(f"a batch of {len(table)} sequences for a cache of {len(self.filled)}")
         filled = [max([held, *(p + 1 for p in row if p >= 0)]) for held, row in zip(self.filled, table)]
         longest = max(filled)
         if longest > self.max_len:
@@ -318,22 +322,26 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
-        if tokens.numel() and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past the context limit "
-                             f"max_seq_len={self.config.max_seq_len}")
+        if tokens.numel():
+            lowest, highest = (int(p) for p in positions.aminmax())
+            if highest >= self.config.max_seq_len:
+                raise ValueError(f"position {highest} is past the context limit max_seq_len={self.config.max_seq_len}")
+            if lowest < -1:
+                raise ValueError(f"position {lowest} is negative: positions count from 0, and -1 marks padding")
         rope = self.rotary(positions)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, rope, cache)
         if logits_at is not None:
-            x = x[:, logits_at]
+            x = x[:, torch.as_tensor(logits_at, device=x.device).reshape(-1)]
         return self.lm_head(self.norm(x))
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding, -1, indexes
         the table's last row: finite values for an output that is ignored)."""
         if self.rope.device != positions.device:  # follows the model, but stays fp32
-            self.rope = self.rope.to(positions.device)
+            with torch.inference_mode(False):  # a normal tensor, even when first moved during generation
+                self.rope = self.rope.to(positions.device)
         return self.rope[positions][:, None].chunk(2, dim=-1)
 
     def num_parameters(self) -> int:

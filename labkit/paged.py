@@ -480,7 +480,6 @@ class PagedKVCache:
     more call is worth), each sequence with several new tokens in its own causal call.
     """
 
-    group_overhead = 512  # on a CPU a call costs about what attending to 500 padded slots does
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -490,6 +489,9 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.seq_ids: list[Hashable] = []
         self.query_lens: list[int] | None = None
+        # on a CPU a call costs about what attending to 500 padded slots does (measured); a GPU
+        # pads cheaply and pays per kernel launch, so there it is one group (not measured)
+        self.group_overhead = 512 if self.k.device.type == "cpu" else 1 << 40
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Reserve slots for ``tokens`` after ``seq_id``'s last one, copying a shared last block first."""

@@ -36,6 +36,8 @@ def test_positions_past_the_context_are_refused():
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[63, 64]]))
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="position -2 is negative"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-2, 0]]))
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
@@ -157,6 +159,16 @@ def test_attention_matches_softmax_attention_written_out(n_kv_heads, length, mas
     torch.testing.assert_close(attention(q, keys, values, mask), _reference_attention(q, keys, values, mask))
 
 
+def test_attention_takes_sdpa_output_in_any_layout(monkeypatch):
+    """A GPU kernel may return a decode step's grouped output laid out [B, group, n_kv, d] in memory."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kw: sdpa(*args, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    generator = torch.Generator().manual_seed(1)
+    q, keys, values = torch.randn(2, 6, 1, 8, generator=generator), *torch.randn(2, 2, 2, 5, 8, generator=generator)
+    torch.testing.assert_close(attention(q, keys, values, None), _reference_attention(q, keys, values, None))
+
+
 def test_one_sequence_with_padding_or_gaps_is_placed_by_its_positions():
     model = _model()
     tokens = torch.randint(0, 97, (1, 6))
@@ -169,6 +181,9 @@ def test_one_sequence_with_padding_or_gaps_is_placed_by_its_positions():
     torch.testing.assert_close(shuffled, model(tokens)[:, [4, 3, 5]], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="2 lengths given for a cache of 1 sequences"):
         cache.truncate([1, 1])
+    with pytest.raises(ValueError, match="a batch of 2 sequences for a cache of 1"):
+        model(tokens[:, :1].expand(2, 1), torch.tensor([[6], [6]]), cache)
+    assert cache.lengths.tolist() == [6]
 
 
 def test_logits_at_gives_those_positions_and_fills_the_cache_the_same():
@@ -177,5 +192,6 @@ def test_logits_at_gives_those_positions_and_fills_the_cache_the_same():
     full, caches = model(tokens), [ContiguousKVCache(model.config, 2, 8) for _ in range(2)]
     some = model(tokens, None, caches[0], logits_at=torch.tensor([6, 2]))
     torch.testing.assert_close(some, full[:, [6, 2]])
+    torch.testing.assert_close(model(tokens, logits_at=-1), full[:, -1:])
     model(tokens, None, caches[1])
     assert torch.equal(caches[0].k, caches[1].k) and caches[0].lengths.tolist() == [7, 7]

@@ -289,7 +289,7 @@ def test_length_groups_split_at_least_cost(seed):
 
 def test_length_groups_at_the_extremes():
     assert length_groups([5, 300, 7, 290], overhead=10 ** 6) == [[0, 2, 3, 1]]
-    assert sorted(map(sorted, length_groups([5, 300, 5, 290], overhead=0))) == [[0, 2], [1], [3]]
+    assert sorted(map(sorted, length_groups([5, 300, 5, 290], overhead=1))) == [[0, 2], [1], [3]]
     assert length_groups([], overhead=512) == []
 
 
