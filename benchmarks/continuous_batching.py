@@ -1,10 +1,12 @@
 """Continuous against static batching and transformers' generate(), and prefix caching.
 
     .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
+                                                       [--device cpu]
 
 1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
    uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
-   length) through three systems on the shipped ``target`` model, fp32, this CPU, each with the
+   length) through three systems on the shipped ``target`` model, fp32, on ``--device`` (the
+   goals are this CPU's; ``cuda`` runs the same on a GPU), each with the
    same KV-cache memory of ``--kv-tokens`` token slots:
    - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
      as many requests as the blocks hold (up to ``--max-num-seqs``) and preempting when they
@@ -100,7 +102,7 @@ def run_transformers(name: str, hf: LlamaForCausalLM, requests: list[Request], b
         outputs = []
         for i in range(0, len(requests), batch_size):
             batch = requests[i:i + batch_size]
-            ids, positions = padded_prompts(batch, torch.device("cpu"))
+            ids, positions = padded_prompts(batch, hf.device)
             new = max(r.params.max_new_tokens for r in batch)
             with torch.no_grad():
                 out = hf.generate(ids, attention_mask=(positions >= 0).long(), do_sample=False, max_new_tokens=new,
@@ -160,6 +162,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, Path(tmp))
         hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+    hf.to(next(model.parameters()).device)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     blocks = args.kv_tokens // args.block_size
     hf_name, wide = "transformers generate()", f"static, unconstrained batch {args.requests}"
@@ -192,7 +195,7 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
     needed = args.prefix + QUESTION[1] + ANSWER[1]
     long = Transformer(replace(model.config, max_seq_len=max(model.config.max_seq_len, needed)))
     long.load_state_dict(model.state_dict())  # copies into the column-major weights __init__ laid out
-    long.eval()
+    long.eval().to(next(model.parameters()).device)
     vocab = model.config.vocab_size
     prefix = torch.randint(vocab, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -248,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4, help="requests in each system's warm-up run")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: torch's")
+    parser.add_argument("--device", default="cpu", help="cpu (the goals' device) or cuda")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     model, _ = labkit.load(args.model, device=device)
     print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}  transformers "
           f"{transformers.__version__}  model {args.model} ({model.num_parameters():,} parameters, fp32)")
