@@ -480,7 +480,6 @@ class PagedKVCache:
     more call is worth), each sequence with several new tokens in its own causal call.
     """
 
-
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.allocator = allocator
@@ -490,8 +489,8 @@ class PagedKVCache:
         self.seq_ids: list[Hashable] = []
         self.query_lens: list[int] | None = None
         # on a CPU a call costs about what attending to 500 padded slots does; a GPU pads cheaply
-        # and pays per kernel launch: one group (on an H100 the engine benchmark's workload ran
-        # in 3.4 to 4.7 s so, in 3.8 to 5.7 s split at 512 slots a call)
+        # and pays per kernel launch, so there all go in one group (the engine benchmark's
+        # workload on an H100: 3.4 to 4.7 s in one group, 3.8 to 5.7 s split at 512 slots a call)
         self.group_overhead = 512 if self.k.device.type == "cpu" else 1 << 40
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
