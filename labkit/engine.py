@@ -384,11 +384,10 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
     for r in batch:
         r.status = RUNNING
     active = list(batch)
-    last = torch.tensor([-1], device=fed.device)  # only the last column's logits are used
     with torch.inference_mode():
         for step in range(steps):
             begin = now()
-            logits = model(fed, positions, cache, logits_at=last)[:, -1]
+            logits = model(fed, positions, cache, logits_at=-1)[:, -1]  # only the last column is used
             rows = [i for i, r in enumerate(batch) if r in active]
             new = sample(logits[rows], active)
             end = now()

@@ -323,7 +323,7 @@ class Transformer(nn.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
         if tokens.numel():
-            lowest, highest = (int(p) for p in positions.aminmax())
+            lowest, highest = torch.stack(positions.aminmax()).tolist()  # one copy to the host
             if highest >= self.config.max_seq_len:
                 raise ValueError(f"position {highest} is past the context limit max_seq_len={self.config.max_seq_len}")
             if lowest < -1:
