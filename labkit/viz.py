@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from labkit.engine import StepRecord
@@ -114,12 +115,14 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
         if bars[kind]:
             slot, left, width, colour = zip(*bars[kind])
             ax.barh(slot, width, left=left, height=0.85, color="0.85" if kind == "idle" else colour, lw=0, **style)
-    for kind, style in [("decode", {}), ("prefill", {"hatch": "////"}), ("idle", {"color": "0.85"})]:
-        ax.bar(0, 0, color=style.get("color", "tab:blue"), hatch=style.get("hatch"), label=kind)
-    ax.plot([], [], "kx", label="preempted")
+    # legend entries drawn nowhere (a bar of height 0 at x=0 would stretch the time axis to -0.4 s)
+    handles = [Line2D([], [], color="k", marker="x", ls="", label="preempted")]
+    handles += [Patch(facecolor=colour, hatch=hatch, label=kind)
+                for kind, colour, hatch in [("decode", "tab:blue", None), ("prefill", "tab:blue", "////"),
+                                            ("idle", "0.85", None)]]
     ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(loc="upper right", fontsize=8, ncols=4)
+    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=4)
     return fig
 
 
