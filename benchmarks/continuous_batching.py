@@ -1,7 +1,7 @@
 """Continuous against static batching and transformers' generate(), and prefix caching.
 
     .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
-                                                       [--device cpu]
+                                                       [--device cpu] [--also-headroom H]
 
 1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
    uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
@@ -9,8 +9,9 @@
    goals are this CPU's; ``cuda`` runs the same on a GPU), each with the
    same KV-cache memory of ``--kv-tokens`` token slots:
    - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
-     as many requests as the blocks hold (up to ``--max-num-seqs``) and preempting when they
-     run out;
+     as many requests as the blocks hold (up to ``--max-num-seqs``; admitting one only while a
+     free block per running request remains, the scheduler's default headroom) and preempting
+     when they run out (``--also-headroom 0`` adds a run that admits whenever a prompt fits);
    - static batching: ``run_static``, whose padded batch reserves for each request the longest
      prompt plus the longest output it may produce (256 + 256 = 512 slots): kv_tokens / 512
      requests per batch (8 by default);
@@ -171,6 +172,10 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
                hf_name: lambda w: run_transformers(hf_name, hf, w, batch)}
     if args.also_unconstrained:
         systems[wide] = lambda w: run_static_batches(wide, model, w, args.requests)
+    if args.also_headroom is not None:
+        other = replace(config, headroom=args.also_headroom)
+        systems[f"continuous, headroom {other.headroom}"] = lambda w: run_engine(
+            f"continuous, headroom {other.headroom}", model, w, blocks, args.block_size, other)
     requests = workload()
     output_tokens = sum(r.params.max_new_tokens for r in requests)
     prompts = [len(r.prompt) for r in requests]
@@ -178,7 +183,8 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
           f"(mean {statistics.mean(prompts):.0f}), outputs uniform in [{args.min_output}, {args.max_output}] "
           f"({output_tokens} tokens, EOS ignored)")
     print(f"KV memory {args.kv_tokens} token slots for each: continuous {blocks} blocks of {args.block_size} "
-          f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}); static and "
+          f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}, headroom "
+          f"{config.headroom}); static and "
           f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})\n")
     runs = alternate(systems, workload, args.warmup, args.repeats)
     print_table(runs, output_tokens)
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="the engine's token budget per step")
     parser.add_argument("--also-unconstrained", action="store_true",
                         help="also static batching with every request in one batch (slow)")
+    parser.add_argument("--also-headroom", type=int, default=None,
+                        help="also the continuous engine with this admission headroom (free blocks per running request)")
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix length, tokens")
     parser.add_argument("--prefix-requests", type=int, default=16)
     parser.add_argument("--prefix-blocks", type=int, default=2048)

@@ -12,7 +12,9 @@ its place. Each step the scheduler picks, first come first served:
    the queue, to be recomputed from its prompt and the tokens it has generated so far;
 2. then, if nothing was preempted, waiting requests in arrival order, while the step's token
    budget (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free
-   blocks allow. A prompt's cached prefix (``BlockAllocator``'s prefix sharing) is not rerun.
+   blocks allow, keeping ``headroom`` blocks free per running request so that the requests
+   already running can grow without being preempted at once. A prompt's cached prefix
+   (``BlockAllocator``'s prefix sharing) is not rerun.
 
 Every scheduled token then goes through the model in one forward pass: a single ragged row,
 each request's new tokens after the previous request's, which the paged cache attends per
@@ -88,14 +90,22 @@ class Request:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits. ``headroom``: free blocks that admitting a request must leave for
+    each running request (itself included), so that those already running can each grow by that
+    many blocks before anyone is preempted; 0 admits whenever the prompt fits, as vLLM does, and
+    then preempts (and recomputes) more. A request is always admitted when none is running."""
+
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     chunked_prefill: bool = True
+    headroom: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must both be at least 1")
+        if self.headroom < 0:
+            raise ValueError(f"headroom={self.headroom} must be at least 0 (free blocks per running request)")
 
 
 @dataclass
@@ -121,15 +131,19 @@ def preempt_newest(waiting: deque[Request], running: list[Request], allocator: B
 
 
 def admit(waiting: deque[Request], running: list[Request], allocator: BlockAllocator, budget: int,
-          max_num_seqs: int, chunked_prefill: bool = True) -> list[tuple[Request, int]]:
+          max_num_seqs: int, chunked_prefill: bool = True, headroom: int = 0) -> list[tuple[Request, int]]:
     """Move waiting requests, oldest first, to ``running`` while the token ``budget``, the
     ``max_num_seqs`` cap and the free blocks allow; each gets slots for its tokens (reusing a
     cached prefix) and is scheduled for as many of its uncached tokens as the budget leaves
-    (all of them, or it waits, without ``chunked_prefill``). Returns [(request, tokens)]."""
+    (all of them, or it waits, without ``chunked_prefill``). With ``headroom``, a request joins
+    others only if that leaves ``headroom`` free blocks per running request, itself included,
+    to grow into (see ``SchedulerConfig``). Returns [(request, tokens)]."""
     scheduled = []
     while waiting and budget > 0 and len(running) < max_num_seqs:
         request, tokens = waiting[0], waiting[0].tokens
         if not chunked_prefill and len(tokens) - allocator.cached_length(tokens) > budget:
+            break
+        if running and allocator.num_free - allocator.blocks_needed(tokens) < headroom * (len(running) + 1):
             break
         try:
             cached = allocator.add_sequence(request.request_id, tokens)
@@ -172,8 +186,8 @@ class Scheduler:
             plan.scheduled.append((request, n))
             budget -= n
         if not plan.preempted:
-            plan.scheduled += admit(self.waiting, self.running, self.allocator, budget,
-                                    self.config.max_num_seqs, self.config.chunked_prefill)
+            plan.scheduled += admit(self.waiting, self.running, self.allocator, budget, self.config.max_num_seqs,
+                                    self.config.chunked_prefill, self.config.headroom)
         return plan
 
     def _reserve(self, request: Request, plan: StepPlan) -> bool:

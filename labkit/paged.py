@@ -239,8 +239,7 @@ class BlockAllocator(BlockPool):
         if not prompt:
             raise ValueError("the prompt is empty: a sequence starts with at least one token")
         hits = self._reusable_prefix(prompt)
-        reviving = sum(self.ref_count[block] == 0 for _, block in hits)
-        self._ensure_free(blocks_for(len(prompt), self.block_size) - len(hits) + reviving)
+        self._ensure_free(self._blocks_taken(prompt, hits))
         for _, block in hits:
             if self.ref_count[block] == 0:
                 del self.evictable[block]
@@ -250,6 +249,15 @@ class BlockAllocator(BlockPool):
         self.tokens[seq_id], self.computed[seq_id], self.names[seq_id] = list(prompt[:cached]), cached, hits
         self.append(seq_id, prompt[cached:])
         return cached
+
+    def blocks_needed(self, prompt: Sequence[int]) -> int:
+        """How many free blocks ``add_sequence`` would take for this prompt now: its blocks but the
+        cached ones it reuses, plus those of them that are free (cached, held by nobody)."""
+        return self._blocks_taken(prompt, self._reusable_prefix(prompt))
+
+    def _blocks_taken(self, prompt: Sequence[int], hits: list[tuple[int, int]]) -> int:
+        reviving = sum(self.ref_count[block] == 0 for _, block in hits)
+        return blocks_for(len(prompt), self.block_size) - len(hits) + reviving
 
     def cached_length(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's tokens ``add_sequence`` would find in the cache now."""

@@ -162,6 +162,7 @@ def replay(engine: Engine, requests: list[Request], config: SchedulerConfig, exa
                 assert n == min(length(i), budget)
                 assert config.chunked_prefill or n == length(i)
                 held += blocks_for(length(i), size)
+                assert not running or pool - held >= config.headroom * (len(running) + 1), "headroom not kept"
                 computed[i], reserved[i] = 0, length(i)
             running.append(i)
             budget -= n
@@ -171,7 +172,8 @@ def replay(engine: Engine, requests: list[Request], config: SchedulerConfig, exa
             if not victims and queue and budget > 0 and len(running) < config.max_num_seqs:
                 nxt = queue[0]
                 if by_id[nxt].arrival_time <= prev_end:  # it was in the waiting queue for this step
-                    blocked = blocks_for(length(nxt), size) > pool - held
+                    keep = config.headroom * (len(running) + 1) if running else 0
+                    blocked = blocks_for(length(nxt), size) > pool - held - keep
                     too_long = not config.chunked_prefill and length(nxt) > budget
                     assert blocked or too_long, f"{nxt} was not admitted though it fitted"
         for i, n, kind in rec.batch:
@@ -222,7 +224,7 @@ def workloads(draw):
     budget = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64]))
     config = SchedulerConfig(max_num_seqs=draw(st.integers(1, 6)),
                              max_num_batched_tokens=budget if chunked else max(budget, longest),
-                             chunked_prefill=chunked)
+                             chunked_prefill=chunked, headroom=draw(st.sampled_from([0, 0, 1, 2])))
     need = [blocks_for(len(prompt) + p.max_new_tokens - 1, block_size) for prompt, p, _ in specs]
     tight = draw(st.sampled_from([True, True, True, False]))
     num_blocks = (max(need) if tight else sum(need)) + draw(st.integers(0, 2))
@@ -289,7 +291,7 @@ def test_a_small_budget_recomputes_a_preempted_request_in_chunks():
     is still a prefill, not a decode."""
     specs = [([60, 36], 5), ([50, 4, 34, 42], 8), ([7, 37], 4), ([39, 26, 48, 8, 54], 1), ([11, 47], 1)]
     requests = [Request(i, prompt, params(n)) for i, (prompt, n) in enumerate(specs)]
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, headroom=0)
     engine = Engine(MODEL, 6, 2, config, prefix_caching=False)
     done = run_engine(engine, requests)
     assert [r.output for r in done] == [alone(r) for r in requests]
@@ -466,9 +468,36 @@ def test_admit_respects_the_budget_the_cap_and_the_blocks():
     allocator.check()
 
 
+def test_admission_keeps_headroom_for_the_running_requests_but_never_leaves_the_pool_idle():
+    allocator = BlockAllocator(6, 4, prefix_caching=False)
+    waiting = deque(Request(x, [1] * 8, params(8)) for x in "abc")  # 2 blocks each
+    running: list[Request] = []
+    queues = {"waiting": waiting, "running": running, "allocator": allocator}
+    # a alone: admitted; b: 6 - 4 = 2 free for a and b, 1 each; c: 0 free would be left for three
+    assert [r.request_id for r, _ in admit(**queues, budget=64, max_num_seqs=8, headroom=1)] == ["a", "b"]
+    assert allocator.num_free == 2 and [r.request_id for r in waiting] == ["c"]
+    assert admit(**queues, budget=64, max_num_seqs=8, headroom=0)[0][0].request_id == "c"  # fits without it
+    lone = BlockAllocator(2, 4, prefix_caching=False)
+    alone_in_the_pool = {"waiting": deque([Request("d", [1] * 8, params(1))]), "running": [], "allocator": lone}
+    assert len(admit(**alone_in_the_pool, budget=64, max_num_seqs=8, headroom=5)) == 1  # takes every block
+
+
+def test_the_engine_preempts_less_with_headroom_and_each_output_is_unchanged():
+    requests = [Request(i, [(5 * i + j) % VOCAB for j in range(6)], params(14)) for i in range(6)]
+    preemptions = {}
+    for headroom in (0, 1):
+        copies = [Request(r.request_id, r.prompt, r.params) for r in requests]
+        engine = Engine(MODEL, 12, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, headroom=headroom),
+                        prefix_caching=False)
+        run_engine(engine, copies)
+        assert [r.output for r in copies] == [alone(r) for r in requests]
+        preemptions[headroom] = sum(r.preemptions for r in copies)
+    assert preemptions[1] < preemptions[0]
+
+
 def test_preemption_takes_the_newest_running_request_and_requeues_it_first():
     allocator = BlockAllocator(4, 2, prefix_caching=False)
-    scheduler = Scheduler(allocator, SchedulerConfig())
+    scheduler = Scheduler(allocator, SchedulerConfig(headroom=0))  # admit while prompts fit
     a, b, c = Request("a", [1, 2], params(5)), Request("b", [3], params(5)), Request("c", [4], params(5))
     waiting_d = Request("d", [5], params(1))
     for r in (a, b, c, waiting_d):
@@ -508,7 +537,8 @@ def test_no_admission_in_a_step_that_preempted_even_when_the_victim_would_fit():
     blocks: it would fit at once, but is readmitted only in the next step, from the cache."""
     prompt = [11, 12, 13, 14, 15, 16, 17, 18]
     first, second = Request("first", prompt, params(4)), Request("second", prompt, params(4))
-    engine = Engine(MODEL, 8, 2, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_caching=True)
+    engine = Engine(MODEL, 8, 2, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, headroom=0),
+                    prefix_caching=True)
     run_engine(engine, [first, second])
     assert engine.log[0].batch == [("first", 8, "prefill"), ("second", 8, "prefill")]
     assert engine.log[1].preempted == ["second"] and engine.log[1].batch == [("first", 1, "decode")]
@@ -803,7 +833,7 @@ def test_kv_blocks_fill_the_memory_the_weights_leave():
 
 def test_simulated_steps_take_the_cost_models_time():
     cost = CostModel(presets.model("Llama-3.1-8B"), presets.gpu("H100-SXM"), step_overhead_s=1e-4)
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, headroom=0)
     requests = make_workload(30, uniform(20, 300), uniform(1, 40), rate=20.0, seed=1)
     engine = SimulatedEngine(cost, num_blocks=60, block_size=16, config=config, prefix_caching=False)
     done = run_engine(engine, requests)

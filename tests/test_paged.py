@@ -170,6 +170,20 @@ def test_a_prompt_reuses_the_cached_blocks_of_a_shared_prefix():
     allocator.check()
 
 
+def test_blocks_needed_counts_what_add_sequence_takes_from_the_free_blocks():
+    allocator = BlockAllocator(num_blocks=10, block_size=4)
+    system = list(range(100, 108))  # two full blocks
+    _add(allocator, "a", system + [1])
+    assert allocator.blocks_needed(system + [2, 3]) == 1  # a holds the two shared blocks: only the third
+    allocator.free("a")  # now they are cached but free: reviving them takes them from the free blocks
+    for prompt, needed in ((system + [2, 3], 3), (list(range(9)), 3), ([5], 1)):
+        before = allocator.num_free
+        assert allocator.blocks_needed(prompt) == needed
+        allocator.add_sequence(prompt[0], prompt)
+        assert before - allocator.num_free == needed
+    allocator.check()
+
+
 def test_blocks_are_offered_only_once_computed():
     allocator = BlockAllocator(num_blocks=8, block_size=2)
     allocator.add_sequence("failed", [1, 2, 3, 4, 5])  # reserved, but its forward never ran
