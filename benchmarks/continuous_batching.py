@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also-unconstrained", action="store_true",
                         help="also static batching with every request in one batch (slow)")
     parser.add_argument("--also-headroom", type=int, default=None,
-                        help="also the continuous engine with this admission headroom (free blocks per running request)")
+                        help="also the continuous engine with this admission headroom (free blocks per running "
+                             "request)")
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix length, tokens")
     parser.add_argument("--prefix-requests", type=int, default=16)
     parser.add_argument("--prefix-blocks", type=int, default=2048)

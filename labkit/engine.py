@@ -92,7 +92,7 @@ class Request:
 class SchedulerConfig:
     """The scheduler's limits. ``headroom``: free blocks that admitting a request must leave for
     each running request (itself included), so that those already running can each grow by that
-    many blocks before anyone is preempted; 0 admits whenever the prompt fits, as vLLM does, and
+    many blocks before anyone is preempted; 0 admits whenever the prompt fits, as vLLM V1 does, and
     then preempts (and recomputes) more. A request is always admitted when none is running."""
 
     max_num_seqs: int = 32

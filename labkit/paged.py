@@ -252,7 +252,8 @@ class BlockAllocator(BlockPool):
 
     def blocks_needed(self, prompt: Sequence[int]) -> int:
         """How many free blocks ``add_sequence`` would take for this prompt now: its blocks but the
-        cached ones it reuses, plus those of them that are free (cached, held by nobody)."""
+        cached ones it reuses (never the last token's), plus those of them that are free (cached,
+        held by nobody), which it takes back from the free ones."""
         return self._blocks_taken(prompt, self._reusable_prefix(prompt))
 
     def _blocks_taken(self, prompt: Sequence[int], hits: list[tuple[int, int]]) -> int:

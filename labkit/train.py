@@ -144,7 +144,7 @@ def teacher_continuations(teacher: Transformer, prompts: list[list[int]], new_to
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     requests = [Request(i, prompt, params) for i, prompt in enumerate(prompts)]
     blocks = at_once * blocks_for(max(map(len, prompts)) + new_tokens, block_size)
-    Engine(teacher, blocks, block_size, SchedulerConfig(max_num_seqs=at_once)).run(requests)
+    Engine(teacher, blocks, block_size, SchedulerConfig(max_num_seqs=at_once, headroom=0)).run(requests)
     return [r.output for r in requests]
 
 

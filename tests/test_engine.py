@@ -172,8 +172,7 @@ def replay(engine: Engine, requests: list[Request], config: SchedulerConfig, exa
             if not victims and queue and budget > 0 and len(running) < config.max_num_seqs:
                 nxt = queue[0]
                 if by_id[nxt].arrival_time <= prev_end:  # it was in the waiting queue for this step
-                    keep = config.headroom * (len(running) + 1) if running else 0
-                    blocked = blocks_for(length(nxt), size) > pool - held - keep
+                    blocked = blocks_for(length(nxt), size) > pool - held - config.headroom * (len(running) + 1)
                     too_long = not config.chunked_prefill and length(nxt) > budget
                     assert blocked or too_long, f"{nxt} was not admitted though it fitted"
         for i, n, kind in rec.batch:
@@ -469,17 +468,40 @@ def test_admit_respects_the_budget_the_cap_and_the_blocks():
 
 
 def test_admission_keeps_headroom_for_the_running_requests_but_never_leaves_the_pool_idle():
-    allocator = BlockAllocator(6, 4, prefix_caching=False)
-    waiting = deque(Request(x, [1] * 8, params(8)) for x in "abc")  # 2 blocks each
-    running: list[Request] = []
-    queues = {"waiting": waiting, "running": running, "allocator": allocator}
-    # a alone: admitted; b: 6 - 4 = 2 free for a and b, 1 each; c: 0 free would be left for three
-    assert [r.request_id for r, _ in admit(**queues, budget=64, max_num_seqs=8, headroom=1)] == ["a", "b"]
-    assert allocator.num_free == 2 and [r.request_id for r in waiting] == ["c"]
-    assert admit(**queues, budget=64, max_num_seqs=8, headroom=0)[0][0].request_id == "c"  # fits without it
+    def queues(num_blocks: int) -> dict:  # requests of 2 blocks each
+        waiting = deque(Request(x, [1] * 8, params(8)) for x in "abc")
+        return {"waiting": waiting, "running": [], "allocator": BlockAllocator(num_blocks, 4, prefix_caching=False)}
+    five, six = queues(5), queues(6)
+    # five blocks: a alone is admitted; b would leave 5 - 4 = 1 free block for two running requests
+    assert [r.request_id for r, _ in admit(**five, budget=64, max_num_seqs=8, headroom=1)] == ["a"]
+    # six: b leaves 2 for two, 1 each; c would leave none for three
+    assert [r.request_id for r, _ in admit(**six, budget=64, max_num_seqs=8, headroom=1)] == ["a", "b"]
+    assert six["allocator"].num_free == 2 and [r.request_id for r in six["waiting"]] == ["c"]
+    assert admit(**six, budget=64, max_num_seqs=8, headroom=0)[0][0].request_id == "c"  # fits without it
     lone = BlockAllocator(2, 4, prefix_caching=False)
     alone_in_the_pool = {"waiting": deque([Request("d", [1] * 8, params(1))]), "running": [], "allocator": lone}
     assert len(admit(**alone_in_the_pool, budget=64, max_num_seqs=8, headroom=5)) == 1  # takes every block
+
+
+def test_headroom_counts_the_cached_blocks_a_prompt_revives_but_not_those_a_running_request_holds():
+    system = list(range(100, 108))  # two full blocks of 4
+
+    def pool(num_blocks: int, holder_runs: bool) -> tuple[BlockAllocator, list[Request]]:
+        allocator = BlockAllocator(num_blocks, 4)
+        holder = Request("holder", system + [1], params(4))
+        allocator.add_sequence("holder", holder.prompt)
+        allocator.mark_computed("holder", 9)  # system's two blocks are cached
+        if holder_runs:
+            return allocator, [holder]
+        allocator.free("holder")  # cached, but free: a prompt that reuses them takes them back
+        allocator.add_sequence("other", [9])
+        return allocator, [Request("other", [9], params(4))]
+
+    allocator, running = pool(5, holder_runs=False)  # 4 free; the new prompt takes 2 revived + 1: 1 left, 2 needed
+    assert admit(deque([Request("x", system + [2], params(4))]), running, allocator, 64, 8, headroom=1) == []
+    allocator, running = pool(6, holder_runs=True)  # 3 free; the new prompt takes 1 (the 2 are held): 2 left
+    admitted = admit(deque([Request("y", system + [2], params(4))]), running, allocator, 64, 8, headroom=1)
+    assert [(r.request_id, n) for r, n in admitted] == [("y", 1)]  # the 8 cached tokens are not run
 
 
 def test_the_engine_preempts_less_with_headroom_and_each_output_is_unchanged():
@@ -491,6 +513,7 @@ def test_the_engine_preempts_less_with_headroom_and_each_output_is_unchanged():
                         prefix_caching=False)
         run_engine(engine, copies)
         assert [r.output for r in copies] == [alone(r) for r in requests]
+        replay(engine, copies, engine.scheduler.config, exact=True)
         preemptions[headroom] = sum(r.preemptions for r in copies)
     assert preemptions[1] < preemptions[0]
 
@@ -626,6 +649,8 @@ def test_other_bad_arguments_are_refused_by_name():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens=0"):
         SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="headroom=-1 must be at least 0"):
+        SchedulerConfig(headroom=-1)
     with pytest.raises(ValueError, match=r"uniform\(5, 2\): need 1 <= low <= high"):
         uniform(5, 2)
     with pytest.raises(ValueError, match=r"uniform\(0, 2\)"):

@@ -175,6 +175,7 @@ def test_blocks_needed_counts_what_add_sequence_takes_from_the_free_blocks():
     system = list(range(100, 108))  # two full blocks
     _add(allocator, "a", system + [1])
     assert allocator.blocks_needed(system + [2, 3]) == 1  # a holds the two shared blocks: only the third
+    assert allocator.blocks_needed(system) == 1  # the last token's block is never reused: computed again
     allocator.free("a")  # now they are cached but free: reviving them takes them from the free blocks
     for prompt, needed in ((system + [2, 3], 3), (list(range(9)), 3), ([5], 1)):
         before = allocator.num_free
