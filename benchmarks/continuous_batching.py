@@ -173,9 +173,8 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     if args.also_unconstrained:
         systems[wide] = lambda w: run_static_batches(wide, model, w, args.requests)
     if args.also_headroom is not None:
-        other = replace(config, headroom=args.also_headroom)
-        systems[f"continuous, headroom {other.headroom}"] = lambda w: run_engine(
-            f"continuous, headroom {other.headroom}", model, w, blocks, args.block_size, other)
+        other, extra = replace(config, headroom=args.also_headroom), f"continuous, headroom {args.also_headroom}"
+        systems[extra] = lambda w: run_engine(extra, model, w, blocks, args.block_size, other)
     requests = workload()
     output_tokens = sum(r.params.max_new_tokens for r in requests)
     prompts = [len(r.prompt) for r in requests]
