@@ -9,6 +9,7 @@ still runs top to bottom.
 from __future__ import annotations
 
 import os
+import sysconfig
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -16,6 +17,9 @@ from typing import Any, Callable
 from labkit.exercises import Exercise, get
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
+# where code that is not a student's lives: labkit, the standard library, installed packages
+_LIBRARIES = tuple({os.path.dirname(os.path.abspath(__file__)),
+                    *(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib"))})
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
 
 
@@ -59,20 +63,34 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
     cases = exercise.cases()
-    first_failure, passed = "", 0
+    first_failure, passed, stubs = "", 0, []
     for number, case in enumerate(cases, 1):
         try:
             case.run(fn)
             passed += 1
-        except NotImplementedError:
-            return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
-                          f"{exercise.function} still raises NotImplementedError: replace it with your code")
+        except NotImplementedError as error:
+            stubs.append(_stub_name(fn, exercise.function, error))
+            first_failure = first_failure or f"case {number} ({case.label}): {stubs[-1]} still raises NotImplementedError"
         except Exception as error:  # a student's bug of any kind is a failed case, not a crash
             first_failure = first_failure or f"case {number} ({case.label}): {_describe_error(error)}"
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
+    if len(stubs) == len(cases):  # every case stopped at a stub
+        names = " and ".join(dict.fromkeys(stubs))
+        return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
+                      f"{names} still raise{'s' * (' and ' not in names)} NotImplementedError: replace the stub "
+                      "with your code")
     return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
                   f"first failure, {first_failure}\n    hint: {exercise.hint}")
+
+
+def _stub_name(fn: Any, name: str, error: NotImplementedError) -> str:
+    """Where a NotImplementedError came from: the student's method (``SimplePool.free``) or
+    function that raised it, else ``name`` (raised by a library, or by lab 07's kernel launcher)."""
+    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARIES)]
+    if not theirs or theirs[-1].name in (name, "<module>"):
+        return name
+    return f"{name}.{theirs[-1].name}" if isinstance(fn, type) else theirs[-1].name
 
 
 def strict() -> bool:

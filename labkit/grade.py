@@ -99,8 +99,15 @@ def _context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD + ([] if torch.cuda.is_available() else ["labkit", "labkit.grade"]))
+    ctx.set_forkserver_preload(_PRELOAD + ([] if torch.cuda.is_available() else ["labkit", *_grade_module()]))
     return ctx
+
+
+def _grade_module() -> list[str]:
+    """This module, to preload, unless it runs as ``python -m labkit.grade``: the fork server then
+    runs it as its main module, and importing it first as well makes Python warn."""
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return [] if main_spec is not None and main_spec.name == "labkit.grade" else ["labkit.grade"]
 
 
 def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:

@@ -53,6 +53,39 @@ def test_released_stub_scores_nothing(root, ex_id):
     assert result.status == NOT_ATTEMPTED and result.points == 0
 
 
+def _with_stub(cls: type, method: str) -> type:
+    """``cls`` with one method put back to the released stub."""
+    namespace: dict = {}
+    exec(f"def {method}(self, *args):\n    raise NotImplementedError('replace this line with your code')", namespace)
+    return type(cls.__name__, (cls,), {method: namespace[method]})
+
+
+def test_a_stub_left_in_a_class_is_named(root):
+    pool = _define(_cells("solutions", root)["ex03.2"], "SimplePool")
+    result = run_cases(get("ex03.2"), _with_stub(pool, "free"))  # allocate done, free not: every case frees
+    assert result.status == NOT_ATTEMPTED and result.message.startswith("SimplePool.free still raises")
+
+
+def test_a_stub_reached_by_some_cases_only_fails_them(root):
+    solution = _define(_cells("solutions", root)["ex03.1"], "slot_mapping")
+
+    def padding_slots(positions):
+        raise NotImplementedError("later")
+
+    def slot_mapping(block_tables, positions, block_size):
+        return padding_slots(positions) if (positions < 0).any() else solution(block_tables, positions, block_size)
+    result = run_cases(get("ex03.1"), slot_mapping)
+    assert result.status == FAILED and 0 < result.passed < result.total
+    assert "padding_slots still raises NotImplementedError" in result.message
+
+
+def test_a_library_raising_not_implemented_names_the_exercise():
+    def slot_mapping(block_tables, positions, block_size):
+        return torch.nn.Module()(block_tables)  # torch raises NotImplementedError: the module has no forward
+    result = run_cases(get("ex03.1"), slot_mapping)
+    assert result.message.startswith("slot_mapping still raises"), result.message
+
+
 @pytest.mark.parametrize("ex_id", sorted(EXERCISES))
 @pytest.mark.parametrize("constant", [0, 1.0, None])
 def test_a_constant_answer_fails(ex_id, constant):
