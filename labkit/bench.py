@@ -8,15 +8,18 @@ return before the work is done; on the CPU ``time.perf_counter`` is exact enough
 ``compare`` times two callables side by side, alternating A B A B, so that drift in the
 machine (turbo, thermal, other processes) hits both alike; quote the ratio of medians.
 ``peak_memory`` measures the most tensor memory a callable holds at once.
+``nonnegative_polyfit`` fits a cost model to timings without letting noise make a cost negative.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -187,3 +190,25 @@ def peak_memory(fn: Callable[[], Any], device: torch.device | str | None = None)
     with _LiveTensors() as live:
         fn()
     return live.peak
+
+
+def nonnegative_polyfit(x: Sequence[float], y: Sequence[float], degree: int) -> np.ndarray:
+    """Least-squares polynomial coefficients, highest power first as ``np.polyval`` takes them,
+    none of them negative: a time that grows with x as a + b x + c x^2 has a, b, c >= 0, and
+    ``np.polyfit`` on noisy timings can return a negative c and predict negative seconds.
+    Fits every subset of the powers by least squares and keeps the closest fit whose
+    coefficients are all >= 0 (exact, and cheap for the low degrees of a cost model)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if degree < 0 or len(x) != len(y) or len(x) <= degree:
+        raise ValueError(f"a degree-{degree} fit needs more than {degree} points and as many x as y; "
+                         f"got {len(x)} x and {len(y)} y")
+    powers = np.vander(x, degree + 1)
+    best, best_error = np.zeros(degree + 1), float(np.sum(y ** 2))
+    for kept in itertools.product([False, True], repeat=degree + 1):
+        coefficients = np.zeros(degree + 1)
+        if any(kept):
+            coefficients[list(kept)] = np.linalg.lstsq(powers[:, list(kept)], y, rcond=None)[0]
+        error = float(np.sum((powers @ coefficients - y) ** 2))
+        if coefficients.min() >= 0 and error < best_error:
+            best, best_error = coefficients, error
+    return best

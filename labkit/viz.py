@@ -31,12 +31,12 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
         label = f"{hw.name} ({'measured' if hw.measured else 'datasheet'}, {hw.dtype})"
         line, = ax.plot(x, y, lw=3 if hw.measured else 1.5, label=label)
         ax.plot(hw.ridge_intensity, hw.peak_flops / 1e12, "o", color=line.get_color())
-    for label, intensity in points:
+    for label, intensity in points:  # labelled at the top: below, measured points may sit on the lines
         ax.axvline(intensity, color="grey", ls=":", lw=1)
-        ax.text(intensity, 0.03, f" {label}", transform=ax.get_xaxis_transform(), rotation=90,
-                va="bottom", ha="right", fontsize=8)
+        ax.text(intensity, 0.97, label, transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
+                fontsize=8, bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
-from labkit.bench import Comparison, Timing, compare, format_seconds, measure, peak_memory
+from labkit.bench import Comparison, Timing, compare, format_seconds, measure, nonnegative_polyfit, peak_memory
 
 
 def test_measure_warms_up_then_times_each_repeat():
@@ -82,3 +83,29 @@ def test_peak_memory_keeps_a_tensor_alive_through_its_views():
 def test_peak_memory_on_cuda_leaves_out_what_a_first_call_keeps():
     a = torch.randn(256, 256, device="cuda")  # the first matmul of a process allocates cuBLAS's workspace
     assert peak_memory(lambda: a.T @ a, "cuda") == 256 * 256 * 4
+
+
+def test_nonnegative_polyfit_is_polyfit_when_that_is_nonnegative():
+    x = np.array([16.0, 64, 128, 256, 512])
+    y = 0.5 + 0.01 * x + 3e-5 * x ** 2 + np.array([0.01, -0.02, 0.015, 0.0, -0.01])
+    np.testing.assert_allclose(nonnegative_polyfit(x, y, 2), np.polyfit(x, y, 2), rtol=1e-9)
+
+
+@pytest.mark.parametrize("y", [[0.256, 0.378, 1.016, 1.278, 0.062],  # one noisy run of notebook 01's step latencies
+                               [5.0, 4.0, 3.0, 2.0, 1.0]])
+def test_nonnegative_polyfit_meets_the_optimality_conditions(y):
+    """Karush-Kuhn-Tucker: the gradient of the squared error is 0 along every positive coefficient
+    and >= 0 along every zero one; np.polyfit's answer here has a negative coefficient."""
+    x = np.array([16.0, 128, 256, 512, 1000])
+    assert np.polyfit(x, y, 2).min() < 0
+    c = nonnegative_polyfit(x, y, 2)
+    powers = np.vander(x, 3)
+    gradient = powers.T @ (powers @ c - y) / np.abs(powers).max(axis=0)
+    assert c.min() >= 0
+    assert np.all(np.abs(gradient[c > 0]) < 1e-8) and np.all(gradient[c == 0] > -1e-8)
+    assert np.polyval(c, np.arange(15, 1100)).min() >= 0
+
+
+def test_nonnegative_polyfit_refuses_too_few_points():
+    with pytest.raises(ValueError, match="more than 2 points"):
+        nonnegative_polyfit([1.0, 2.0], [1.0, 2.0], 2)

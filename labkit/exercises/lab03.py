@@ -271,7 +271,7 @@ EXERCISES = [
     Exercise(
         id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",
         cases=_attention_cases,
-        hint="Build the slots of positions 0..longest-1 for every sequence (exercise 1), index the pools "
+        hint="Build the slots of positions 0..longest-1 for every sequence (ex03.1), index the pools "
              "flattened to [num_blocks * block_size, kv_heads, head_dim], move the heads in front, and mask "
              "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads // kv_heads).",
     ),

@@ -94,7 +94,7 @@ EXERCISES = [
         function="flash_attention_kernel", cases=_kernel_cases, timeout_s=180.0,
         hint="Load the key tile transposed ([BLOCK_D, BLOCK_N], masked by keys < S and dims < HEAD_DIM), "
              "scores = tl.dot(q, k_t) * scale_log2e; when the tile is partly masked, set -inf where keys >= S "
-             "and, when CAUSAL, where keys > position; then exercise 1's update in base 2 (tl.maximum, tl.max, "
+             "and, when CAUSAL, where keys > position; then ex07.1's update in base 2 (tl.maximum, tl.max, "
              "tl.exp2, tl.sum over axis 1); load the value tile [BLOCK_N, BLOCK_D] and add "
              "tl.dot(p.to(v.dtype), v) to the rescaled acc.",
     ),
