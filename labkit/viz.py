@@ -115,14 +115,15 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
         if bars[kind]:
             slot, left, width, colour = zip(*bars[kind])
             ax.barh(slot, width, left=left, height=0.85, color="0.85" if kind == "idle" else colour, lw=0, **style)
-    # legend entries drawn nowhere (a bar of height 0 at x=0 would stretch the time axis to -0.4 s)
-    handles = [Line2D([], [], color="k", marker="x", ls="", label="preempted")]
+    # legend entries for what the run shows, drawn nowhere (a bar of height 0 at x=0 would stretch
+    # the time axis to -0.4 s); outside the axes, where they hide no bar
+    handles = [Line2D([], [], color="k", marker="x", ls="", label="preempted")] * any(s.preempted for s in log)
     handles += [Patch(facecolor=colour, hatch=hatch, label=kind)
                 for kind, colour, hatch in [("decode", "tab:blue", None), ("prefill", "tab:blue", "////"),
-                                            ("idle", "0.85", None)]]
+                                            ("idle", "0.85", None)] if bars[kind]]
     ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=4)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
 
 
