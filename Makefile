@@ -46,7 +46,7 @@ release: $(STAMP)
 	$(BIN)/python -m labkit.release
 
 grade: $(STAMP)
-	$(BIN)/python -m labkit.grade $(or $(SUBMISSIONS),notebooks)
+	$(BIN)/python -m labkit.grade $(or $(SUBMISSIONS),notebooks) $(GRADE_ARGS)
 
 clean:
 	rm -rf $(VENV) grades .pytest_cache

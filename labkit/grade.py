@@ -1,7 +1,8 @@
 """Grade submissions: ``python -m labkit.grade PATH...``.
 
 A PATH is one notebook, a folder of notebooks (one student's submission), or a folder of
-student folders (a class). Every exercise of every notebook runs in a fresh Python process
+student folders (a class); with ``--per-file``, every notebook is a student of its own, named
+by its file (a flat folder, as course platforms export a class). Every exercise of every notebook runs in a fresh Python process
 with a time limit: the notebook's cells tagged ``setup`` first, then the exercise cell, then
 the exercise's cases (the same ones ``labkit.check`` runs) on the function the cell defines.
 A crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that
@@ -62,8 +63,9 @@ def _notebooks_in(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.ipynb") if p.is_file())
 
 
-def find_submissions(paths: list[Path]) -> list[Submission]:
-    """Every (student, notebook) under the given paths; a student is the folder a notebook is in."""
+def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submission]:
+    """Every (student, notebook) under the given paths; a student is the folder a notebook is in,
+    or with ``per_file`` the notebook's file name without its extension."""
     found: list[Path] = []
     for path in paths:
         if path.is_file():
@@ -74,16 +76,15 @@ def find_submissions(paths: list[Path]) -> list[Submission]:
                 found += _notebooks_in(sub)
         else:
             raise FileNotFoundError(f"{path} does not exist")
-    folders = {p.resolve().parent for p in found}
-    clash = Counter(f.name for f in folders)
+    owners = {p: p.resolve().with_suffix("") if per_file else p.resolve().parent for p in found}
+    clash = Counter(owner.name for owner in set(owners.values()))
     submissions = []
     for nb_path in found:
-        lab = _lab_of(nb_path)
-        folder = nb_path.resolve().parent
+        lab, owner = _lab_of(nb_path), owners[nb_path]
         if lab is None:
             print(f"skipping {nb_path}: no NN_ prefix and no known exercise in it", file=sys.stderr)
-        else:  # a student is their folder's name, or its full path where two folders share a name
-            submissions.append(Submission(folder.name if clash[folder.name] == 1 else str(folder), nb_path, lab))
+        else:  # a student is their folder's (or file's) name, or its full path where two share a name
+            submissions.append(Submission(owner.name if clash[owner.name] == 1 else str(owner), nb_path, lab))
     return submissions
 
 
@@ -166,10 +167,10 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
     return results
 
 
-def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = None
+def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = None, per_file: bool = False
           ) -> dict[str, dict[str, Result]]:
     """Grade every submission under ``paths``: {student: {exercise id: Result}}."""
-    submissions = find_submissions(paths)
+    submissions = find_submissions(paths, per_file)
     if not submissions:
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
@@ -181,7 +182,8 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         if len(copies) > 1:
             names = ", ".join(sub.path.name for sub, _ in copies)
             print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
-                  f"{best_sub.path.name}", file=sys.stderr)
+                  f"{best_sub.path.name} (if they are different students' copies, grade with --per-file)",
+                  file=sys.stderr)
         book[student].update(best)
     for student, results in book.items():
         for ex_id in columns:
@@ -277,11 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json/csv go")
     parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
     parser.add_argument("--jobs", type=int, help="notebooks graded at once (default: CPU count)")
+    parser.add_argument("--per-file", action="store_true",
+                        help="each notebook is a student of its own, named by its file (a flat folder of a class)")
     args = parser.parse_args(argv)
     if not args.paths:
         parser.error("give at least one notebook or folder to grade")
     try:
-        book = grade(args.paths, args.timeout, args.jobs)
+        book = grade(args.paths, args.timeout, args.jobs, args.per_file)
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

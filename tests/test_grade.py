@@ -119,6 +119,19 @@ def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):
     assert sorted(book) == [str((tmp_path / g / "alice").resolve()) for g in ("monday", "tuesday")]
 
 
+def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
+    """A course platform's export: every student's copy side by side, named after the student."""
+    for student in ("magic", "wrong"):
+        _submit(tmp_path / "staging", student, root / "notebooks/00_welcome.ipynb", BROKEN_EX1[student])
+        (tmp_path / "staging" / student / "00_welcome.ipynb").rename(tmp_path / f"{student}_00_welcome.ipynb")
+    merged = grade([tmp_path], timeout_s=30)
+    assert list(merged) == [tmp_path.name], "without --per-file the folder is one student"
+    book = grade([tmp_path], timeout_s=30, per_file=True)
+    assert sorted(book) == ["magic_00_welcome", "wrong_00_welcome"]
+    assert book["magic_00_welcome"]["ex00.1"].status == "passed"
+    assert book["wrong_00_welcome"]["ex00.1"].status == "failed"
+
+
 def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
     assert "loops" in table(class_book)
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(tmp_path / "nowhere")],
