@@ -1,4 +1,4 @@
-"""Grade submissions: ``python -m labkit.grade PATH...``.
+"""Grade submissions: ``python -m labkit.grade PATH...``
 
 A PATH is one notebook, a folder of notebooks (one student's submission), or a folder of
 student folders (a class); with ``--per-file``, every notebook is a student of its own, named
@@ -274,9 +274,9 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.grade", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labkit.grade", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks, a student's folder, or a class folder")
-    parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json/csv go")
+    parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json and grades.csv go (default: grades)")
     parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
     parser.add_argument("--jobs", type=int, help="notebooks graded at once (default: CPU count)")
     parser.add_argument("--per-file", action="store_true",

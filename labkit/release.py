@@ -92,9 +92,11 @@ def stale(solutions: Path, notebooks: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.release", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--solutions", type=Path, default=Path("solutions"))
-    parser.add_argument("--notebooks", type=Path, default=Path("notebooks"))
+    parser = argparse.ArgumentParser(prog="python -m labkit.release", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--solutions", type=Path, default=Path("solutions"),
+                        help="the instructor notebooks to read (default: solutions)")
+    parser.add_argument("--notebooks", type=Path, default=Path("notebooks"),
+                        help="where the student copies go (default: notebooks)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if notebooks/ is stale")
     args = parser.parse_args(argv)
     if args.check:

@@ -53,7 +53,7 @@ def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: C
         got = _summary(state, fn(*state, *extra))
         for name, want, have in zip(_FIELDS, expected, got):
             if want != have:
-                raise AssertionError(f"{label}: {name} should be {want}, got {have}")
+                raise AssertionError(f"{name} should be {want}, got {have}")  # check names the case
     return Scenario(label, play)
 
 
