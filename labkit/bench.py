@@ -200,14 +200,20 @@ def nonnegative_polyfit(x: Sequence[float], y: Sequence[float], degree: int) -> 
     coefficients are all >= 0 (exact, and cheap for the low degrees of a cost model)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if degree < 0 or len(x) != len(y) or len(x) <= degree:
-        raise ValueError(f"a degree-{degree} fit needs more than {degree} points and as many x as y; "
-                         f"got {len(x)} x and {len(y)} y")
+        raise ValueError(f"a fit of degree {degree} needs a degree >= 0, as many x as y, and more points than "
+                         f"the degree; got {len(x)} x and {len(y)} y")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("the points to fit must be finite: a timing is missing (nan) or infinite")
     powers = np.vander(x, degree + 1)
+    scale = np.linalg.norm(powers, axis=0)  # each column scaled to norm 1, as np.polyfit does, for conditioning
+    scale[scale == 0] = 1.0
     best, best_error = np.zeros(degree + 1), float(np.sum(y ** 2))
     for kept in itertools.product([False, True], repeat=degree + 1):
         coefficients = np.zeros(degree + 1)
         if any(kept):
-            coefficients[list(kept)] = np.linalg.lstsq(powers[:, list(kept)], y, rcond=None)[0]
+            columns = list(kept)
+            scaled = powers[:, columns] / scale[columns]
+            coefficients[columns] = np.linalg.lstsq(scaled, y, rcond=None)[0] / scale[columns]
         error = float(np.sum((powers @ coefficients - y) ** 2))
         if coefficients.min() >= 0 and error < best_error:
             best, best_error = coefficients, error

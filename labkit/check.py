@@ -1,14 +1,16 @@
 """Check an exercise inline: ``labkit.check("ex00.1", matmul_intensity)``.
 
 The check runs the exercise's cases (from ``labkit.exercises``) and prints a verdict with
-the first failure and a hint; ``run_cases`` returns the same verdict as a ``Result``. Points are all or nothing: every case
-must pass. With ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises
+the first failure and a hint; ``run_cases`` returns the same verdict as a ``Result``. Points
+are all or nothing: every case must pass. An exercise is "not attempted" while every case
+stops at a stub (a ``raise NotImplementedError`` line), which the verdict names. With ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises
 ``ExerciseFailed``; otherwise the notebook carries on, so a student copy with unsolved stubs
 still runs top to bottom.
 """
 from __future__ import annotations
 
 import os
+import site
 import sysconfig
 import traceback
 from dataclasses import asdict, dataclass
@@ -17,9 +19,11 @@ from typing import Any, Callable
 from labkit.exercises import Exercise, get
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
-# where code that is not a student's lives: labkit, the standard library, installed packages
-_LIBRARIES = tuple({os.path.dirname(os.path.abspath(__file__)),
-                    *(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib"))})
+_LABKIT = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# where code that is not a student's lives besides labkit: the standard library, installed packages
+_LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *site.getsitepackages(), site.getusersitepackages())})
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
 
 
@@ -68,11 +72,11 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
         try:
             case.run(fn)
             passed += 1
-        except NotImplementedError as error:
-            stubs.append(_stub_name(fn, exercise.function, error))
-            first_failure = first_failure or f"case {number} ({case.label}): {stubs[-1]} still raises NotImplementedError"
         except Exception as error:  # a student's bug of any kind is a failed case, not a crash
-            first_failure = first_failure or f"case {number} ({case.label}): {_describe_error(error)}"
+            stub = _stub_name(fn, exercise.function, error)
+            stubs += [stub] if stub else []
+            what = f"{stub} still raises NotImplementedError" if stub else _describe_error(error)
+            first_failure = first_failure or f"case {number} ({case.label}): {what}"
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub
@@ -84,13 +88,22 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
                   f"first failure, {first_failure}\n    hint: {exercise.hint}")
 
 
-def _stub_name(fn: Any, name: str, error: NotImplementedError) -> str:
-    """Where a NotImplementedError came from: the student's method (``SimplePool.free``) or
-    function that raised it, else ``name`` (raised by a library, or by lab 07's kernel launcher)."""
-    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARIES)]
-    if not theirs or theirs[-1].name in (name, "<module>"):
+def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
+    """The stub that raised ``error``, if it is a ``raise NotImplementedError`` line of the
+    student's (their method, ``SimplePool.free``, or function) or of labkit's (lab 07's kernel
+    launcher, for a kernel the GPU compiler refused: ``name``); None for anything else, such as a
+    NotImplementedError from inside torch, which is an ordinary failure."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not isinstance(error, NotImplementedError) or not frames:
+        return None
+    last = frames[-1]
+    path = os.path.normcase(os.path.abspath(last.filename))
+    if "raise NotImplementedError" not in (last.line or "raise NotImplementedError") or (
+            path.startswith(_LIBRARIES) and not path.startswith(_LABKIT)) or last.filename.startswith("<frozen "):
+        return None
+    if path.startswith(_LABKIT) or last.name in (name, "<module>") or last.name.startswith("<"):
         return name
-    return f"{name}.{theirs[-1].name}" if isinstance(fn, type) else theirs[-1].name
+    return f"{name}.{last.name}" if isinstance(fn, type) and hasattr(fn, last.name) else last.name
 
 
 def strict() -> bool:

@@ -2,13 +2,13 @@
 
 A PATH is one notebook, a folder of notebooks (one student's submission), or a folder of
 student folders (a class); with ``--per-file``, every notebook is a student of its own, named
-by its file (a flat folder, as course platforms export a class). Every exercise of every notebook runs in a fresh Python process
-with a time limit: the notebook's cells tagged ``setup`` first, then the exercise cell, then
-the exercise's cases (the same ones ``labkit.check`` runs) on the function the cell defines.
-A crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that
-exercise's points and nothing more. The grader prints a points table and writes
-``grades.json`` (every result with its reason) and ``grades.csv`` (a row per student, a
-column per exercise).
+by its file (a flat folder, as course platforms export a class). Every exercise of every
+notebook runs in a fresh Python process with a time limit: the notebook's cells tagged
+``setup`` first, then the exercise cell, then the exercise's cases (the same ones
+``labkit.check`` runs) on the function the cell defines. A crash, an endless loop, a syntax
+error or ``sys.exit`` in a submission costs that exercise's points and nothing more. The
+grader prints a points table and writes ``grades.json`` (every result with its reason) and
+``grades.csv`` (a row per student, a column per exercise).
 """
 from __future__ import annotations
 
@@ -76,7 +76,9 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
                 found += _notebooks_in(sub)
         else:
             raise FileNotFoundError(f"{path} does not exist")
-    owners = {p: p.resolve().with_suffix("") if per_file else p.resolve().parent for p in found}
+    # where each notebook sits (a link is the student's own, wherever it points), each once
+    found = list(dict.fromkeys(p.parent.resolve() / p.name for p in found))
+    owners = {p: p.with_suffix("") if per_file else p.parent for p in found}
     clash = Counter(owner.name for owner in set(owners.values()))
     submissions = []
     for nb_path in found:
@@ -181,9 +183,9 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
         if len(copies) > 1:
             names = ", ".join(sub.path.name for sub, _ in copies)
+            hint = "" if per_file else " (if they are different students' copies, grade with --per-file)"
             print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
-                  f"{best_sub.path.name} (if they are different students' copies, grade with --per-file)",
-                  file=sys.stderr)
+                  f"{best_sub.path.name}{hint}", file=sys.stderr)
         book[student].update(best)
     for student, results in book.items():
         for ex_id in columns:
@@ -274,9 +276,11 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.grade", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = argparse.ArgumentParser(prog="python -m labkit.grade",
+                                     description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks, a student's folder, or a class folder")
-    parser.add_argument("--out", type=Path, default=Path("grades"), help="where grades.json and grades.csv go (default: grades)")
+    parser.add_argument("--out", type=Path, default=Path("grades"),
+                        help="where grades.json and grades.csv go (default: grades)")
     parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
     parser.add_argument("--jobs", type=int, help="notebooks graded at once (default: CPU count)")
     parser.add_argument("--per-file", action="store_true",

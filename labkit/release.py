@@ -92,7 +92,8 @@ def stale(solutions: Path, notebooks: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit.release", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = argparse.ArgumentParser(prog="python -m labkit.release",
+                                     description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--solutions", type=Path, default=Path("solutions"),
                         help="the instructor notebooks to read (default: solutions)")
     parser.add_argument("--notebooks", type=Path, default=Path("notebooks"),

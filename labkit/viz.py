@@ -100,7 +100,8 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
     """A serving run over time: one row per batch slot, a bar per request per step, coloured by
     request; hatched while prefilling, grey while idle (a static batch's finished rows waiting
     for its longest), a black x where a request was preempted."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(10, 3.5))
+    own = ax is None
+    fig, ax = plt.subplots(figsize=(10, 3.5)) if own else (ax.figure, ax)
     bars: dict[str, list[tuple[int, float, float, tuple]]] = {"decode": [], "prefill": [], "idle": []}
     where: dict[Hashable, int] = {}
     colours: dict[Hashable, tuple] = {}  # in order of arrival, so that neighbours differ
@@ -123,7 +124,10 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
                                             ("idle", "0.85", None)] if bars[kind]]
     ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if own:
+        fig.tight_layout()  # makes room for the legend
     return fig
 
 

@@ -106,6 +106,17 @@ def test_nonnegative_polyfit_meets_the_optimality_conditions(y):
     assert np.polyval(c, np.arange(15, 1100)).min() >= 0
 
 
-def test_nonnegative_polyfit_refuses_too_few_points():
-    with pytest.raises(ValueError, match="more than 2 points"):
-        nonnegative_polyfit([1.0, 2.0], [1.0, 2.0], 2)
+def test_nonnegative_polyfit_is_exact_on_a_pure_power():
+    x = np.array([16.0, 128, 256, 512, 1000])  # np.polyfit leaves tiny negative terms here, which must not win
+    np.testing.assert_allclose(nonnegative_polyfit(x, x ** 2, 2), [1, 0, 0], atol=1e-9)
+    np.testing.assert_allclose(nonnegative_polyfit(x, 0.01 * x, 2), [0, 0.01, 0], atol=1e-12)
+
+
+@pytest.mark.parametrize("x, y, degree, says", [
+    ([1.0, 2.0], [1.0, 2.0], 2, "more points than the degree"),
+    ([1.0, 2.0, 3.0], [1.0, 2.0], 1, "as many x as y"),
+    ([1.0, 2.0, 3.0], [1.0, float("nan"), 3.0], 1, "must be finite"),
+])
+def test_nonnegative_polyfit_refuses_what_it_cannot_fit(x, y, degree, says):
+    with pytest.raises(ValueError, match=says):
+        nonnegative_polyfit(x, y, degree)

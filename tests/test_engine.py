@@ -892,3 +892,18 @@ def test_a_higher_arrival_rate_does_not_lower_throughput():
 
     rates = [throughput(rate) for rate in (1.0, 10.0, 100.0, None)]
     assert rates == sorted(rates) and rates[-1] > 2 * rates[0]
+
+
+def test_the_timeline_legend_lists_only_what_the_run_shows():
+    from labkit.engine import StepRecord
+    from labkit.viz import plot_batch_timeline
+
+    log = [StepRecord(0.0, 0.1, [("a", 4, "prefill"), ("b", 3, "prefill")]),
+           StepRecord(0.1, 0.2, [("a", 1, "decode"), ("b", 1, "decode")])]
+
+    def legend(steps):
+        fig = plot_batch_timeline(steps)
+        return [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert legend(log) == ["decode", "prefill"]
+    assert legend(log + [StepRecord(0.2, 0.3, [("a", 1, "decode")], preempted=["b"])]) == ["preempted", "decode",
+                                                                                            "prefill"]

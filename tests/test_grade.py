@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from labkit import notebook
 from labkit.exercises import EXERCISES, for_lab, get
-from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, grade, table
+from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
 BROKEN_EX1 = {
@@ -101,9 +102,10 @@ def test_each_broken_submission_costs_only_its_exercise(class_book, student, sta
 def test_the_table_and_reports(class_folder, tmp_path):
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(class_folder / "magic"),
                           str(class_folder / "wrong"), "--out", str(tmp_path), "--timeout", "30"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # so the fork server preloads labkit
     assert run.returncode == 0, run.stderr
-    assert "Warning" not in run.stderr, run.stderr  # the fork server must not import the CLI twice
+    assert "found in sys.modules" not in run.stderr, run.stderr  # runpy's warning: the CLI imported twice
     assert "magic" in run.stdout and "3/3" in run.stdout and "wrong ex00.1: failed" in run.stdout
     rows = list(csv.DictReader((tmp_path / "grades.csv").open()))
     assert rows == [{"student": "magic", "ex00.1": "2", "ex00.2": "1", "total": "3", "max": "3"},
@@ -130,6 +132,22 @@ def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
     assert sorted(book) == ["magic_00_welcome", "wrong_00_welcome"]
     assert book["magic_00_welcome"]["ex00.1"].status == "passed"
     assert book["wrong_00_welcome"]["ex00.1"].status == "failed"
+
+
+def test_per_file_names_links_and_clashes(root, tmp_path):
+    template = root / "notebooks/00_welcome.ipynb"
+    for folder in ("monday", "tuesday"):
+        (tmp_path / folder).mkdir()
+        notebook.write(notebook.read(template), tmp_path / folder / "alice.ipynb")
+    (tmp_path / "store").mkdir()
+    notebook.write(notebook.read(template), tmp_path / "store/3f9a.ipynb")
+    (tmp_path / "export").mkdir()
+    for student in ("bob", "carol"):  # a platform's export: links to one stored file
+        (tmp_path / "export" / f"{student}.ipynb").symlink_to(tmp_path / "store/3f9a.ipynb")
+    found = find_submissions([tmp_path / "monday", tmp_path / "tuesday", tmp_path / "export",
+                              tmp_path / "export/bob.ipynb"], per_file=True)  # bob given twice
+    assert sorted(s.student for s in found) == sorted(["bob", "carol", str((tmp_path / "monday/alice").resolve()),
+                                                       str((tmp_path / "tuesday/alice").resolve())])
 
 
 def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
