@@ -23,8 +23,8 @@ tokens for one target call; when a draft step costs c target steps and verifying
 costs what one step does, the speedup is E / (k c + 1).
 
 Drafters: a smaller model with the same tokenizer (``ModelDrafter``: its own KV cache, rolled
-back with the target's), or ``PromptLookupDrafter``: find the latest earlier occurrence of the
-text's last n tokens and propose what followed it; no second model. A lookup's proposal is
+back with the target's), or ``PromptLookupDrafter``: find an earlier occurrence of the text's
+last n tokens and propose what followed it; no second model. A lookup's proposal is
 certain (q is one-hot), so its token is accepted with probability p(d_i).
 """
 from __future__ import annotations
@@ -151,8 +151,8 @@ class ModelDrafter:
 
 class PromptLookupDrafter:
     """Prompt lookup (n-gram) drafting: match the text's last n tokens (n from ``max_ngram`` down
-    to ``min_ngram``) against everything before them, latest occurrence first, and propose the
-    tokens that followed the match. Certain proposals: q is one-hot."""
+    to ``min_ngram``) against everything before them and propose the tokens that followed the
+    match (``lookup``). Certain proposals: q is one-hot."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -174,13 +174,20 @@ class PromptLookupDrafter:
 
 
 def lookup(sequence: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n
-    tokens, for the longest n in [min_ngram, max_ngram] that occurs; [] when none does."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the sequence's last n tokens, for
+    the longest n in [min_ngram, max_ngram] that occurs; [] when none does. Of the occurrences,
+    the latest that is followed by k tokens, else the one followed by the most (the earliest): in
+    text that repeats a short stretch, the latest occurrence runs into the end of the text after a
+    few tokens, while an earlier one can propose all k."""
     for n in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
-        tail = list(sequence[-n:])
+        tail, earliest = list(sequence[-n:]), None
         for start in range(len(sequence) - n - 1, -1, -1):
             if list(sequence[start:start + n]) == tail:
-                return list(sequence[start + n:start + n + k])
+                if len(sequence) - start - n >= k:
+                    return list(sequence[start + n:start + n + k])
+                earliest = start
+        if earliest is not None:
+            return list(sequence[earliest + n:earliest + n + k])
     return []
 
 

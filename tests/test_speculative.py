@@ -219,13 +219,18 @@ def test_sampling_end_to_end_matches_the_target(drafter):
 
 # --- prompt lookup and the statistics -------------------------------------------------------------
 
-def test_lookup_takes_the_longest_latest_match():
+def test_lookup_takes_the_longest_latest_match_that_fills_the_proposal():
     text = [1, 2, 3, 9, 1, 2, 4, 5, 7, 2, 3, 8, 8, 1, 2]
     assert lookup(text, 3) == [4, 5, 7]  # "1 2" last seen before "4 5 7"
+    assert lookup(text, 10) == [3, 9, 1, 2, 4, 5, 7, 2, 3, 8]  # only the first "1 2" is followed by 10 tokens
     assert lookup(text + [3], 2) == [9, 1]  # the 3-gram "1 2 3" beats the later 2-gram "2 3"
     assert lookup([5, 6, 7], 4) == []
     assert lookup([4, 4, 4], 4) == [4]  # the match may overlap the tail; only what followed it
     assert lookup([1, 2, 1], 3, max_ngram=1) == [2, 1]
+    repeat = [7, 7, 1, 2, 3, 1, 2, 3, 1, 2]  # a short repeat: the latest "1 2" is followed by 1 token
+    assert lookup(repeat, 4, max_ngram=2) == [3, 1, 2, 3]
+    assert lookup(repeat, 1, max_ngram=2) == [3]
+    assert lookup(repeat, 4) == [3, 1, 2]  # the 3-gram "3 1 2" occurred once before: what followed it
 
 
 def test_statistics_from_rounds():
