@@ -3,9 +3,10 @@
 The check runs the exercise's cases (from ``labkit.exercises``) and prints a verdict with
 the first failure and a hint; ``run_cases`` returns the same verdict as a ``Result``. Points
 are all or nothing: every case must pass. An exercise is "not attempted" while every case
-stops at a stub (a ``raise NotImplementedError`` line), which the verdict names. With ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises
-``ExerciseFailed``; otherwise the notebook carries on, so a student copy with unsolved stubs
-still runs top to bottom.
+stops at a stub (a ``raise NotImplementedError`` line), which the verdict names. With
+``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises ``ExerciseFailed``;
+otherwise the notebook carries on, so a student copy with unsolved stubs still runs top to
+bottom.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
     if "raise NotImplementedError" not in (last.line or "raise NotImplementedError") or (
             path.startswith(_LIBRARIES) and not path.startswith(_LABKIT)) or last.filename.startswith("<frozen "):
         return None
-    if path.startswith(_LABKIT) or last.name in (name, "<module>") or last.name.startswith("<"):
+    if path.startswith(_LABKIT) or last.name == name or last.name.startswith("<"):  # <module>, <listcomp>
         return name
     return f"{name}.{last.name}" if isinstance(fn, type) and hasattr(fn, last.name) else last.name
 

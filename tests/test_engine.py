@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from labkit import presets
-from labkit.engine import (FINISHED, RUNNING, WAITING, Engine, Request, Scheduler, SchedulerConfig, admit,
+from labkit.engine import (FINISHED, RUNNING, WAITING, Engine, Request, Scheduler, SchedulerConfig, StepRecord, admit,
                            lognormal, make_workload, preempt_newest, request_metrics, run_static, summarize, uniform)
 from labkit.generate import SamplingParams, stream
 from labkit.hardware import Hardware
@@ -24,6 +24,7 @@ from labkit.memory import ModelShape
 from labkit.model import ModelConfig, Transformer
 from labkit.paged import BlockAllocator, PagedKVCache, blocks_for
 from labkit.simulate import CostModel, SimulatedEngine
+from labkit.viz import plot_batch_timeline
 
 VOCAB = 64
 
@@ -895,9 +896,6 @@ def test_a_higher_arrival_rate_does_not_lower_throughput():
 
 
 def test_the_timeline_legend_lists_only_what_the_run_shows():
-    from labkit.engine import StepRecord
-    from labkit.viz import plot_batch_timeline
-
     log = [StepRecord(0.0, 0.1, [("a", 4, "prefill"), ("b", 3, "prefill")]),
            StepRecord(0.1, 0.2, [("a", 1, "decode"), ("b", 1, "decode")])]
 
