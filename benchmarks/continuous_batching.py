@@ -1,7 +1,8 @@
 """Continuous against static batching and transformers' generate(), and prefix caching.
 
     .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
-                                                       [--device cpu] [--also-headroom H]
+                                                       [--device cpu] [--decode-kernel cpp|triton|none]
+                                                       [--also-headroom H]
 
 1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
    uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
@@ -11,7 +12,11 @@
    - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
      as many requests as the blocks hold (up to ``--max-num-seqs``; admitting one only while a
      free block per running request remains, the scheduler's default headroom) and preempting
-     when they run out (``--also-headroom 0`` adds a run that admits whenever a prompt fits);
+     when they run out (``--also-headroom 0`` adds a run that admits whenever a prompt fits).
+     Its decoding sequences attend through ``--decode-kernel``: on the CPU by default labkit's
+     C++ operator (``labkit.kernels.paged_decode_cpu``), which reads the pools through the block
+     tables; the engine then also runs without it (gathering each sequence's blocks, then SDPA),
+     and both are printed;
    - static batching: ``run_static``, whose padded batch reserves for each request the longest
      prompt plus the longest output it may produce (256 + 256 = 512 slots): kv_tokens / 512
      requests per batch (8 by default);
@@ -52,11 +57,25 @@ from labkit.engine import (Engine, Request, SchedulerConfig, padded_prompts, log
                            summarize, uniform)
 from labkit.load import save_hf
 from labkit.model import Transformer
+from labkit.paged import DecodeKernel
 
 T = TypeVar("T")
 PROMPT = dict(median=64, sigma=0.8, low=8)  # throughput part: lognormal, clipped to [low, --max-prompt]
 QUESTION, ANSWER = (16, 64), (16, 32)  # prefix part: lengths after the prefix, and of the outputs
 GOALS = {"continuous / static": 3.0, "continuous / transformers": 3.0, "TTFT cut by prefix caching": 5.0}
+GATHERS = "continuous, PyTorch gathers"  # the engine without a decode kernel, run too when it has one
+
+
+def decode_kernel(name: str) -> DecodeKernel | None:
+    """The engine's decode attention by ``--decode-kernel`` name; None: gather the blocks, then SDPA."""
+    if name == "cpp":
+        from labkit.kernels.paged_decode_cpu import build, paged_decode_cpu
+        build()  # before any timing: the first build compiles for about 10 s
+        return paged_decode_cpu
+    if name == "triton":
+        from labkit.kernels import paged_decode
+        return paged_decode
+    return None
 
 
 @dataclass
@@ -81,9 +100,9 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def run_engine(name: str, model: Transformer, requests: list[Request], num_blocks: int, block_size: int,
-               config: SchedulerConfig, prefix_caching: bool = True) -> Run:
-    def serve() -> tuple[Engine, list[Request]]:
-        engine = Engine(model, num_blocks, block_size, config, prefix_caching)  # the pool is allocated in the timing
+               config: SchedulerConfig, prefix_caching: bool = True, decode_kernel: DecodeKernel | None = None) -> Run:
+    def serve() -> tuple[Engine, list[Request]]:  # the pool is allocated in the timing
+        engine = Engine(model, num_blocks, block_size, config, prefix_caching, decode_kernel=decode_kernel)
         return engine, engine.run(requests)
     wall, (engine, done) = timed(serve)
     peak = max(len(step.batch) for step in engine.log)
@@ -165,11 +184,14 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
         hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
     hf.to(next(model.parameters()).device)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    blocks = args.kv_tokens // args.block_size
+    blocks, kernel = args.kv_tokens // args.block_size, decode_kernel(args.decode_kernel)
     hf_name, wide = "transformers generate()", f"static, unconstrained batch {args.requests}"
     systems = {"static": lambda w: run_static_batches("static", model, w, batch),
-               "continuous": lambda w: run_engine("continuous", model, w, blocks, args.block_size, config),
+               "continuous": lambda w: run_engine("continuous", model, w, blocks, args.block_size, config,
+                                                  decode_kernel=kernel),
                hf_name: lambda w: run_transformers(hf_name, hf, w, batch)}
+    if kernel is not None:
+        systems[GATHERS] = lambda w: run_engine(GATHERS, model, w, blocks, args.block_size, config)
     if args.also_unconstrained:
         systems[wide] = lambda w: run_static_batches(wide, model, w, args.requests)
     if args.also_headroom is not None:
@@ -183,7 +205,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
           f"({output_tokens} tokens, EOS ignored)")
     print(f"KV memory {args.kv_tokens} token slots for each: continuous {blocks} blocks of {args.block_size} "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}, headroom "
-          f"{config.headroom}); static and "
+          f"{config.headroom}, decode attention: {args.decode_kernel}); static and "
           f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})\n")
     runs = alternate(systems, workload, args.warmup, args.repeats)
     print_table(runs, output_tokens)
@@ -191,6 +213,10 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     ratios = {"continuous / static": runs["static"].wall_s / cont.wall_s,
               "continuous / transformers": runs[hf_name].wall_s / cont.wall_s}
     print("\noutput tok/s " + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    if GATHERS in runs:
+        slow = runs[GATHERS].wall_s
+        print(f"{GATHERS}: {runs['static'].wall_s / slow:.2f}x static, {runs[hf_name].wall_s / slow:.2f}x "
+              f"transformers; the decode kernel's engine is {slow / cont.wall_s:.2f}x as fast")
     print(f"greedy outputs equal to continuous's: static {agreement(runs['static'], cont)}, "
           f"transformers {agreement(runs[hf_name], cont)} (float differences can flip late tokens)")
     return ratios
@@ -209,8 +235,9 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
                              prefix=prefix, seed=seed)
     config = SchedulerConfig(max_num_seqs=args.prefix_requests, max_num_batched_tokens=args.max_batched_tokens)
     names = {True: "prefix caching", False: "no prefix caching"}
+    kernel = decode_kernel(args.decode_kernel)
     systems = {name: (lambda w, c=caching, name=name: run_engine(name, long, w, args.prefix_blocks, args.block_size,
-                                                                 config, prefix_caching=c))
+                                                                 config, prefix_caching=c, decode_kernel=kernel))
                for caching, name in names.items()}
     arrivals = "all at t=0" if args.rate is None else f"Poisson arrivals at {args.rate} requests/s"
     print(f"\n2. Prefix caching: {args.prefix_requests} requests, {arrivals}: a shared {args.prefix}-token prefix, "
@@ -260,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: torch's")
     parser.add_argument("--device", default="cpu", help="cpu (the goals' device) or cuda")
+    parser.add_argument("--decode-kernel", choices=("cpp", "triton", "none"), default=None,
+                        help="the engine's decode attention: labkit's C++ operator (the CPU's default), its Triton "
+                             "kernel (GPU), or none: gather the blocks, then SDPA (the GPU's default). With a "
+                             f"kernel, the engine also runs without one ('{GATHERS}')")
     args = parser.parse_args(argv)
+    if args.decode_kernel is None:
+        args.decode_kernel = "cpp" if args.device == "cpu" else "none"
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from labkit.generate import SamplingParams, next_token
 from labkit.model import ContiguousKVCache, Transformer
-from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
+from labkit.paged import BlockAllocator, DecodeKernel, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -254,16 +254,17 @@ def _is_done(request: Request, eos_id: int | None) -> bool:
 
 class Engine:
     """Continuous batching of a model over a paged KV cache: ``run`` serves a list of requests
-    (arriving over time), ``step`` runs one scheduling step and one forward pass."""
+    (arriving over time), ``step`` runs one scheduling step and one forward pass. ``decode_kernel``:
+    see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended)."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
-                 eos_id: int | None = None) -> None:
+                 eos_id: int | None = None, decode_kernel: DecodeKernel | None = None) -> None:
         self.model, self.eos_id = model, eos_id
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.allocator, config)
         weight = next(model.parameters())
-        self.cache = PagedKVCache(model.config, self.allocator, weight.dtype, weight.device)
+        self.cache = PagedKVCache(model.config, self.allocator, weight.dtype, weight.device, decode_kernel)
         self.log: list[StepRecord] = []
         self.reset_clock()
 

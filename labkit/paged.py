@@ -29,13 +29,16 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from labkit.memory import ModelShape, kv_bytes_per_token
 from labkit.model import ModelConfig, Transformer, attention, causal_mask
+
+# q [B, n_heads, d], k_pool, v_pool, block_tables, lengths -> [B, n_heads, d]: as paged_attention
+DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 class OutOfBlocks(RuntimeError):
@@ -469,6 +472,7 @@ class _Batch:
     tokens: Tensor  # flat indices (in B * T) of the real tokens
     slots: Tensor
     decodes: list[tuple[Tensor, Tensor, Tensor]]  # per group: indices, tables [G, M], mask [G, 1, 1, longest]
+    # (with a decode kernel, one group of all of them, and their lengths [G] in place of the mask)
     chunks: list[tuple[Tensor, Tensor, Tensor]]  # per sequence: indices, table [1, M], causal mask [1, 1, n, end]
     ends: list[int]  # per sequence: its tokens in the cache after this pass
 
@@ -487,11 +491,14 @@ class PagedKVCache:
     The cache does attention itself (``attend``): decoding sequences in batched calls, grouped by
     length so that few are padded far past their own (``group_overhead``: the padded key slots one
     more call is worth), each sequence with several new tokens in its own causal call.
+    ``decode_kernel``, a function with the arguments of ``paged_attention``, attends for all the
+    decoding sequences at once instead, straight from the pools: ``labkit.kernels.paged_decode``
+    (Triton, on a GPU) or ``labkit.kernels.paged_decode_cpu.paged_decode_cpu`` (C++, on a CPU).
     """
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        self.allocator = allocator
+                 device: torch.device | str = "cpu", decode_kernel: DecodeKernel | None = None) -> None:
+        self.allocator, self.decode_kernel = allocator, decode_kernel
         shape = (config.n_layers, allocator.num_blocks, allocator.block_size, config.n_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -531,8 +538,10 @@ class PagedKVCache:
         pools = self.k[layer], self.v[layer]
         out = torch.zeros_like(q)
         for tokens, tables, mask in step.decodes:
-            query = q[tokens][:, :, None]  # [group, heads, 1, dim]
-            out[tokens] = attend_blocks(query, *pools, tables, mask)[:, :, 0]
+            if self.decode_kernel is not None:  # mask: the group's lengths
+                out[tokens] = self.decode_kernel(q[tokens], *pools, tables, mask)
+            else:
+                out[tokens] = attend_blocks(q[tokens][:, :, None], *pools, tables, mask)[:, :, 0]
         for tokens, table, mask in step.chunks:
             query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, dim]
             out[tokens] = attend_blocks(query, *pools, table, mask)[0].transpose(0, 1)
@@ -583,18 +592,22 @@ class PagedKVCache:
     def _decode_groups(self, tokens: Tensor, seq: Tensor, tables: Tensor, counts: list[int],
                        ends: list[int]) -> list[tuple[Tensor, Tensor, Tensor]]:
         """The sequences with one new token, in groups of similar length (``length_groups``): a
-        group's keys and values are gathered and attended padded to its longest member."""
+        group's keys and values are gathered and attended padded to its longest member. With a
+        decode kernel, all in one group, which reads each sequence's own length."""
         decoding = [i for i, count in enumerate(counts) if count == 1]
         token_of = dict(zip(seq.tolist(), tokens.tolist()))  # a decoding sequence's only token
         device = tokens.device
+        split = [list(range(len(decoding)))] if self.decode_kernel is not None and decoding else \
+            length_groups([ends[i] for i in decoding], self.group_overhead)
         groups = []
-        for group in length_groups([ends[i] for i in decoding], self.group_overhead):
+        for group in split:
             members = [decoding[g] for g in group]
             longest = max(ends[i] for i in members)
             lengths = torch.tensor([ends[i] for i in members], device=device)
-            mask = torch.arange(longest, device=device) < lengths[:, None]
+            mask = lengths if self.decode_kernel is not None else \
+                self._additive((torch.arange(longest, device=device) < lengths[:, None])[:, None, None])
             groups.append((torch.tensor([token_of[i] for i in members], device=device),
-                           self._tables(tables, members, longest), self._additive(mask[:, None, None])))
+                           self._tables(tables, members, longest), mask))
         return groups
 
     def _tables(self, tables: Tensor, rows: list[int], length: int) -> Tensor:

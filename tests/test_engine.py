@@ -5,6 +5,7 @@ scheduler), static batching, validation, metrics, workloads, the ragged paged ca
 cost-model simulator."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import statistics
@@ -20,6 +21,7 @@ from labkit.engine import (FINISHED, RUNNING, WAITING, Engine, Request, Schedule
                            lognormal, make_workload, preempt_newest, request_metrics, run_static, summarize, uniform)
 from labkit.generate import SamplingParams, stream
 from labkit.hardware import Hardware
+from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.memory import ModelShape
 from labkit.model import ModelConfig, Transformer
 from labkit.paged import BlockAllocator, PagedKVCache, blocks_for
@@ -250,6 +252,32 @@ def test_every_request_gets_the_tokens_it_would_get_alone(workload):
                       ("sampled", any(r.params.temperature for r in requests))]:
         if met:
             event(case)
+
+
+MODEL32 = copy.deepcopy(MODEL).float()  # the C++ decode operator is fp32 only
+
+
+@settings(max_examples=20, deadline=None)
+@given(workloads())
+def test_the_cpu_decode_kernel_changes_no_token_and_loses_no_request(workload):
+    """The engine with labkit's C++ paged decode operator against the same engine gathering the
+    blocks (whose outputs the test above checks against each request generated alone)."""
+    specs, config, block_size, num_blocks, prefix_caching = workload
+    calls = []
+
+    def kernel(*args):
+        calls.append(len(args[0]))
+        return paged_decode_cpu(*args)
+    outputs = []
+    for decode_kernel in (None, kernel):
+        requests = build(specs)
+        engine = Engine(MODEL32, num_blocks, block_size, config, prefix_caching, decode_kernel=decode_kernel)
+        done = run_engine(engine, requests)
+        check_finished(engine, requests, done)
+        outputs.append([r.output for r in done])
+    assert outputs[0] == outputs[1]
+    one_token_steps = sum(any(n == 1 for _, n, _ in record.batch) for record in engine.log)
+    assert len(calls) == one_token_steps * MODEL.config.n_layers  # per layer of a step, one call for all of them
 
 
 def _crowd(n: int, temperature: float = 0.0) -> list[Request]:

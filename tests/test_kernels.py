@@ -1,7 +1,9 @@
-"""The Triton kernels against PyTorch's scaled_dot_product_attention and the paged reference.
+"""The Triton kernels against PyTorch's scaled_dot_product_attention and the paged reference,
+and the CPU's C++ paged decode operator against the same reference.
 
-On this CPU they run in Triton's interpreter (``labkit.kernels`` sets TRITON_INTERPRET=1 when
-torch sees no GPU), so the shapes are small; on a GPU the same tests run compiled.
+On this CPU the Triton kernels run in Triton's interpreter (``labkit.kernels`` sets
+TRITON_INTERPRET=1 when torch sees no GPU), so the shapes are small; on a GPU the same tests run
+compiled. The C++ operator is built on first use (about 10 s, then cached on disk).
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from labkit import kernels
+from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.kernels.tiled import naive_attention
 from labkit.model import ModelConfig, Transformer
-from labkit.paged import BlockAllocator, PagedKVCache, paged_attention
+from labkit.paged import BlockAllocator, PagedKVCache, generate_paged, paged_attention
 
 DEVICE = "cpu" if kernels.interpreted() else "cuda"
 # fp32 matmuls in a compiled kernel run on TF32 tensor cores (10-bit mantissa, like fp16's)
@@ -92,14 +95,14 @@ def test_flash_attention_reads_strided_inputs_and_scales():
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[torch.float32], atol=TOLERANCE[torch.float32])
 
 
-def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num_blocks=24, seed=0):
+def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num_blocks=24, seed=0, device=DEVICE):
     generator = torch.Generator().manual_seed(seed)
-    pools = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(DEVICE, dtype)
+    pools = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator).to(device, dtype)
              for _ in range(2)]
     width = max(math.ceil(n / block_size) for n in lengths)
-    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in lengths]).to(DEVICE)
-    q = torch.randn(len(lengths), heads, dim, generator=generator).to(DEVICE, dtype)
-    return q, *pools, tables, torch.tensor(lengths, device=DEVICE)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in lengths]).to(device)
+    q = torch.randn(len(lengths), heads, dim, generator=generator).to(device, dtype)
+    return q, *pools, tables, torch.tensor(lengths, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -111,16 +114,20 @@ def test_paged_decode_matches_the_gather_reference(dtype, heads, kv_heads):
     torch.testing.assert_close(out.double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-def test_paged_decode_never_reads_past_a_length():
-    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20])
-    out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
-    for pool in (k_pool, v_pool):  # noise in every slot past each length, and in blocks no table names
-        spoiled = tables.new_zeros(pool.shape[0], pool.shape[1], dtype=torch.bool)
-        spoiled[:] = True
+def _spoil_unread_slots(k_pool, v_pool, tables, lengths):
+    """Noise in every slot past each length, and in the blocks no table names."""
+    for pool in (k_pool, v_pool):
+        spoiled = tables.new_ones(pool.shape[0], pool.shape[1], dtype=torch.bool)
         for row, length in zip(tables, lengths.tolist()):
             for slot in range(length):
                 spoiled[row[slot // pool.shape[1]], slot % pool.shape[1]] = False
         pool[spoiled] = 1e4
+
+
+def test_paged_decode_never_reads_past_a_length():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20])
+    out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
+    _spoil_unread_slots(k_pool, v_pool, tables, lengths)
     torch.testing.assert_close(kernels.paged_decode(q, k_pool, v_pool, tables, lengths), out)
 
 
@@ -142,6 +149,27 @@ def test_paged_decode_on_a_models_paged_cache():
         pools = cache.k[layer], cache.v[layer]
         torch.testing.assert_close(kernels.paged_decode(q, *pools, cache.block_tables(), lengths),
                                    paged_attention(q, *pools, cache.block_tables(), lengths), rtol=2e-5, atol=2e-5)
+
+
+def test_the_paged_cache_attends_through_a_decode_kernel():
+    """The engine's cache with the Triton kernel as its decode attention (interpreted here)."""
+    config = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=128)
+    model = Transformer(config)
+    model.reset_parameters(std=0.3)  # logits far apart: no near tie for float rounding to flip
+    model.eval().to(DEVICE)
+    prompts = [[1, 2, 3], list(range(5, 25)), list(range(30, 43))]
+    calls = []
+
+    def kernel(*args):
+        calls.append(len(args[0]))
+        return kernels.paged_decode(*args)
+    outputs = []
+    for decode_kernel in (None, kernel):
+        cache = PagedKVCache(config, BlockAllocator(num_blocks=16, block_size=8), device=DEVICE,
+                             decode_kernel=decode_kernel)
+        outputs.append(generate_paged(model, cache, prompts, new_tokens=4)[0])
+    assert outputs[0] == outputs[1]
+    assert calls == [3] * 3 * config.n_layers  # the three sequences in one call, each layer of 3 decode steps
 
 
 def test_tiled_and_naive_attention_and_online_softmax_match_sdpa():
@@ -282,3 +310,77 @@ def test_timings_refuse_the_interpreter():
     from labkit.kernels.speed import forward_speeds
     with pytest.raises(RuntimeError, match="kernel timings need a CUDA GPU"):
         forward_speeds([512], [64], torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- the CPU's C++ paged decode operator
+
+def _reference(q, k_pool, v_pool, tables, lengths):
+    return paged_attention(q.double(), k_pool.double(), v_pool.double(), tables, lengths)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (4, 4, 48, 16),  # MHA, the shipped model's head dimension
+    (8, 2, 64, 16),  # GQA 4
+    (6, 1, 128, 8),  # MQA
+    (6, 3, 20, 12),  # a head dimension without its own compiled loop, and blocks of 12
+])
+def test_cpu_paged_decode_matches_the_gather_reference(heads, kv_heads, dim, block_size):
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [1, 16, 37, 70, 130], block_size, kv_heads,
+                                                      heads, dim, device="cpu")
+    out = paged_decode_cpu(q, k_pool, v_pool, tables, lengths)
+    torch.testing.assert_close(out.double(), _reference(q, k_pool, v_pool, tables, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_paged_decode_rescales_when_a_later_block_scores_higher():
+    """Scores that grow by far more than exp can span (about 88 in fp32), block after block, and
+    fall again: the online softmax must rescale its running sum and output at every new maximum."""
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [64, 50], 16, 2, 4, 48, device="cpu")
+    for row in tables:
+        for index, block in enumerate(row.tolist()):
+            k_pool[block] *= [1.0, 40.0, 90.0, 10.0][index]
+    out = paged_decode_cpu(q, k_pool, v_pool, tables, lengths)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double(), _reference(q, k_pool, v_pool, tables, lengths), rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_paged_decode_never_reads_past_a_length_and_reads_strided_inputs():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20, 33], device="cpu")
+    expected = _reference(q, k_pool, v_pool, tables, lengths)
+    _spoil_unread_slots(k_pool, v_pool, tables, lengths)
+    wide = torch.randn(*k_pool.shape[:3], 2, 64)  # pools whose head rows are not next to each other
+    wide[..., 0, :48], wide[..., 1, :48] = k_pool, v_pool
+    strided_q = torch.randn(q.shape[1], q.shape[0], 48).transpose(0, 1).copy_(q)
+    out = paged_decode_cpu(strided_q, wide[..., 0, :48], wide[..., 1, :48], tables.int(), lengths.int())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_paged_decode_gives_the_same_bits_on_one_thread_or_two():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [3, 40, 17, 64, 9], device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outputs.append(paged_decode_cpu(q, k_pool, v_pool, tables, lengths))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*outputs)
+
+
+def test_cpu_paged_decode_refuses_bad_input():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
+    with pytest.raises(ValueError, match=r"one dtype of \(torch.float32,\)"):
+        paged_decode_cpu(q.half(), k_pool.half(), v_pool.half(), tables, lengths)
+    with pytest.raises(ValueError, match="every length must be in"):
+        paged_decode_cpu(q, k_pool, v_pool, tables, torch.tensor([0, 20]))
+    with pytest.raises(ValueError, match="pools hold blocks 0..23"):
+        paged_decode_cpu(q, k_pool, v_pool, tables + 24, lengths)
+    with pytest.raises(ValueError, match="head dimension 48 but the pools hold 40"):
+        paged_decode_cpu(q, k_pool[..., :40], v_pool[..., :40], tables, lengths)
+
+
+def test_cpu_paged_decode_without_a_compiler_says_what_it_needs(tmp_path):
+    ran = _python("from labkit.kernels.paged_decode_cpu import build\ntry:\n    build()\n"
+                  "except RuntimeError as e:\n    print(e)", CXX=str(tmp_path / "no-compiler"),
+                  TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "needs a C++ compiler with OpenMP" in ran.stdout, ran.stdout + ran.stderr

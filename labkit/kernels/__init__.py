@@ -60,6 +60,46 @@ def check_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"Triton kernels run on cuda (or on the CPU in the interpreter), not {device.type}")
 
 
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_heads_and_dtype(heads: int, kv_heads: int, *tensors: torch.Tensor,
+                          dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    """What the attention kernels need of their operands: whole groups of query heads per KV head,
+    and one dtype of ``dtypes`` for all of them."""
+    if heads % kv_heads:
+        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
+    found = [t.dtype for t in tensors]
+    if len(set(found)) != 1 or found[0] not in dtypes:
+        raise ValueError(f"the inputs must share one dtype of {dtypes}, got {', '.join(map(str, found))}")
+
+
+def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                       lengths: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    """What a paged decode kernel (Triton's, or the CPU's in C++) needs: q ``[B, n_heads, d]``,
+    pools ``[num_blocks, block_size, n_kv_heads, d]``, integer ``block_tables`` ``[B, max_blocks]``
+    naming blocks of the pools, and each of the ``lengths`` ``[B]`` at least 1 and within its table."""
+    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
+                         f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
+    if pool_dim != dim:
+        raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
+    check_heads_and_dtype(heads, kv_heads, q, k_pool, v_pool, dtypes=dtypes)
+    if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"expected at least one sequence, block_tables [B={batch}, max_blocks] and lengths "
+                         f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+    if block_tables.is_floating_point() or lengths.is_floating_point():
+        raise ValueError("block_tables and lengths must hold integers")
+    ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
+    shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
+    if shortest < 1 or longest > block_tables.shape[1] * block_size:
+        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
+                         f"name), got {lengths.tolist()}")
+    if first < 0 or last >= num_blocks:
+        raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
+
+
 if MISSING is None:
     from labkit.kernels.flash import flash_attention, flash_attention_kernel
     from labkit.kernels.paged_decode import paged_decode, paged_decode_kernel
@@ -70,6 +110,6 @@ else:  # pragma: no cover
     paged_decode = flash_attention
     flash_attention_kernel = paged_decode_kernel = None
 
-__all__ = ["MISSING", "check_device", "flash_attention", "flash_attention_kernel", "interpreted",
+__all__ = ["DTYPES", "MISSING", "check_device", "check_heads_and_dtype", "check_paged_decode", "flash_attention", "flash_attention_kernel", "interpreted",
            "online_softmax_update", "paged_decode", "paged_decode_kernel", "reference_attention", "require_triton",
            "tile_map", "tiled_attention", "tl", "triton"]

@@ -24,20 +24,9 @@ import math
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, interpreted, tl, triton
+from labkit.kernels import check_device, check_heads_and_dtype, interpreted, tl, triton
 
 LOG2E = 1.4426950408889634
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_heads_and_dtype(heads: int, kv_heads: int, *tensors: Tensor) -> None:
-    """What both kernels need of their operands: whole groups of query heads per KV head, and one
-    dtype of ``DTYPES`` for all of them."""
-    if heads % kv_heads:
-        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
-    dtypes = [t.dtype for t in tensors]
-    if len(set(dtypes)) != 1 or dtypes[0] not in DTYPES:
-        raise ValueError(f"the inputs must share one dtype of {DTYPES}, got {', '.join(map(str, dtypes))}")
 
 
 def unit_last_stride(*tensors: Tensor) -> list[Tensor]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, interpreted, tl, triton
-from labkit.kernels.flash import check_heads_and_dtype, log2_scale, padded, row_bytes, unit_last_stride
+from labkit.kernels import check_device, check_paged_decode, interpreted, tl, triton
+from labkit.kernels.flash import log2_scale, padded, row_bytes, unit_last_stride
 
 
 @triton.jit
@@ -68,38 +68,16 @@ def decode_tile(block_size: int, dim: int, dtype: torch.dtype) -> int:
     return max(block_size, min(128, 32768 // row_bytes(dim, dtype)))
 
 
-def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> None:
-    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
-                         f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
-    (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
-    if pool_dim != dim:
-        raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
-    check_heads_and_dtype(heads, kv_heads, q, k_pool, v_pool)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two for this kernel")
-    if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
-        raise ValueError(f"expected at least one sequence, block_tables [B={batch}, max_blocks] and lengths "
-                         f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
-    if block_tables.is_floating_point() or lengths.is_floating_point():
-        raise ValueError("block_tables and lengths must hold integers")
-    ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
-    shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
-    if shortest < 1 or longest > block_tables.shape[1] * block_size:
-        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
-                         f"name), got {lengths.tolist()}")
-    if first < 0 or last >= num_blocks:
-        raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
-
-
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
                  scale: float | None = None) -> Tensor:
     """What ``labkit.paged.paged_attention`` computes, without gathering: ``q`` ``[B, n_heads, d]``
     attends to the first ``lengths[b]`` keys and values of sequence b, read from the pools
     ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables`` ``[B, max_blocks]``."""
-    _check(q, k_pool, v_pool, block_tables, lengths)
+    check_paged_decode(q, k_pool, v_pool, block_tables, lengths)
     check_device(q, k_pool, v_pool, block_tables, lengths)
     (batch, heads, dim), (_, block_size, kv_heads, _) = q.shape, k_pool.shape
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two for this kernel")
     q, k_pool, v_pool = unit_last_stride(q, k_pool, v_pool)
     out = torch.empty_like(q)
     group = heads // kv_heads

@@ -1,0 +1,128 @@
+// Paged decode attention on the CPU: one new query per sequence attends to the keys and values
+// the paged cache holds for it, read slot by slot through the sequence's block table, with no
+// gathered copy. labkit/kernels/paged_decode_cpu.py builds this file and documents it.
+//
+// The sequences run in parallel on torch's own OpenMP threads (at::parallel_for). Each reads its
+// blocks in turn, and in a block one slot at a time: a contiguous row of every KV head, scored
+// against all the query heads (a KV head serves a group of them: GQA), so each row is read once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+struct Pools {
+  const float *k, *v;
+  int64_t k_block, k_slot, k_head, v_block, v_slot, v_head;  // strides, in floats
+  int64_t block_size, kv_heads;
+};
+
+// Ask for a block's rows (`floats` of them from `row`) to be fetched from memory ahead of use.
+void prefetch(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);  // 16 floats: a 64-byte cache line
+}
+
+// One sequence, a block at a time (online softmax, as the Triton kernels do): the block's scores
+// for every query head, then each head's running maximum m, sum l and output rescaled if the
+// maximum grew, then the block's values added with weights exp(score - m). The next block is
+// prefetched while this one is used. D > 0 fixes the head dimension at compile time, so that the
+// loops over it unroll into a few vector instructions; D = 0 takes it from `dim`. Query head h
+// reads KV head h / group. `work` holds heads * (block_size + 2) floats; `out` is [heads, dim].
+template <int D>
+void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, const Pools& pools,
+            const int64_t* table, int64_t len, float scale, float* work, float* out) {
+  const int64_t d_len = D > 0 ? D : dim, heads = group * pools.kv_heads, size = pools.block_size;
+  float *score = work, *m = work + heads * size, *l = m + heads;
+  std::fill(out, out + heads * d_len, 0.f);
+  for (int64_t first = 0; first < len; first += size) {
+    const int64_t n = std::min(size, len - first), block = table[first / size];
+    const float *k_block = pools.k + block * pools.k_block, *v_block = pools.v + block * pools.v_block;
+    if (first + size < len) {
+      const int64_t next = table[first / size + 1];
+      prefetch(pools.k + next * pools.k_block, size * pools.k_slot);
+      prefetch(pools.v + next * pools.v_block, size * pools.v_slot);
+    }
+    for (int64_t j = 0; j < n; ++j) {  // one slot's keys, every KV head: one contiguous row
+      const float* k_row = k_block + j * pools.k_slot;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float *qh = q + h * q_head_stride, *k = k_row + (h / group) * pools.k_head;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < d_len; ++d) dot += qh[d] * k[d];
+        score[h * size + j] = dot * scale;
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* p = score + h * size;
+      const float top = std::max(*std::max_element(p, p + n), first ? m[h] : p[0]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = std::exp(p[j] - top);
+        sum += p[j];
+      }
+      const float shrink = first ? std::exp(m[h] - top) : 0.f;  // the earlier blocks' weights, rescaled
+      l[h] = (first ? l[h] * shrink : 0.f) + sum;
+      m[h] = top;
+      if (first && shrink != 1.f) {
+        float* o = out + h * d_len;
+#pragma omp simd
+        for (int64_t d = 0; d < d_len; ++d) o[d] *= shrink;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v_row = v_block + j * pools.v_slot;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float w = score[h * size + j], *v = v_row + (h / group) * pools.v_head;
+        float* o = out + h * d_len;
+#pragma omp simd
+        for (int64_t d = 0; d < d_len; ++d) o[d] += w * v[d];
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / l[h];
+    float* o = out + h * d_len;
+#pragma omp simd
+    for (int64_t d = 0; d < d_len; ++d) o[d] *= inv;
+  }
+}
+
+// q [B, n_heads, d]; pools [num_blocks, block_size, n_kv_heads, d]; tables [B, max_blocks];
+// lengths [B]. The Python wrapper checks shapes, dtypes and ranges; this checks what it relies on.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == at::kFloat,
+              "paged_decode: q and the pools must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
+              "paged_decode: the head dimension must be contiguous");
+  const at::Tensor table = tables.to(at::kLong).contiguous(), length = lengths.to(at::kLong).contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), width = table.size(1);
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  const int64_t *tab = table.data_ptr<int64_t>(), *len = length.data_ptr<int64_t>();
+  const Pools pools{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), k_pool.stride(1),
+                    k_pool.stride(2),         v_pool.stride(0),         v_pool.stride(1), v_pool.stride(2),
+                    k_pool.size(1),           k_pool.size(2)};
+  const float* Q = q.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  auto run = dim == 48 ? attend<48> : dim == 64 ? attend<64> : dim == 128 ? attend<128> : attend<0>;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(heads * (k_pool.size(1) + 2));
+    for (int64_t b = begin; b < end; ++b)
+      run(Q + b * q.stride(0), q.stride(1), heads / pools.kv_heads, dim, pools, tab + b * width, len[b],
+          static_cast<float>(scale), work.data(), O + b * heads * dim);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(labkit, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lengths, float scale) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}

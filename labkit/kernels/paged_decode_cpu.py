@@ -1,0 +1,63 @@
+"""Paged decode attention on the CPU, in C++: what the Triton kernel of ``paged_decode`` does on a
+GPU, for the engine when it runs on a CPU.
+
+``labkit.paged`` attends by gathering each sequence's blocks into a contiguous copy first
+(``gather_kv``), then calling SDPA. On a CPU that copy is a large part of a decode step: for the
+engine benchmark's workload, the gathers and SDPA together take about 30% of the run. This
+operator (``paged_decode_cpu.cpp``) reads each key and value row straight from the pools through
+the block table, once for all the query heads that share it, in parallel over (sequence, KV head)
+on torch's own threads. It is fp32 only, like the CPU model.
+
+It is compiled the first time ``build`` is called, with torch's ``cpp_extension``: that needs a
+C++ compiler with OpenMP (g++ on Linux), takes about 10 s, and is cached on disk, so later runs
+load it at once. The engine uses it only when asked (``Engine(..., decode_kernel=paged_decode_cpu)``):
+the pure-PyTorch path stays the default, and the reference the tests compare this with.
+Two compiler choices matter for speed: ``-ffast-math``, so that the softmax's ``exp`` is
+vectorised (safe here: every length is at least 1 and the largest score is subtracted, so no
+infinity or NaN arises), and ``-fopenmp`` at compile time only. The library is not linked to an
+OpenMP runtime of its own: its OpenMP calls resolve to the one torch has loaded already, since two
+runtimes in one process compete for the cores (in a trial, SDPA ran four times slower).
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from labkit.kernels import check_paged_decode
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+FLAGS = ["-O3", "-ffast-math", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+def build(verbose: bool = False) -> None:
+    """Compile (or load the cached build of) the operator, once per process; RuntimeError, saying
+    why, where it cannot be built."""
+    if hasattr(torch.ops.labkit, "paged_decode"):
+        return
+    from torch.utils.cpp_extension import load  # imported here: it is slow to import and rarely needed
+    try:
+        load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=verbose)
+    except (OSError, RuntimeError, ImportError) as error:
+        raise RuntimeError(f"could not build labkit's C++ paged decode operator from {SOURCE.name}: it needs a C++ "
+                           f"compiler with OpenMP (g++ on Linux); the PyTorch path (no decode_kernel) needs "
+                           f"none. The compiler said: {error}") from error
+
+
+def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
+                     scale: float | None = None) -> Tensor:
+    """What ``labkit.paged.paged_attention`` computes, without gathering, on the CPU in fp32:
+    ``q`` ``[B, n_heads, d]`` attends to the first ``lengths[b]`` keys and values of sequence b,
+    read from the pools ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables``
+    ``[B, max_blocks]``. Builds the operator on first use (``build``)."""
+    check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(torch.float32,))
+    devices = {t.device.type for t in (q, k_pool, v_pool, block_tables, lengths)}
+    if devices != {"cpu"}:
+        raise ValueError(f"paged_decode_cpu runs on the CPU, got tensors on {sorted(devices)}: on a GPU use "
+                         f"labkit.kernels.paged_decode")
+    build()
+    q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
+    return torch.ops.labkit.paged_decode(q, k_pool, v_pool, block_tables, lengths,
+                                         q.shape[-1] ** -0.5 if scale is None else scale)
