@@ -10,7 +10,8 @@ CUDA GPU, and only then imports triton: the device comes from torch, not from Tr
 
 Without triton installed the package still imports: ``MISSING`` says what is missing, and the
 kernels raise it when called. ``labkit.kernels.tiled`` (the same algorithm in plain PyTorch)
-needs no Triton at all.
+needs no Triton at all, nor does ``labkit.kernels.paged_decode_cpu``, the paged decode step in
+C++ for the engine on a CPU (imported on its own: it builds with a C++ compiler on first use).
 """
 from __future__ import annotations
 
@@ -110,6 +111,6 @@ else:  # pragma: no cover
     paged_decode = flash_attention
     flash_attention_kernel = paged_decode_kernel = None
 
-__all__ = ["DTYPES", "MISSING", "check_device", "check_heads_and_dtype", "check_paged_decode", "flash_attention", "flash_attention_kernel", "interpreted",
-           "online_softmax_update", "paged_decode", "paged_decode_kernel", "reference_attention", "require_triton",
-           "tile_map", "tiled_attention", "tl", "triton"]
+__all__ = ["DTYPES", "MISSING", "check_device", "check_heads_and_dtype", "check_paged_decode", "flash_attention",
+           "flash_attention_kernel", "interpreted", "online_softmax_update", "paged_decode", "paged_decode_kernel",
+           "reference_attention", "require_triton", "tile_map", "tiled_attention", "tl", "triton"]
