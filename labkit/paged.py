@@ -535,7 +535,18 @@ class PagedKVCache:
             k, v = k[step.tokens], v[step.tokens]
         self.k[layer].flatten(0, 1)[step.slots] = k.type_as(self.k)
         self.v[layer].flatten(0, 1)[step.slots] = v.type_as(self.v)
-        pools = self.k[layer], self.v[layer]
+        out = self._attend_tokens(q, (self.k[layer], self.v[layer]), step)
+        if layer == self.k.shape[0] - 1:  # every layer has written: these tokens are computed
+            for seq_id, end in zip(self.seq_ids, step.ends):
+                self.allocator.mark_computed(seq_id, end)
+        return out.view(batch, length, heads, dim).transpose(1, 2)
+
+    def _attend_tokens(self, q: Tensor, pools: tuple[Tensor, Tensor], step: _Batch) -> Tensor:
+        """The attention output of each query ``[B * T, heads, dim]`` (zero at padding), by group
+        and by chunk; when a decode kernel serves every query, straight from the kernel."""
+        if self.decode_kernel is not None and not step.chunks and len(step.tokens) == len(q):
+            (_, tables, lengths), = step.decodes  # every query decodes, in order: nothing to scatter
+            return self.decode_kernel(q, *pools, tables, lengths)
         out = torch.zeros_like(q)
         for tokens, tables, mask in step.decodes:
             if self.decode_kernel is not None:  # mask: the group's lengths
@@ -545,10 +556,7 @@ class PagedKVCache:
         for tokens, table, mask in step.chunks:
             query = q[tokens].transpose(0, 1)[None]  # [1, heads, n, dim]
             out[tokens] = attend_blocks(query, *pools, table, mask)[0].transpose(0, 1)
-        if layer == self.k.shape[0] - 1:  # every layer has written: these tokens are computed
-            for seq_id, end in zip(self.seq_ids, step.ends):
-                self.allocator.mark_computed(seq_id, end)
-        return out.view(batch, length, heads, dim).transpose(1, 2)
+        return out
 
     def _sequence_of_tokens(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """The flat index of each real token, and the index in ``seq_ids`` of its sequence."""

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -92,6 +93,23 @@ void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, c
   }
 }
 
+// The sequences split into `parts` shares of about equal total length, one share per thread: the
+// longest first, each to the share with the least so far. (Equal counts of sequences, as a plain
+// parallel loop gives, can leave one thread with most of the work.) Each sequence is computed by
+// one thread alone, so the results do not depend on the number of threads.
+std::vector<std::vector<int64_t>> balanced_shares(const int64_t* len, int64_t batch, int64_t parts) {
+  std::vector<int64_t> order(batch), load(std::max<int64_t>(1, std::min(parts, batch)), 0);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  std::vector<std::vector<int64_t>> shares(load.size());
+  for (int64_t b : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    shares[least].push_back(b);
+    load[least] += len[b];
+  }
+  return shares;
+}
+
 // q [B, n_heads, d]; pools [num_blocks, block_size, n_kv_heads, d]; tables [B, max_blocks];
 // lengths [B]. The Python wrapper checks shapes, dtypes and ranges; this checks what it relies on.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -111,11 +129,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const float* Q = q.data_ptr<float>();
   float* O = out.data_ptr<float>();
   auto run = dim == 48 ? attend<48> : dim == 64 ? attend<64> : dim == 128 ? attend<128> : attend<0>;
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<std::vector<int64_t>> shares = balanced_shares(len, batch, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(heads * (k_pool.size(1) + 2));
-    for (int64_t b = begin; b < end; ++b)
-      run(Q + b * q.stride(0), q.stride(1), heads / pools.kv_heads, dim, pools, tab + b * width, len[b],
-          static_cast<float>(scale), work.data(), O + b * heads * dim);
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t b : shares[i])
+        run(Q + b * q.stride(0), q.stride(1), heads / pools.kv_heads, dim, pools, tab + b * width, len[b],
+            static_cast<float>(scale), work.data(), O + b * heads * dim);
   });
   return out;
 }
