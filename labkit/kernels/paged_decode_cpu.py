@@ -2,25 +2,28 @@
 GPU, for the engine when it runs on a CPU.
 
 ``labkit.paged`` attends by gathering each sequence's blocks into a contiguous copy first
-(``gather_kv``), then calling SDPA. On a CPU that copy is a large part of a decode step: for the
-engine benchmark's workload, the gathers and SDPA together take about 30% of the run. This
+(``gather_kv``), then calling SDPA. On a CPU that copy is a large part of a decode step. This
 operator (``paged_decode_cpu.cpp``) reads each key and value row straight from the pools through
-the block table, once for all the query heads that share it, in parallel over (sequence, KV head)
+the block table, once for all the query heads that share it, and runs the sequences in parallel
 on torch's own threads. It is fp32 only, like the CPU model.
 
 It is compiled the first time ``build`` is called, with torch's ``cpp_extension``: that needs a
-C++ compiler with OpenMP (g++ on Linux), takes about 10 s, and is cached on disk, so later runs
-load it at once. The engine uses it only when asked (``Engine(..., decode_kernel=paged_decode_cpu)``):
-the pure-PyTorch path stays the default, and the reference the tests compare this with.
-Two compiler choices matter for speed: ``-ffast-math``, so that the softmax's ``exp`` is
-vectorised (safe here: every length is at least 1 and the largest score is subtracted, so no
-infinity or NaN arises), and ``-fopenmp`` at compile time only. The library is not linked to an
-OpenMP runtime of its own: its OpenMP calls resolve to the one torch has loaded already, since two
-runtimes in one process compete for the cores (in a trial, SDPA ran four times slower).
+C++ compiler with OpenMP (g++ on Linux) and ninja (a dependency of labkit), takes about 10 s, and
+is cached on disk (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache), so that later runs load
+it at once. The engine uses it only when asked (``Engine(..., decode_kernel=paged_decode_cpu)``):
+the pure-PyTorch path stays the default, and is the reference the tests compare this with.
+
+Two compiler choices matter for speed. ``-ffast-math`` lets the softmax's ``exp`` be vectorised;
+it is safe here, since every length is at least 1 and the largest score is subtracted, so no
+infinity or NaN arises. ``-fopenmp`` is given at compile time only: the library is not linked
+to an OpenMP runtime of its own, so its OpenMP calls resolve to the one torch has loaded already.
+Two runtimes in one process compete for the cores (in a trial, SDPA ran four times slower).
 """
 from __future__ import annotations
 
-import platform
+import os
+import shutil
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -29,7 +32,8 @@ from torch import Tensor
 from labkit.kernels import check_paged_decode
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ["-O3", "-ffast-math", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+# no -march=native: a build cached in a home directory shared by different machines must run on all of them
+FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 
 def build(verbose: bool = False) -> None:
@@ -38,6 +42,9 @@ def build(verbose: bool = False) -> None:
     if hasattr(torch.ops.labkit, "paged_decode"):
         return
     from torch.utils.cpp_extension import load  # imported here: it is slow to import and rarely needed
+    scripts = sysconfig.get_path("scripts")  # torch runs `ninja` by name: pip's may be beside this Python only,
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):  # a venv used without activating it
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     try:
         load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=verbose)
     except (OSError, RuntimeError, ImportError) as error:
