@@ -508,6 +508,20 @@ class PagedKVCache:
         # and pays per kernel launch, so there all go in one group (the engine benchmark's
         # workload on an H100: 3.4 to 4.7 s in one group, 3.8 to 5.7 s split at 512 slots a call)
         self.group_overhead = 512 if self.k.device.type == "cpu" else 1 << 40
+        if decode_kernel is not None:
+            self._try_kernel(config)
+
+    def _try_kernel(self, config: ModelConfig) -> None:
+        """Run the decode kernel once, one query over slot 0 of block 0, so that a kernel that cannot
+        serve this cache (another dtype or device, a block size it refuses) fails now, saying so."""
+        q = torch.zeros(1, config.n_heads, config.head_dim, dtype=self.k.dtype, device=self.k.device)
+        one = torch.ones(1, 1, dtype=torch.long, device=self.k.device)
+        try:
+            self.decode_kernel(q, self.k[0], self.v[0], one - 1, one[0])
+        except (ValueError, RuntimeError, ImportError) as error:
+            name = getattr(self.decode_kernel, "__name__", repr(self.decode_kernel))
+            raise ValueError(f"decode_kernel {name} cannot attend over this cache ({self.k.dtype} on "
+                             f"{self.k.device}, blocks of {self.allocator.block_size}): {error}") from error
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Reserve slots for ``tokens`` after ``seq_id``'s last one, copying a shared last block first."""

@@ -277,7 +277,13 @@ def test_the_cpu_decode_kernel_changes_no_token_and_loses_no_request(workload):
         outputs.append([r.output for r in done])
     assert outputs[0] == outputs[1]
     one_token_steps = sum(any(n == 1 for _, n, _ in record.batch) for record in engine.log)
-    assert len(calls) == one_token_steps * MODEL.config.n_layers  # per layer of a step, one call for all of them
+    # one call when the cache is made (to try the kernel), then one per layer of each step, for all its decodes
+    assert len(calls) == 1 + one_token_steps * MODEL.config.n_layers
+
+
+def test_a_decode_kernel_that_cannot_serve_the_cache_is_refused_when_the_engine_is_made():
+    with pytest.raises(ValueError, match=r"paged_decode_cpu cannot attend over this cache \(torch.float64"):
+        Engine(MODEL, 8, 4, decode_kernel=paged_decode_cpu)  # the operator is fp32 only
 
 
 def _crowd(n: int, temperature: float = 0.0) -> list[Request]:

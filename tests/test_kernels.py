@@ -8,14 +8,17 @@ compiled. The C++ operator is built on first use (about 10 s, then cached on dis
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from labkit import kernels
+from labkit.kernels import paged_decode_cpu as paged_decode_cpu_module
 from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.kernels.tiled import naive_attention
 from labkit.model import ModelConfig, Transformer
@@ -169,7 +172,8 @@ def test_the_paged_cache_attends_through_a_decode_kernel():
                              decode_kernel=decode_kernel)
         outputs.append(generate_paged(model, cache, prompts, new_tokens=4)[0])
     assert outputs[0] == outputs[1]
-    assert calls == [3] * 3 * config.n_layers  # the three sequences in one call, each layer of 3 decode steps
+    # the cache tries the kernel once when made, then the three sequences in one call, each layer of 3 steps
+    assert calls == [1] + [3] * 3 * config.n_layers
 
 
 def test_tiled_and_naive_attention_and_online_softmax_match_sdpa():
@@ -222,7 +226,6 @@ def test_paged_decode_refuses_bad_input():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
 
@@ -377,6 +380,43 @@ def test_cpu_paged_decode_refuses_bad_input():
         paged_decode_cpu(q, k_pool, v_pool, tables + 24, lengths)
     with pytest.raises(ValueError, match="head dimension 48 but the pools hold 40"):
         paged_decode_cpu(q, k_pool[..., :40], v_pool[..., :40], tables, lengths)
+
+
+def test_cpu_paged_decode_refuses_what_its_checks_would_miss():
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
+    with pytest.raises(ValueError, match="must hold integers, got torch.int64 and torch.bool"):
+        paged_decode_cpu(q, k_pool, v_pool, tables, lengths > 0)
+    with pytest.raises(ValueError, match="no empty dimension"):
+        paged_decode_cpu(q[:, :0], k_pool[:, :, :0], v_pool[:, :, :0], tables, lengths)
+    with pytest.raises(ValueError, match=r"runs on the CPU, got tensors on \['cpu', 'meta'\]"):
+        paged_decode_cpu(q, k_pool, v_pool, tables, lengths.to("meta"))
+
+
+def test_the_registered_operator_checks_the_ranges_it_reads_by_itself():
+    """Called directly, past the wrapper's checks, the operator still reads nothing outside the pools."""
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
+    paged_decode_cpu(q, k_pool, v_pool, tables, lengths)  # builds it
+    op = torch.ops.labkit.paged_decode
+    wrong = tables.clone()
+    wrong[1, 1] = 40
+    with pytest.raises(RuntimeError, match="sequence 1 reads block 40 of 24"):
+        op(q, k_pool, v_pool, wrong, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="sequence 0 has length 0"):
+        op(q, k_pool, v_pool, tables, torch.tensor([0, 20]), 1.0)
+    with pytest.raises(RuntimeError, match="expected tables"):
+        op(q, k_pool, v_pool, tables[:1], lengths, 1.0)
+
+
+def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    paged_decode_cpu_module._remove_stale_lock(lock)  # fresh: another build may be running
+    assert lock.exists()
+    old = time.time() - paged_decode_cpu_module.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="left by a build that did not finish"):
+        paged_decode_cpu_module._remove_stale_lock(lock)
+    assert not lock.exists()
 
 
 def test_cpu_paged_decode_without_a_compiler_says_what_it_needs(tmp_path):

@@ -84,14 +84,16 @@ def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
                          f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
     (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
+    if min(heads, dim, num_blocks, block_size, kv_heads) < 1:
+        raise ValueError(f"q {tuple(q.shape)} and the pools {tuple(k_pool.shape)} must have no empty dimension but B")
     if pool_dim != dim:
         raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
     check_heads_and_dtype(heads, kv_heads, q, k_pool, v_pool, dtypes=dtypes)
     if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
         raise ValueError(f"expected at least one sequence, block_tables [B={batch}, max_blocks] and lengths "
                          f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
-    if block_tables.is_floating_point() or lengths.is_floating_point():
-        raise ValueError("block_tables and lengths must hold integers")
+    if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in (block_tables, lengths)):
+        raise ValueError(f"block_tables and lengths must hold integers, got {block_tables.dtype} and {lengths.dtype}")
     ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
     shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
     if shortest < 1 or longest > block_tables.shape[1] * block_size:

@@ -111,18 +111,32 @@ std::vector<std::vector<int64_t>> balanced_shares(const int64_t* len, int64_t ba
 }
 
 // q [B, n_heads, d]; pools [num_blocks, block_size, n_kv_heads, d]; tables [B, max_blocks];
-// lengths [B]. The Python wrapper checks shapes, dtypes and ranges; this checks what it relies on.
+// lengths [B]. The Python wrapper checks all of it with clearer messages; this checks what it relies on.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat,
               "paged_decode: q and the pools must be float32");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && q.size(2) == k_pool.size(3),
+              "paged_decode: expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d]");
+  TORCH_CHECK(k_pool.size(1) > 0 && k_pool.size(2) > 0 && q.size(1) % k_pool.size(2) == 0,
+              "paged_decode: n_heads must be a multiple of n_kv_heads, and blocks must hold slots");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0),
+              "paged_decode: expected tables [B, max_blocks] and lengths [B]");
   TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
               "paged_decode: the head dimension must be contiguous");
   const at::Tensor table = tables.to(at::kLong).contiguous(), length = lengths.to(at::kLong).contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), width = table.size(1);
-  at::Tensor out = at::empty({batch, heads, dim}, q.options());
   const int64_t *tab = table.data_ptr<int64_t>(), *len = length.data_ptr<int64_t>();
+  const int64_t block = k_pool.size(1), num_blocks = k_pool.size(0);
+  for (int64_t b = 0; b < batch; ++b) {  // every block a sequence reads must exist: no read outside the pools
+    TORCH_CHECK(len[b] >= 1 && len[b] <= width * block, "paged_decode: sequence ", b, " has length ", len[b],
+                ", not in [1, ", width * block, "]");
+    for (int64_t i = 0; i < (len[b] + block - 1) / block; ++i)
+      TORCH_CHECK(tab[b * width + i] >= 0 && tab[b * width + i] < num_blocks, "paged_decode: sequence ", b,
+                  " reads block ", tab[b * width + i], " of ", num_blocks);
+  }
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
   const Pools pools{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), k_pool.stride(1),
                     k_pool.stride(2),         v_pool.stride(0),         v_pool.stride(1), v_pool.stride(2),
                     k_pool.size(1),           k_pool.size(2)};

@@ -9,9 +9,9 @@ on torch's own threads. It is fp32 only, like the CPU model.
 
 It is compiled the first time ``build`` is called, with torch's ``cpp_extension``: that needs a
 C++ compiler with OpenMP (g++ on Linux) and ninja (a dependency of labkit), takes about 10 s, and
-is cached on disk (``TORCH_EXTENSIONS_DIR``, by default under ~/.cache), so that later runs load
-it at once. The engine uses it only when asked (``Engine(..., decode_kernel=paged_decode_cpu)``):
-the pure-PyTorch path stays the default, and is the reference the tests compare this with.
+is cached on disk (``build_directory``), so that later runs load it at once. The engine uses
+it only when asked (``Engine(..., decode_kernel=paged_decode_cpu)``): the pure-PyTorch path stays
+the default, and is the reference the tests compare this with.
 
 Two compiler choices matter for speed. ``-ffast-math`` lets the softmax's ``exp`` be vectorised;
 it is safe here, since every length is at least 1 and the largest score is subtracted, so no
@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import sysconfig
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +37,15 @@ from labkit.kernels import check_paged_decode
 SOURCE = Path(__file__).with_suffix(".cpp")
 # no -march=native: a build cached in a home directory shared by different machines must run on all of them
 FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+STALE_LOCK_S = 300
+
+
+def build_directory() -> Path:
+    """Where the operator is built and cached: under ``TORCH_EXTENSIONS_DIR`` if set, else torch's
+    default (~/.cache/torch_extensions), one folder per torch and Python version."""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"labkit_paged_decode_cpu-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def build(verbose: bool = False) -> None:
@@ -45,12 +57,25 @@ def build(verbose: bool = False) -> None:
     scripts = sysconfig.get_path("scripts")  # torch runs `ninja` by name: pip's may be beside this Python only,
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):  # a venv used without activating it
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    folder = build_directory()
     try:
-        load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=verbose)
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(folder / "lock")
+        load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(folder),
+             is_python_module=False, verbose=verbose)
     except (OSError, RuntimeError, ImportError) as error:
-        raise RuntimeError(f"could not build labkit's C++ paged decode operator from {SOURCE.name}: it needs a C++ "
-                           f"compiler with OpenMP (g++ on Linux); the PyTorch path (no decode_kernel) needs "
-                           f"none. The compiler said: {error}") from error
+        raise RuntimeError(f"could not build labkit's C++ paged decode operator from {SOURCE.name} in {folder}: "
+                           f"{error}. It needs a C++ compiler with OpenMP (g++ on Linux) and a folder it may write "
+                           f"to (set TORCH_EXTENSIONS_DIR); the engine needs neither without a decode_kernel"
+                           ) from error
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """A build takes about 10 s. A lock older than ``STALE_LOCK_S`` was left by a build that was
+    killed (a notebook kernel restarted, say), and torch would wait for it forever."""
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        warnings.warn(f"removing {lock}, left by a build that did not finish", stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
@@ -59,11 +84,11 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
     ``q`` ``[B, n_heads, d]`` attends to the first ``lengths[b]`` keys and values of sequence b,
     read from the pools ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables``
     ``[B, max_blocks]``. Builds the operator on first use (``build``)."""
-    check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(torch.float32,))
     devices = {t.device.type for t in (q, k_pool, v_pool, block_tables, lengths)}
     if devices != {"cpu"}:
         raise ValueError(f"paged_decode_cpu runs on the CPU, got tensors on {sorted(devices)}: on a GPU use "
                          f"labkit.kernels.paged_decode")
+    check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(torch.float32,))
     build()
     q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
     return torch.ops.labkit.paged_decode(q, k_pool, v_pool, block_tables, lengths,
