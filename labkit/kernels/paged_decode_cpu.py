@@ -64,10 +64,10 @@ def build(verbose: bool = False) -> None:
         load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(folder),
              is_python_module=False, verbose=verbose)
     except (OSError, RuntimeError, ImportError) as error:
-        raise RuntimeError(f"could not build labkit's C++ paged decode operator from {SOURCE.name} in {folder}: "
-                           f"{error}. It needs a C++ compiler with OpenMP (g++ on Linux) and a folder it may write "
-                           f"to (set TORCH_EXTENSIONS_DIR); the engine needs neither without a decode_kernel"
-                           ) from error
+        raise RuntimeError(f"could not build labkit's C++ paged decode operator ({SOURCE.name}) in {folder}. It "
+                           f"needs a C++ compiler with OpenMP (g++ on Linux) and a folder it may write to (set "
+                           f"TORCH_EXTENSIONS_DIR); the engine needs neither without a decode_kernel. What the build "
+                           f"said:\n{error}") from error
 
 
 def _remove_stale_lock(lock: Path) -> None:
