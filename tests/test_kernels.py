@@ -108,12 +108,17 @@ def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num
     return q, *pools, tables, torch.tensor(lengths, device=device)
 
 
+def _reference(q, k_pool, v_pool, tables, lengths):
+    """The paged reference (gather, then SDPA) in float64."""
+    return paged_attention(q.double(), k_pool.double(), v_pool.double(), tables, lengths)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_paged_decode_matches_the_gather_reference(dtype, heads, kv_heads):
     q, k_pool, v_pool, tables, lengths = _paged_batch(dtype, [1, 16, 37, 70], kv_heads=kv_heads, heads=heads)
     out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
-    expected = paged_attention(q.double(), k_pool.double(), v_pool.double(), tables, lengths)
+    expected = _reference(q, k_pool, v_pool, tables, lengths)
     torch.testing.assert_close(out.double(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
@@ -316,10 +321,6 @@ def test_timings_refuse_the_interpreter():
 
 
 # ---------------------------------------------------------------- the CPU's C++ paged decode operator
-
-def _reference(q, k_pool, v_pool, tables, lengths):
-    return paged_attention(q.double(), k_pool.double(), v_pool.double(), tables, lengths)
-
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
     (4, 4, 48, 16),  # MHA, the shipped model's head dimension

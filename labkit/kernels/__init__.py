@@ -103,6 +103,12 @@ def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
         raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
 
 
+def unit_last_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, copied only where needed so that their last dimension is contiguous: the
+    kernels pass every other stride but step along the head dimension by 1."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 if MISSING is None:
     from labkit.kernels.flash import flash_attention, flash_attention_kernel
     from labkit.kernels.paged_decode import paged_decode, paged_decode_kernel
@@ -115,4 +121,4 @@ else:  # pragma: no cover
 
 __all__ = ["DTYPES", "MISSING", "check_device", "check_heads_and_dtype", "check_paged_decode", "flash_attention",
            "flash_attention_kernel", "interpreted", "online_softmax_update", "paged_decode", "paged_decode_kernel",
-           "reference_attention", "require_triton", "tile_map", "tiled_attention", "tl", "triton"]
+           "reference_attention", "require_triton", "tile_map", "tiled_attention", "tl", "triton", "unit_last_stride"]

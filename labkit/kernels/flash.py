@@ -24,15 +24,9 @@ import math
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, check_heads_and_dtype, interpreted, tl, triton
+from labkit.kernels import check_device, check_heads_and_dtype, interpreted, tl, triton, unit_last_stride
 
 LOG2E = 1.4426950408889634
-
-
-def unit_last_stride(*tensors: Tensor) -> list[Tensor]:
-    """The tensors, copied only where needed so that their last dimension is contiguous: the
-    kernels pass every other stride but step along the head dimension by 1."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
 def log2_scale(scale: float | None, dim: int) -> float:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, check_paged_decode, interpreted, tl, triton
-from labkit.kernels.flash import log2_scale, padded, row_bytes, unit_last_stride
+from labkit.kernels import check_device, check_paged_decode, interpreted, tl, triton, unit_last_stride
+from labkit.kernels.flash import log2_scale, padded, row_bytes
 
 
 @triton.jit

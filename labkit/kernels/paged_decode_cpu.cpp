@@ -145,7 +145,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   auto run = dim == 48 ? attend<48> : dim == 64 ? attend<64> : dim == 128 ? attend<128> : attend<0>;
   const std::vector<std::vector<int64_t>> shares = balanced_shares(len, batch, at::get_num_threads());
   at::parallel_for(0, static_cast<int64_t>(shares.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(heads * (k_pool.size(1) + 2));
+    std::vector<float> work(heads * (block + 2));
     for (int64_t i = begin; i < end; ++i)
       for (int64_t b : shares[i])
         run(Q + b * q.stride(0), q.stride(1), heads / pools.kv_heads, dim, pools, tab + b * width, len[b],

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_paged_decode
+from labkit.kernels import check_paged_decode, unit_last_stride
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 # no -march=native: a build cached in a home directory shared by different machines must run on all of them
@@ -90,6 +90,6 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
                          f"labkit.kernels.paged_decode")
     check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(torch.float32,))
     build()
-    q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
+    q, k_pool, v_pool = unit_last_stride(q, k_pool, v_pool)
     return torch.ops.labkit.paged_decode(q, k_pool, v_pool, block_tables, lengths,
                                          q.shape[-1] ** -0.5 if scale is None else scale)
