@@ -3,8 +3,9 @@
 // gathered copy. labkit/kernels/paged_decode_cpu.py builds this file and documents it.
 //
 // The sequences run in parallel on torch's own OpenMP threads (at::parallel_for). Each reads its
-// blocks in turn, and in a block one slot at a time: a contiguous row of every KV head, scored
-// against all the query heads (a KV head serves a group of them: GQA), so each row is read once.
+// blocks in turn. In a block, each query head is scored against the block's keys while its query
+// stays in registers, then adds up the block's values into its output, likewise held; the query
+// heads of a group (GQA) read their KV head's rows from memory once, then from the L1 cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,7 +36,7 @@ void prefetch(const float* row, int64_t floats) {
 // reads KV head h / group. `work` holds heads * (block_size + 2) floats; `out` is [heads, dim].
 template <int D>
 void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, const Pools& pools,
-            const int64_t* table, int64_t len, float scale, float* work, float* out) {
+            const int64_t* table, int64_t len, float scale, float* work, float* __restrict out) {
   const int64_t d_len = D > 0 ? D : dim, heads = group * pools.kv_heads, size = pools.block_size;
   float *score = work, *m = work + heads * size, *l = m + heads;
   std::fill(out, out + heads * d_len, 0.f);
@@ -47,10 +48,10 @@ void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, c
       prefetch(pools.k + next * pools.k_block, size * pools.k_slot);
       prefetch(pools.v + next * pools.v_block, size * pools.v_slot);
     }
-    for (int64_t j = 0; j < n; ++j) {  // one slot's keys, every KV head: one contiguous row
-      const float* k_row = k_block + j * pools.k_slot;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float *qh = q + h * q_head_stride, *k = k_row + (h / group) * pools.k_head;
+    for (int64_t h = 0; h < heads; ++h) {  // a head's query stays in registers across the block's keys
+      const float *qh = q + h * q_head_stride, *k_head = k_block + (h / group) * pools.k_head;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = k_head + j * pools.k_slot;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < d_len; ++d) dot += qh[d] * k[d];
@@ -75,13 +76,13 @@ void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, c
         for (int64_t d = 0; d < d_len; ++d) o[d] *= shrink;
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v_row = v_block + j * pools.v_slot;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float w = score[h * size + j], *v = v_row + (h / group) * pools.v_head;
-        float* o = out + h * d_len;
+    for (int64_t h = 0; h < heads; ++h) {  // a head's output stays in registers across the block's values
+      const float *w = score + h * size, *v_head = v_block + (h / group) * pools.v_head;
+      float* o = out + h * d_len;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = v_head + j * pools.v_slot;
 #pragma omp simd
-        for (int64_t d = 0; d < d_len; ++d) o[d] += w * v[d];
+        for (int64_t d = 0; d < d_len; ++d) o[d] += w[j] * v[d];
       }
     }
   }
