@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
                                                        [--device cpu] [--decode-kernel cpp|triton|none]
-                                                       [--also-headroom H]
+                                                       [--also-headroom H] [--also-free-attention]
 
 1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
    uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
@@ -12,7 +12,8 @@
    - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
      as many requests as the blocks hold (up to ``--max-num-seqs``; admitting one only while a
      free block per running request remains, the scheduler's default headroom) and preempting
-     when they run out (``--also-headroom 0`` adds a run that admits whenever a prompt fits).
+     when they run out (``--also-headroom 0`` adds a run that admits whenever a prompt fits;
+     ``--also-free-attention`` one whose decode attention costs nothing, as a bound).
      Its decoding sequences attend through ``--decode-kernel``: on the CPU by default labkit's
      C++ operator (``labkit.kernels.paged_decode_cpu``), which reads the pools through the block
      tables; the engine then also runs without it (gathering each sequence's blocks, then SDPA),
@@ -86,6 +87,13 @@ def decode_kernel(args: argparse.Namespace) -> DecodeKernel | None:
     if args.decode_kernel == "cpp":
         raise ValueError(f"--decode-kernel cpp runs on the CPU, not on --device {args.device}")
     return None
+
+
+def free_decode_attention(q: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    """A decode kernel that costs nothing and returns zeros (``--also-free-attention``): the engine's
+    time if decode attention were free, a bound on what any kernel can give. Its tokens are then
+    meaningless, but its schedule is the same, since EOS is ignored."""
+    return torch.zeros_like(q)
 
 
 @dataclass
@@ -204,6 +212,10 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
         systems[GATHERS] = lambda w: run_engine(GATHERS, model, w, blocks, args.block_size, config)
     if args.also_unconstrained:
         systems[wide] = lambda w: run_static_batches(wide, model, w, args.requests)
+    if args.also_free_attention:
+        free = "continuous, free decode attn"
+        systems[free] = lambda w: run_engine(free, model, w, blocks, args.block_size, config,
+                                             decode_kernel=free_decode_attention)
     if args.also_headroom is not None:
         other, extra = replace(config, headroom=args.also_headroom), f"continuous, headroom {args.also_headroom}"
         systems[extra] = lambda w: run_engine(extra, model, w, blocks, args.block_size, other)
@@ -285,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="the engine's token budget per step")
     parser.add_argument("--also-unconstrained", action="store_true",
                         help="also static batching with every request in one batch (slow)")
+    parser.add_argument("--also-free-attention", action="store_true",
+                        help="also the engine with decode attention that costs nothing (a bound; its tokens are "
+                             "meaningless)")
     parser.add_argument("--also-headroom", type=int, default=None,
                         help="also the continuous engine with this admission headroom (free blocks per running "
                              "request)")
