@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import sys
 
 import torch
 
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     error = (paged_decode_cpu(q, k[0], v[0], tables, lengths) - paged_attention(q, k[0], v[0], tables, lengths))
     print(f"{datetime.date.today()}  {device_name(torch.device('cpu'))}  torch {torch.__version__}  kernel built in "
           f"{build_directory().name}")
+    print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
     print(f"{args.sequences} sequences of {lengths.min()}..{lengths.max()} tokens (mean {lengths.float().mean():.0f}), "
           f"{model.config.n_heads} query heads, {model.config.n_kv_heads} KV heads of {model.config.head_dim}, blocks "
           f"of {args.block_size}; kernel against gathers: max abs difference {error.abs().max():.1e}\n")
