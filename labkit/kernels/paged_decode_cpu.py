@@ -21,9 +21,8 @@ Two runtimes in one process compete for the cores (in a trial, SDPA ran four tim
 the vector instructions: on an x86-64 CPU, the widest that torch itself uses there
 (``torch.backends.cpu.get_cpu_capability()``: AVX-512 or AVX2, with FMA). Without them the
 compiler may use only SSE2, and the kernel took 1.3 to 1.4 times as long on an AVX-512 machine
-(``benchmarks/paged_decode_cpu.py``, in BENCHMARKS.md). The
-build folder is named after them, so that machines of different kinds sharing a home folder
-each build their own.
+(``benchmarks/paged_decode_cpu.py``, in BENCHMARKS.md). The build folder is named after them,
+so that machines of different kinds sharing a home folder each build their own.
 """
 from __future__ import annotations
 
