@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/continuous_batching.py [--requests 64] [--kv-tokens 4096] [--repeats 1]
                                                        [--device cpu] [--decode-kernel cpp|triton|none]
-                                                       [--also-headroom H] [--also-free-attention]
+                                                       [--also-headroom H] [--also-free-attention] [--dtype fp32|bf16]
 
 1. Throughput. ``--requests`` requests (lognormal prompts of 8 to 256 tokens, median 64; outputs
    uniform in [16, 256]; all arriving at 0; EOS ignored, so each generates exactly its drawn
-   length) through three systems on the shipped ``target`` model, fp32, on ``--device`` (the
+   length) through three systems on the shipped ``target`` model, fp32 (``--dtype bf16``: all
+   three in bfloat16, the engine without the fp32-only C++ kernel), on ``--device`` (the
    goals are this CPU's; ``cuda`` runs the same on a GPU), each with the
    same KV-cache memory of ``--kv-tokens`` token slots:
    - continuous batching: labkit's ``Engine`` over kv_tokens / block_size paged blocks, running
@@ -64,6 +65,7 @@ T = TypeVar("T")
 PROMPT = dict(median=64, sigma=0.8, low=8)  # throughput part: lognormal, clipped to [low, --max-prompt]
 QUESTION, ANSWER = (16, 64), (16, 32)  # prefix part: lengths after the prefix, and of the outputs
 GOALS = {"continuous / static": 3.0, "continuous / transformers": 3.0, "TTFT cut by prefix caching": 5.0}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GATHERS = "continuous, PyTorch gathers"  # the engine without a decode kernel, run too when it has one
 
 
@@ -74,6 +76,11 @@ def decode_kernel(args: argparse.Namespace) -> DecodeKernel | None:
     if args.decode_kernel == "triton":
         from labkit.kernels import paged_decode
         return paged_decode
+    if args.decode_kernel == "cpp" and args.dtype != "fp32":
+        raise ValueError(f"--decode-kernel cpp is fp32 only, not --dtype {args.dtype}")
+    if args.decode_kernel is None and args.device == "cpu" and args.dtype != "fp32":
+        print(f"(the engine runs without a decode kernel: the C++ one is fp32 only, not {args.dtype})")
+        return None
     if args.decode_kernel in ("cpp", None) and args.device == "cpu":
         from labkit.kernels.paged_decode_cpu import build, paged_decode_cpu
         try:
@@ -199,7 +206,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
                          f"{args.max_prompt} + {args.max_output} slots")
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, Path(tmp))
-        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
     hf.to(next(model.parameters()).device)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     blocks, kernel = args.kv_tokens // args.block_size, args.kernel
@@ -248,7 +255,8 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
     needed = args.prefix + QUESTION[1] + ANSWER[1]
     long = Transformer(replace(model.config, max_seq_len=max(model.config.max_seq_len, needed)))
     long.load_state_dict(model.state_dict())  # copies into the column-major weights __init__ laid out
-    long.eval().to(next(model.parameters()).device)
+    weight = next(model.parameters())
+    long.eval().to(weight.device, weight.dtype)
     vocab = model.config.vocab_size
     prefix = torch.randint(vocab, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -312,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="default: torch's")
     parser.add_argument("--device", default="cpu", help="cpu (the goals' device) or cuda")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                        help="of all three systems' weights and activations (the goals': fp32)")
     parser.add_argument("--decode-kernel", choices=("cpp", "triton", "none"), default=None,
                         help="the engine's decode attention: labkit's C++ operator (the CPU's default), its Triton "
                              "kernel (GPU), or none: gather the blocks, then SDPA (the GPU's default). With a "
@@ -321,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     transformers.logging.disable_progress_bar()
     device = torch.device(args.device)
-    model, _ = labkit.load(args.model, device=device)
+    model, _ = labkit.load(args.model, device=device, dtype=DTYPES[args.dtype])
     print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}  transformers "
-          f"{transformers.__version__}  model {args.model} ({model.num_parameters():,} parameters, fp32)")
+          f"{transformers.__version__}  model {args.model} ({model.num_parameters():,} parameters, {args.dtype})")
     print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
     args.kernel = decode_kernel(args)
     ratios = throughput(model, args) | prefix_caching(model, args)
