@@ -280,14 +280,16 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
     print()
     runs = alternate(systems, workload, args.warmup, args.repeats)
     on, off = runs[names[True]], runs[names[False]]
-    assert on.outputs == off.outputs, "prefix caching changed the outputs"
+    # fp32 must give the same tokens. In bf16 the cached keys and values, computed in a batch of another
+    # shape, can differ from the recomputed ones by a rounding, enough to flip a near-tied token
+    assert args.dtype != "fp32" or on.outputs == off.outputs, "prefix caching changed the outputs"
     print(f"{'':<20}{'wall s':>8}{'out tok/s':>11}{'TTFT ms: mean':>15}{'p99':>8}{'cached tokens':>15}")
     for run in (off, on):
         f = run.figures
         print(f"{run.name:<20}{run.wall_s:>8.1f}{sum(map(len, run.outputs)) / run.wall_s:>11.1f}{f['mean_ttft_ms']:>15.0f}"
               f"{f['p99_ttft_ms']:>8.0f}{run.cached_tokens:>15}")
     ratio = off.figures["mean_ttft_ms"] / on.figures["mean_ttft_ms"]
-    print(f"\nmean TTFT without / with prefix caching: {ratio:.1f}x; outputs identical: True")
+    print(f"\nmean TTFT without / with prefix caching: {ratio:.1f}x; outputs equal: {agreement(on, off)}")
     return {"TTFT cut by prefix caching": ratio}
 
 
