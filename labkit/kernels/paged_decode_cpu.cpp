@@ -3,9 +3,9 @@
 // gathered copy. labkit/kernels/paged_decode_cpu.py builds this file and documents it.
 //
 // The sequences run in parallel on torch's own OpenMP threads (at::parallel_for). Each reads its
-// blocks in turn. In a block, each query head is scored against the block's keys while its query
-// stays in registers, then adds up the block's values into its output, likewise held; the query
-// heads of a group (GQA) read their KV head's rows from memory once, then from the L1 cache.
+// blocks in turn. In a block, one query head at a time is scored against all the block's keys,
+// then adds up all the block's values into its output. The first query head of a group (GQA)
+// reads its KV head's rows from memory; the others find them in the L1 cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,7 +48,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, c
       prefetch(pools.k + next * pools.k_block, size * pools.k_slot);
       prefetch(pools.v + next * pools.v_block, size * pools.v_slot);
     }
-    for (int64_t h = 0; h < heads; ++h) {  // a head's query stays in registers across the block's keys
+    for (int64_t h = 0; h < heads; ++h) {  // one head's query against every key of the block
       const float *qh = q + h * q_head_stride, *k_head = k_block + (h / group) * pools.k_head;
       for (int64_t j = 0; j < n; ++j) {
         const float* k = k_head + j * pools.k_slot;
@@ -76,7 +76,7 @@ void attend(const float* q, int64_t q_head_stride, int64_t group, int64_t dim, c
         for (int64_t d = 0; d < d_len; ++d) o[d] *= shrink;
       }
     }
-    for (int64_t h = 0; h < heads; ++h) {  // a head's output stays in registers across the block's values
+    for (int64_t h = 0; h < heads; ++h) {  // every value of the block into one head's output
       const float *w = score + h * size, *v_head = v_block + (h / group) * pools.v_head;
       float* o = out + h * d_len;
       for (int64_t j = 0; j < n; ++j) {

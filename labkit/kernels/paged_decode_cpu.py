@@ -4,8 +4,8 @@ GPU, for the engine when it runs on a CPU.
 ``labkit.paged`` attends by gathering each sequence's blocks into a contiguous copy first
 (``gather_kv``), then calling SDPA. On a CPU that copy is a large part of a decode step. This
 operator (``paged_decode_cpu.cpp``) reads each key and value row straight from the pools through
-the block table, once for all the query heads that share it, and runs the sequences in parallel
-on torch's own threads. It is fp32 only, like the CPU model.
+the block table, from memory once for all the query heads that share it, and runs the sequences
+in parallel on torch's own threads. It is fp32 only, the CPU model's default dtype.
 
 It is compiled the first time ``build`` is called, with torch's ``cpp_extension``: that needs a
 C++ compiler with OpenMP (g++ on Linux) and ninja (a dependency of labkit), takes about 10 s, and
