@@ -28,21 +28,8 @@ import labkit
 from labkit.bench import measure
 from labkit.device import device_name
 from labkit.kernels.paged_decode_cpu import build, build_directory, paged_decode_cpu
+from labkit.kernels.speed import paged_decode_batch
 from labkit.paged import paged_attention
-
-
-def decode_batch(config: labkit.model.ModelConfig, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
-    """q ``[B, n_heads, d]``, lengths and block tables of one step, and pools for every layer,
-    ``[n_layers, num_blocks, block_size, n_kv_heads, d]``, with room for every sequence's blocks."""
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=g)
-    width = -(-args.max_length // args.block_size)
-    num_blocks = args.sequences * width
-    tables = torch.randperm(num_blocks, generator=g).view(args.sequences, width)
-    shape = (config.n_layers, num_blocks, args.block_size, config.n_kv_heads, config.head_dim)
-    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    q = torch.randn(args.sequences, config.n_heads, config.head_dim, generator=g)
-    return q, k, v, tables, lengths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need 1 <= --min-length <= --max-length, got {args.min_length} and {args.max_length}")
     build()
     model, _ = labkit.load(args.model)
-    q, k, v, tables, lengths = decode_batch(model.config, args)
+    g, config = torch.Generator().manual_seed(0), model.config
+    lengths = torch.randint(args.min_length, args.max_length + 1, (args.sequences,), generator=g)
+    q, k, v, tables, lengths = paged_decode_batch(lengths, config.n_heads, config.n_kv_heads, config.head_dim,
+                                                  args.block_size, layers=(config.n_layers,), generator=g)
     error = (paged_decode_cpu(q, k[0], v[0], tables, lengths) - paged_attention(q, k[0], v[0], tables, lengths))
     print(f"{datetime.date.today()}  {device_name(torch.device('cpu'))}  torch {torch.__version__}  kernel built in "
           f"{build_directory().name}")

@@ -1,4 +1,5 @@
-"""Timing the kernels on a GPU: forward throughput in TFLOP/s, and decode time against the gather.
+"""Timing the kernels on a GPU: forward throughput in TFLOP/s, and decode time against the gather;
+and ``paged_decode_batch``, a decode step's inputs over a paged cache, for timing on any device.
 
 Attention costs 4 * d floating-point operations per (query, key) pair it computes (2 * d for
 q . k, 2 * d for p * v); under a causal mask only the visible pairs count, about half. The
@@ -55,6 +56,20 @@ def forward_speeds(lengths: list[int], dims: list[int], device: torch.device, ba
     return rows
 
 
+def paged_decode_batch(lengths: torch.Tensor, heads: int, kv_heads: int, dim: int, block_size: int, *,
+                       layers: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> tuple:
+    """One decode step's inputs for sequences of ``lengths``: q ``[B, heads, dim]``, random key and
+    value pools ``[*layers, num_blocks, block_size, kv_heads, dim]`` with room for every sequence's
+    longest table, that many blocks in shuffled order as the tables ``[B, width]``, and ``lengths``."""
+    batch, width = len(lengths), -(-int(lengths.max()) // block_size)
+    random = dict(generator=generator, device=device, dtype=dtype)
+    shape = (*layers, batch * width, block_size, kv_heads, dim)
+    tables = torch.randperm(batch * width, generator=generator, device=device).view(batch, width)
+    k, v = torch.randn(shape, **random), torch.randn(shape, **random)
+    return torch.randn(batch, heads, dim, **random), k, v, tables, lengths.to(device)
+
+
 def decode_speeds(lengths: list[int], device: torch.device, batch: int = 32, heads: int = 32, kv_heads: int = 8,
                   dim: int = 128, block_size: int = 16, repeats: int = 50) -> list[dict]:
     """One decode step's attention over a paged cache (fp16, every sequence ``length`` tokens,
@@ -62,12 +77,8 @@ def decode_speeds(lengths: list[int], device: torch.device, batch: int = 32, hea
     require_cuda(device)
     rows = []
     for length in lengths:
-        width = -(-length // block_size)
-        pools = [torch.randn(batch * width, block_size, kv_heads, dim, device=device, dtype=torch.float16)
-                 for _ in range(2)]
-        tables = torch.randperm(batch * width, device=device).view(batch, width)
-        lengths_t = torch.full((batch,), length, device=device)
-        q = torch.randn(batch, heads, dim, device=device, dtype=torch.float16)
+        q, *pools, tables, lengths_t = paged_decode_batch(torch.full((batch,), length), heads, kv_heads, dim,
+                                                          block_size, dtype=torch.float16, device=device)
         kv_bytes = 2 * batch * length * kv_heads * dim * 2
         pair = compare(lambda: paged_attention(q, *pools, tables, lengths_t),
                        lambda: paged_decode(q, *pools, tables, lengths_t), labels=("gather", "triton"),
