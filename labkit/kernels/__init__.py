@@ -76,10 +76,11 @@ def check_heads_and_dtype(heads: int, kv_heads: int, *tensors: torch.Tensor,
 
 
 def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                       lengths: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+                       lengths: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES, ranges: bool = True) -> None:
     """What a paged decode kernel (Triton's, or the CPU's in C++) needs: q ``[B, n_heads, d]``,
     pools ``[num_blocks, block_size, n_kv_heads, d]``, integer ``block_tables`` ``[B, max_blocks]``
-    naming blocks of the pools, and each of the ``lengths`` ``[B]`` at least 1 and within its table."""
+    naming blocks of the pools, and each of the ``lengths`` ``[B]`` at least 1 and within its table.
+    ``ranges=False`` leaves the last two, which read the tensors, to a kernel that checks them itself."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
                          f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
@@ -94,8 +95,10 @@ def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
                          f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
     if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in (block_tables, lengths)):
         raise ValueError(f"block_tables and lengths must hold integers, got {block_tables.dtype} and {lengths.dtype}")
-    ranges = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
-    shortest, longest, first, last = torch.stack(ranges).tolist()  # one read: on a GPU each read waits for it
+    if not ranges:
+        return
+    found = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
+    shortest, longest, first, last = torch.stack(found).tolist()  # one read: on a GPU each read waits for it
     if shortest < 1 or longest > block_tables.shape[1] * block_size:
         raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
                          f"name), got {lengths.tolist()}")

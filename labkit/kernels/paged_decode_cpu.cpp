@@ -112,7 +112,8 @@ std::vector<std::vector<int64_t>> balanced_shares(const int64_t* len, int64_t ba
 }
 
 // q [B, n_heads, d]; pools [num_blocks, block_size, n_kv_heads, d]; tables [B, max_blocks];
-// lengths [B]. The Python wrapper checks all of it with clearer messages; this checks what it relies on.
+// lengths [B]. The Python wrapper checks the shapes and dtypes with clearer messages; this checks
+// them again, and checks each length and each block a sequence reads (ValueError in Python).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
@@ -131,11 +132,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t *tab = table.data_ptr<int64_t>(), *len = length.data_ptr<int64_t>();
   const int64_t block = k_pool.size(1), num_blocks = k_pool.size(0);
   for (int64_t b = 0; b < batch; ++b) {  // every block a sequence reads must exist: no read outside the pools
-    TORCH_CHECK(len[b] >= 1 && len[b] <= width * block, "paged_decode: sequence ", b, " has length ", len[b],
-                ", not in [1, ", width * block, "]");
+    TORCH_CHECK_VALUE(len[b] >= 1 && len[b] <= width * block, "paged_decode: every length must be in [1, ",
+                      width * block, "] (the slots the tables name), but sequence ", b, " has length ", len[b]);
     for (int64_t i = 0; i < (len[b] + block - 1) / block; ++i)
-      TORCH_CHECK(tab[b * width + i] >= 0 && tab[b * width + i] < num_blocks, "paged_decode: sequence ", b,
-                  " reads block ", tab[b * width + i], " of ", num_blocks);
+      TORCH_CHECK_VALUE(tab[b * width + i] >= 0 && tab[b * width + i] < num_blocks, "paged_decode: sequence ", b,
+                        " reads block ", tab[b * width + i], ", but the pools hold blocks 0..", num_blocks - 1);
   }
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
   const Pools pools{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), k_pool.stride(1),
