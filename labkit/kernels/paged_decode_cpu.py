@@ -98,7 +98,7 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
         raise ValueError(f"paged_decode_cpu runs on the CPU, got tensors on {sorted(devices)}: on a GPU use "
                          f"labkit.kernels.paged_decode")
     # the operator checks each length and each block it reads itself, in its loop over them:
-    # reading the tensors here as well cost an engine about 2% of its run
+    # reading the tensors here as well took about 7 us a call, once per layer of every engine step
     check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(torch.float32,), ranges=False)
     build()
     q, k_pool, v_pool = unit_last_stride(q, k_pool, v_pool)
