@@ -58,6 +58,7 @@ from labkit.device import device_name
 from labkit.engine import (Engine, Request, SchedulerConfig, padded_prompts, lognormal, make_workload, run_static,
                            summarize, uniform)
 from labkit.load import save_hf
+from labkit.memory import kv_bytes_per_token, shape_of, weight_bytes
 from labkit.model import Transformer
 from labkit.paged import DecodeKernel
 
@@ -230,7 +231,11 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     print(f"\n1. Throughput: {len(requests)} requests at t=0, prompts {min(prompts)}..{max(prompts)} tokens "
           f"(mean {statistics.mean(prompts):.0f}), outputs uniform in [{args.min_output}, {args.max_output}] "
           f"({output_tokens} tokens, EOS ignored)")
-    print(f"KV memory {args.kv_tokens} token slots for each: continuous {blocks} blocks of {args.block_size} "
+    shape = shape_of(args.model, model.config, model.num_parameters())
+    kv_mb, weights_mb = (x * 1e-6 for x in (args.kv_tokens * kv_bytes_per_token(shape, args.dtype),
+                                            weight_bytes(shape, args.dtype)))
+    print(f"KV memory {args.kv_tokens} token slots ({kv_mb:.1f} MB, {kv_mb / weights_mb:.2f}x the weights' "
+          f"{weights_mb:.1f} MB) for each: continuous {blocks} blocks of {args.block_size} "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}, headroom "
           f"{config.headroom}, decode kernel: {getattr(kernel, '__name__', 'none')}); static and "
           f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})\n")
