@@ -255,18 +255,17 @@ EXERCISES = [
     Exercise(
         id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
         cases=_allocate_free_cases,
-        hint="allocate: check there are n free blocks before touching anything (else raise OutOfBlocks); pop "
-             "them, set each count to 1, extend the sequence's table (a new one if needed) and return them. "
-             "free: decrement each block of the table; a block whose count reaches 0 goes back on the free "
-             "list; then delete the table.",
+        hint="A failed allocate must change nothing: count the free blocks before taking any. free drops "
+             "one owner from each block of the table; a block goes back on the free list only when no table "
+             "holds it any more (its count reaches 0); then the sequence's table is forgotten.",
     ),
     Exercise(
         id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
         cases=_fork_cases,
-        hint="fork: the child's table is a copy of the parent's list, and every block in it gains an owner. "
-             "copy_on_write: a block with count 1 is the sequence's own (return None); otherwise take a free "
-             "block (self._take(1)), give it count 1, put it in the table at that index, drop one owner from "
-             "the old block and return (old, new).",
+        hint="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
+             "parent's blocks, and each of them gains an owner. copy_on_write moves the sequence only off a "
+             "block that another table also holds: the fresh block has one owner, the old one loses one, and "
+             "(old, new) tells the cache what to copy. A block with one owner is the sequence's own: None.",
     ),
     Exercise(
         id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",

@@ -125,18 +125,17 @@ EXERCISES = [
     Exercise(
         id="ex04.1", title="One scheduling step: admit waiting requests", points=2, function="admit",
         cases=_admit_cases,
-        hint="Loop while there is a waiting request, budget left and fewer than max_num_seqs running. Look at "
-             "waiting[0] without removing it; allocator.add_sequence(id, request.tokens) gives its slots and "
-             "returns the cached tokens, or raises OutOfBlocks (then stop: first come, first served). Schedule "
-             "min(uncached tokens, budget), set num_computed to the cached count and status 'running', move it "
-             "from waiting to running, and take its tokens off the budget.",
+        hint="Take a request off `waiting` only once add_sequence has given it its slots: one that does "
+             "not fit stays at the front, and nobody behind it is tried (first come, first served). Its "
+             "cached tokens are computed already: num_computed starts at their count, and only the rest is "
+             "scheduled, no more than the budget left. Stop when the budget is spent.",
     ),
     Exercise(
         id="ex04.2", title="Preempt the newest request", points=2, function="preempt_newest",
         cases=_preempt_cases,
-        hint="The newest running request is the last one in `running` (pop it). Free its blocks with "
-             "allocator.free(id); it keeps its prompt and output but nothing is computed any more "
-             "(num_computed = 0, status 'waiting', preemptions + 1); appendleft it to `waiting` and return it.",
+        hint="The newest request is the last in `running`. It keeps its prompt and its output (both are "
+             "recomputed when it comes back); what it loses is its place in the cache: its blocks, and its "
+             "num_computed. It returns at the front of `waiting`, not the back, and its preemptions go up by one.",
     ),
     Exercise(
         id="ex04.3", title="TTFT, TPOT and ITL from timestamps", points=1, function="request_metrics",
