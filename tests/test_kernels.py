@@ -395,6 +395,16 @@ def test_cpu_paged_decode_refuses_what_its_checks_would_miss():
         paged_decode_cpu(q, k_pool, v_pool, tables, lengths.to("meta"))
 
 
+def test_cpu_paged_decode_ignores_table_entries_past_each_length():
+    """A sequence's table entries after its last block are never read, so they may name anything."""
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
+    padded = tables.clone()
+    padded[0, 1] = -1  # sequence 0 (5 tokens) reads only its first block
+    wide = torch.cat([padded, torch.full((2, 1), 99)], dim=1)
+    expected = paged_attention(q, k_pool, v_pool, tables, lengths)
+    torch.testing.assert_close(paged_decode_cpu(q, k_pool, v_pool, wide, lengths), expected)
+
+
 def test_the_registered_operator_checks_the_ranges_it_reads_by_itself():
     """Called directly, past the wrapper's checks, the operator still reads nothing outside the pools."""
     q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")

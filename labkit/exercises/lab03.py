@@ -255,17 +255,19 @@ EXERCISES = [
     Exercise(
         id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
         cases=_allocate_free_cases,
-        hint="A failed allocate must change nothing: count the free blocks before taking any. free drops "
-             "one owner from each block of the table; a block goes back on the free list only when no table "
-             "holds it any more (its count reaches 0); then the sequence's table is forgotten.",
+        hint="A failed allocate must change nothing: count the free blocks before taking any. allocate on a "
+             "sequence that has a table adds to it. free drops one owner from each block of the table; a block "
+             "goes back on the free list only when no table holds it any more (its count reaches 0); then the "
+             "sequence's table is forgotten.",
     ),
     Exercise(
         id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
         cases=_fork_cases,
         hint="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
              "parent's blocks, and each of them gains an owner. copy_on_write moves the sequence only off a "
-             "block that another table also holds: the fresh block has one owner, the old one loses one, and "
-             "(old, new) tells the cache what to copy. A block with one owner is the sequence's own: None.",
+             "block that another table also holds: take the fresh block first (so that OutOfBlocks leaves "
+             "everything as it was); it has one owner, the old one loses one, and (old, new) tells the cache "
+             "what to copy. A block with one owner is the sequence's own: None.",
     ),
     Exercise(
         id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",

@@ -80,7 +80,8 @@ def check_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     """What a paged decode kernel (Triton's, or the CPU's in C++) needs: q ``[B, n_heads, d]``,
     pools ``[num_blocks, block_size, n_kv_heads, d]``, integer ``block_tables`` ``[B, max_blocks]``
     naming blocks of the pools, and each of the ``lengths`` ``[B]`` at least 1 and within its table.
-    ``ranges=False`` leaves the last two, which read the tensors, to a kernel that checks them itself."""
+    ``ranges=False`` leaves the block ids and the lengths, which take reading the tensors, to a kernel
+    that checks them itself."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
                          f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")

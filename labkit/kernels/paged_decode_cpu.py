@@ -92,7 +92,8 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
     """What ``labkit.paged.paged_attention`` computes, without gathering, on the CPU in fp32:
     ``q`` ``[B, n_heads, d]`` attends to the first ``lengths[b]`` keys and values of sequence b,
     read from the pools ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables``
-    ``[B, max_blocks]``. Builds the operator on first use (``build``)."""
+    ``[B, max_blocks]``: only the entries a sequence reads, its first ceil(lengths[b] / block_size),
+    must name blocks of the pools; the rest are never read. Builds the operator on first use (``build``)."""
     devices = {t.device.type for t in (q, k_pool, v_pool, block_tables, lengths)}
     if devices != {"cpu"}:
         raise ValueError(f"paged_decode_cpu runs on the CPU, got tensors on {sorted(devices)}: on a GPU use "
