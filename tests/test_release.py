@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import nbformat
 import pytest
 
 from labkit import notebook
@@ -89,6 +90,17 @@ def test_the_repository_is_released_and_holds_no_outputs(root):
             assert not cell.get("outputs") and not cell.get("execution_count"), f"{path} holds outputs"
     student = (root / "notebooks/00_welcome.ipynb").read_text()
     assert "BEGIN SOLUTION" not in student and "flops = 2 * m * n * k" not in student
+
+
+def test_every_notebook_is_valid_with_a_unique_id_per_cell(root):
+    """nbformat 4.5 requires cell ids (their absence is a warning now, an error in later nbformat): a cell
+    pasted into an instructor notebook by hand must get one, and the release copies it."""
+    for path in [*root.glob("solutions/*.ipynb"), *root.glob("notebooks/*.ipynb")]:
+        cells = notebook.read(path)["cells"]
+        ids = [cell.get("id") for cell in cells]
+        assert None not in ids, f"{path.name}: cell {ids.index(None)} has no id"
+        assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+        nbformat.validate(nbformat.read(path, as_version=4))
 
 
 def test_check_reports_stale_and_orphan_notebooks(root, tmp_path, capsys):
