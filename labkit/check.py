@@ -67,17 +67,20 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
     if not callable(fn):
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
+    borrowed = _labkit_code(exercise, fn)
+    if borrowed:
+        return Result(exercise.id, FAILED, 0, exercise.points, message=borrowed)
     cases = exercise.cases()
     first_failure, passed, stubs = "", 0, []
     for number, case in enumerate(cases, 1):
         try:
             case.run(fn)
             passed += 1
-        except Exception as error:  # a student's bug of any kind is a failed case, not a crash
+        except (Exception, SystemExit) as error:  # a student's bug of any kind is a failed case, not a crash
             stub = _stub_name(fn, exercise.function, error)
             stubs += [stub] if stub else []
             what = f"{stub} still raises NotImplementedError" if stub else _describe_error(error)
-            first_failure = first_failure or f"case {number} ({case.label}): {what}"
+            first_failure = first_failure or f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub
@@ -87,6 +90,20 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
                       "with your code")
     return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
                   f"first failure, {first_failure}\n    hint: {exercise.hint}")
+
+
+def _labkit_code(exercise: Exercise, fn: Any) -> str | None:
+    """What the submission hands in of labkit's own code instead of the student's: the function
+    itself, imported, or a method the exercise asks for, inherited from a labkit class (a subclass
+    of ``BlockPool`` that leaves out ``fork`` has labkit's). None when all of it is the student's."""
+    named = ([(f"{exercise.function}.{m}", getattr(fn, m, None)) for m in exercise.methods]
+             if isinstance(fn, type) else [(exercise.function, fn)])
+    for name, code in named:
+        module = getattr(code, "__module__", None) or ""
+        if module == "labkit" or module.startswith("labkit."):
+            where = f"{module}.{getattr(code, '__qualname__', name.split('.')[-1])}"
+            return f"{name} is labkit's own ({where}), not yours: write it in your cell"
+    return None
 
 
 def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:

@@ -203,20 +203,22 @@ def test_lab02_plausible_mistakes_fail():
     assert run_cases(get("ex02.3"), all_memory).status == FAILED
 
 
-def test_lab03_plausible_mistakes_fail():
+def test_lab03_plausible_mistakes_fail(root):
     from labkit.paged import BlockPool, OutOfBlocks
+    solution = _define(_cells("solutions", root)["ex03.2"], "SimplePool")  # each mistake is in one method only
 
     def no_padding(block_tables, positions, block_size):  # -1 becomes a real slot
         return block_tables.gather(1, positions.clamp(min=0) // block_size) * block_size + positions % block_size
     assert run_cases(get("ex03.1"), no_padding).status == FAILED
 
-    class Leaky(BlockPool):  # frees the table but never returns blocks to the free list
+    class Leaky(solution):  # frees the table but never returns blocks to the free list
         def free(self, seq_id):
             for block in self.tables.pop(seq_id):
                 self.ref_count[block] -= 1
-    assert run_cases(get("ex03.2"), Leaky).status == FAILED
+    result = run_cases(get("ex03.2"), Leaky)
+    assert result.status == FAILED and "leaked" in result.message, result.message
 
-    class Greedy(BlockPool):  # takes what it can, then raises: the pool is changed
+    class Greedy(solution):  # takes what it can, then raises: the pool is changed
         def allocate(self, seq_id, n_blocks):
             blocks = [self.free_blocks.pop() for _ in range(min(n_blocks, len(self.free_blocks)))]
             for block in blocks:
@@ -225,7 +227,8 @@ def test_lab03_plausible_mistakes_fail():
             if len(blocks) < n_blocks:
                 raise OutOfBlocks("too few")
             return blocks
-    assert run_cases(get("ex03.2"), Greedy).status == FAILED
+    result = run_cases(get("ex03.2"), Greedy)
+    assert result.status == FAILED and "changed the pool first" in result.message, result.message
 
     class AlwaysCopies(BlockPool):  # copies even an exclusive block
         def fork(self, parent, child):
@@ -236,7 +239,8 @@ def test_lab03_plausible_mistakes_fail():
             old, self.tables[seq_id][index], self.ref_count[new] = self.tables[seq_id][index], new, 1
             self._release(old)
             return old, new
-    assert run_cases(get("ex03.3"), AlwaysCopies).status == FAILED
+    result = run_cases(get("ex03.3"), AlwaysCopies)
+    assert result.status == FAILED and "labkit's own" not in result.message, result.message
 
     def unmasked(q, k_pool, v_pool, block_tables, lengths):  # attends to the noise past each length
         from labkit.paged import gather_kv
@@ -245,6 +249,33 @@ def test_lab03_plausible_mistakes_fail():
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
     result = run_cases(get("ex03.4"), unmasked)
     assert result.status == FAILED and 0 < result.passed < result.total
+
+
+def test_labkit_own_code_handed_in_scores_nothing():
+    from labkit.engine import admit
+    from labkit.paged import BlockPool
+    from labkit.quant import unpack_int4
+
+    class ForkingPool(BlockPool):  # fork and copy_on_write are BlockPool's, which work
+        pass
+
+    class Int4Packer:
+        pack = staticmethod(lambda codes: codes)
+        unpack = staticmethod(unpack_int4)
+    for ex_id, fn, says in [("ex03.3", ForkingPool, "ForkingPool.fork is labkit's own (labkit.paged.BlockPool.fork)"),
+                            ("ex04.1", admit, "admit is labkit's own (labkit.engine.admit)"),
+                            ("ex06.2", Int4Packer, "Int4Packer.unpack is labkit's own (labkit.quant.unpack_int4)")]:
+        result = run_cases(get(ex_id), fn)
+        assert result.status == FAILED and result.points == 0 and result.message.startswith(says), result.message
+
+
+def test_every_class_exercise_names_the_methods_a_student_writes(root):
+    for ex_id, source in _cells("solutions", root).items():
+        fn = _define(source, get(ex_id).function)
+        if isinstance(fn, type):
+            assert get(ex_id).methods and all(m in vars(fn) for m in get(ex_id).methods), ex_id
+        else:
+            assert not get(ex_id).methods, ex_id
 
 
 def test_lab04_plausible_mistakes_fail():
@@ -284,12 +315,20 @@ def test_lab04_plausible_mistakes_fail():
         return victim
     assert run_cases(get("ex04.2"), keeps_blocks).status == FAILED
 
+    def forgets_output(waiting, running, allocator):  # the victim loses the tokens it generated
+        victim = preempt_newest(waiting, running, allocator)
+        victim.output = []
+        return victim
+    result = run_cases(get("ex04.2"), forgets_output)
+    assert result.status == FAILED and "preemptions, output) should be" in result.message, result.message
+
     def tpot_over_all(arrival, token_times, finish=None):  # divides by n, not n - 1
         metrics = request_metrics(arrival, token_times, finish)
         if metrics["tpot"] is not None:
             metrics["tpot"] = (metrics["e2e"] - metrics["ttft"]) / len(token_times)
         return metrics
-    assert run_cases(get("ex04.3"), tpot_over_all).status == FAILED
+    result = run_cases(get("ex04.3"), tpot_over_all)
+    assert result.status == FAILED and "'tpot': expected" in result.message, result.message  # names the key
 
 
 def test_lab05_plausible_mistakes_fail():

@@ -254,7 +254,7 @@ EXERCISES = [
     ),
     Exercise(
         id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
-        cases=_allocate_free_cases,
+        cases=_allocate_free_cases, methods=("allocate", "free"),
         hint="A failed allocate must change nothing: count the free blocks before taking any. allocate on a "
              "sequence that has a table adds to it. free drops one owner from each block of the table; a block "
              "goes back on the free list only when no table holds it any more (its count reaches 0); then the "
@@ -262,7 +262,7 @@ EXERCISES = [
     ),
     Exercise(
         id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
-        cases=_fork_cases,
+        cases=_fork_cases, methods=("fork", "copy_on_write"),
         hint="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
              "parent's blocks, and each of them gains an owner. copy_on_write moves the sequence only off a "
              "block that another table also holds: take the fresh block first (so that OutOfBlocks leaves "

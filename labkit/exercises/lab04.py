@@ -36,11 +36,11 @@ def _summary(state: State, result: Any) -> tuple:
     requests = list(waiting) + running
     return (ids, [r.request_id for r in waiting], [r.request_id for r in running], allocator.num_free,
             {s: len(t) for s, t in allocator.tables.items()},
-            {r.request_id: (r.num_computed, r.status, r.preemptions) for r in requests})
+            {r.request_id: (r.num_computed, r.status, r.preemptions, r.output) for r in requests})
 
 
 _FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "free blocks", "blocks per sequence",
-           "each request's (num_computed, status, preemptions)")
+           "each request's (num_computed, status, preemptions, output)")
 
 
 def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: Callable[..., Any]) -> Scenario:

@@ -114,7 +114,7 @@ EXERCISES = [
     ),
     Exercise(
         id="ex06.2", title="Pack and unpack 4-bit codes", points=2, function="Int4Packer",
-        cases=_packing_cases,
+        cases=_packing_cases, methods=("pack", "unpack"),
         hint="pack: low nibble = codes[..., 0::2], high nibble = codes[..., 1::2] << 4, combined with |, as uint8; "
              "raise ValueError for an odd count or a code above 15. unpack: packed & 0x0F and packed >> 4, "
              "interleaved back (torch.stack([...], dim=-1).flatten(-2)).",

@@ -61,6 +61,7 @@ class Exercise:
     cases: Callable[[], Sequence[Case | Scenario]]  # built on demand: cases may hold tensors
     hint: str
     timeout_s: float = 60.0
+    methods: tuple[str, ...] = ()  # when ``function`` is a class: the methods the student writes in it
 
     @property
     def lab(self) -> str:
@@ -95,9 +96,17 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if not isinstance(got, dict) or set(got) != set(expected):
             raise AssertionError(f"expected a dict with keys {sorted(expected)}, got {_short(got)}")
         for key in expected:
-            assert_matches(got[key], expected[key], rtol, atol)
+            _at(repr(key), got[key], expected[key], rtol, atol)
     else:
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             raise AssertionError(f"expected {len(expected)} items, got {_short(got)}")
-        for got_item, expected_item in zip(got, expected):
-            assert_matches(got_item, expected_item, rtol, atol)
+        for i, (got_item, expected_item) in enumerate(zip(got, expected)):
+            _at(f"item {i}", got_item, expected_item, rtol, atol)
+
+
+def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
+    """``assert_matches`` on one part of a container; a mismatch names the part (``'tpot': ...``)."""
+    try:
+        assert_matches(got, expected, rtol, atol)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: {error}") from None
