@@ -4,8 +4,10 @@ A PATH is one notebook, a folder of notebooks (one student's submission), or a f
 student folders (a class); with ``--per-file``, every notebook is a student of its own, named
 by its file (a flat folder, as course platforms export a class). Every exercise of every
 notebook runs in a fresh Python process with a time limit: the notebook's cells tagged
-``setup`` first, then the exercise cell, then the exercise's cases (the same ones
-``labkit.check`` runs) on the function the cell defines. A crash, an endless loop, a syntax
+``setup`` first, then the cells of the notebook's earlier exercises (so that an exercise may
+use what an earlier one defined, as it does in the notebook; their errors are not counted here,
+and each may run for a few seconds at most), then the exercise cell, then the exercise's cases
+(the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A crash, an endless loop, a syntax
 error or ``sys.exit`` in a submission costs that exercise's points and nothing more. The
 grader prints a points table and writes ``grades.json`` (every result with its reason) and
 ``grades.csv`` (a row per student, a column per exercise).
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +38,7 @@ from labkit.check import Result, run_cases
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
+_EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 
 
@@ -156,15 +160,17 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
     except ValueError as error:
         return {ex.id: Result(ex.id, ERROR, 0, ex.points, message=str(error)) for ex in exercises}
     setup = [notebook.source(c) for c in notebook.code_cells(nb, "setup")]
+    cells = [_exercise_cell(nb, ex) for ex in exercises]
     results = {}
-    for ex in exercises:
-        cell = _exercise_cell(nb, ex)
+    for i, (ex, cell) in enumerate(zip(exercises, cells)):
         if cell is None:
             results[ex.id] = Result(ex.id, MISSING, 0, ex.points,
                                     message=f"no cell tagged 'exercise' for {ex.id} (was it deleted?)")
             continue
-        spec = {"exercise": ex.id, "setup": setup, "cell": cell}
-        outcome = _run_worker(spec, sub.path.resolve().parent, timeout_s or ex.timeout_s)
+        limit = timeout_s or ex.timeout_s
+        spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
+                "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell}
+        outcome = _run_worker(spec, sub.path.resolve().parent, limit)
         results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome})
     return results
 
@@ -259,7 +265,12 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     outcome = {"status": ERROR, "message": ""}
-    for kind, src in [*(("a setup cell", s) for s in spec["setup"]), ("the exercise cell", spec["cell"])]:
+    cells = [*(("a setup cell", s) for s in spec["setup"]), *((None, s) for s in spec["earlier"]),
+             ("the exercise cell", spec["cell"])]
+    for kind, src in cells:
+        if kind is None:  # an earlier exercise's cell: what it defines is this one's to use, its errors are not
+            _run_for_at_most(shell, src, spec["earlier_s"])
+            continue
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
         if error is not None:
@@ -273,6 +284,19 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
             result = run_cases(exercise, fn)
             outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
+
+
+def _run_for_at_most(shell: Any, source: str, seconds: float) -> None:
+    """Run a cell, stopped after ``seconds`` (an error IPython catches, like any in the cell)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"stopped after {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        shell.run_cell(source, store_history=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

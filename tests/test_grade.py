@@ -20,6 +20,7 @@ BROKEN_EX1 = {
     "syntax": "def matmul_intensity(m, n, k, b=2)\n    return 1\n",
     "exits": "import sys\nsys.exit(3)\n",
     "hard_exits": "import os\ndef matmul_intensity(m, n, k, b=2):\n    os._exit(7)\n",
+    "loops_at_top": "while True:\n    pass\n",
     "exits_when_called": "import sys\ndef matmul_intensity(m, n, k, b=2):\n    sys.exit(4)\n",
     "wrong": "def matmul_intensity(m, n, k, b=2):\n    return 2 * m * n * k / (b * n * k)\n",
     "renamed": "def intensity(m, n, k, b=2):\n    return 1.0\n",
@@ -27,7 +28,8 @@ BROKEN_EX1 = {
 }
 
 
-def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00_welcome.ipynb"):
+def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00_welcome.ipynb",
+            ex2_source=CORRECT_ROOFLINE):
     nb = notebook.read(template)
     kept = []
     for cell in nb["cells"]:
@@ -37,7 +39,7 @@ def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00
         if ex_id == "ex00.1" and ex1_source is not None:
             notebook.set_source(cell, ex1_source)
         if ex_id == "ex00.2":
-            notebook.set_source(cell, CORRECT_ROOFLINE)
+            notebook.set_source(cell, ex2_source)
         kept.append(cell)
     nb["cells"] = kept
     (folder / student).mkdir(parents=True)
@@ -66,6 +68,9 @@ def class_folder(tmp_path_factory):
     for student, source in BROKEN_EX1.items():
         _submit(folder, student, template, source)
     _submit(folder, "deleted", template, drop_ex1=True)
+    # as in the notebook, an exercise may use what an earlier exercise's cell defined
+    _submit(folder, "reuses", template, BROKEN_EX1["magic"] + "def roof(i, p, b):\n    return min(p, i * b)\n",
+            ex2_source="def attainable_flops(i, p, b):\n    return roof(i, p, b)\n")
     _submit(folder, "copy_renamed", template, BROKEN_EX1["magic"], name="my_work.ipynb")
     _submit(folder, "two_copies", template, BROKEN_EX1["wrong"])  # the original is wrong, its copy right
     notebook.write(notebook.read(folder / "magic/00_welcome.ipynb"), folder / "two_copies/00_welcome-Copy1.ipynb")
@@ -86,10 +91,12 @@ def class_book(class_folder):
     ("exits", ERROR, "SystemExit: 3"),
     ("hard_exits", CRASHED, "exited with code 7"),
     ("exits_when_called", "failed", "raised SystemExit: 4"),
+    ("loops_at_top", TIMEOUT, "stopped after 8 s"),  # and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
+    ("reuses", "passed", ""),
     ("copy_renamed", "passed", ""),
     ("two_copies", "passed", ""),
     ("garbage", ERROR, "not a readable notebook"),
