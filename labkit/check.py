@@ -11,11 +11,14 @@ bottom.
 from __future__ import annotations
 
 import os
+import signal
 import site
 import sysconfig
+import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from labkit.exercises import Exercise, get
 
@@ -129,10 +132,40 @@ def strict() -> bool:
     return os.environ.get("LABKIT_STRICT", "0").strip().lower() in ("1", "true", "yes")
 
 
+class Overtime(BaseException):
+    """Raised by ``time_limit`` into the code it stops: not an Exception, so that neither a
+    student's ``except Exception`` nor ``run_cases`` takes it for one more failed case."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``Overtime`` into the code under it after ``seconds`` of wall time, where a timer
+    signal can (on Unix, in the main thread: a notebook's code runs there); elsewhere, no limit."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Overtime(f"stopped after {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check(exercise_id: str, fn: Callable[..., Any]) -> None:
-    """Run an exercise's cases on ``fn`` and print the verdict."""
+    """Run an exercise's cases on ``fn`` and print the verdict. The cases get the time the
+    grader gives them, so an endless loop stops here too."""
     exercise = get(exercise_id)
-    result = run_cases(exercise, fn)
+    try:
+        with time_limit(exercise.timeout_s):
+            result = run_cases(exercise, fn)
+    except Overtime as stopped:
+        result = Result(exercise.id, FAILED, 0, exercise.points,
+                        message=f"{stopped}: an endless loop, or far too slow (the grader stops it too)")
     print(f"{exercise.title} -- {result.verdict()}")
     if strict() and result.status != PASSED:
         raise ExerciseFailed(result.verdict())

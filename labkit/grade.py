@@ -29,12 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from labkit import notebook
-from labkit.check import Result, run_cases
+from labkit.check import Result, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
@@ -269,7 +268,8 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
              ("the exercise cell", spec["cell"])]
     for kind, src in cells:
         if kind is None:  # an earlier exercise's cell: what it defines is this one's to use, its errors are not
-            _run_for_at_most(shell, src, spec["earlier_s"])
+            with time_limit(spec["earlier_s"]):  # IPython catches its Overtime, as any error of the cell
+                shell.run_cell(src, store_history=False)
             continue
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
@@ -284,19 +284,6 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
             result = run_cases(exercise, fn)
             outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
-
-
-def _run_for_at_most(shell: Any, source: str, seconds: float) -> None:
-    """Run a cell, stopped after ``seconds`` (an error IPython catches, like any in the cell)."""
-    def stop(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"stopped after {seconds:g} s")
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        shell.run_cell(source, store_history=False)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

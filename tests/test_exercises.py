@@ -135,6 +135,31 @@ def test_check_prints_and_only_raises_when_strict(monkeypatch, capsys):
         check("ex99.9", print)
 
 
+def test_an_endless_loop_stops_the_inline_check_as_the_grader_would(monkeypatch, capsys):
+    import dataclasses
+    import importlib
+    import time
+
+    check_module = importlib.import_module("labkit.check")  # labkit.check is also the function
+    quick = dataclasses.replace(get("ex00.2"), timeout_s=0.5)
+    monkeypatch.setattr(check_module, "get", lambda ex_id: quick)
+
+    def attainable_flops(i, p, b):
+        try:
+            while True:
+                time.sleep(0.01)
+        except Exception:  # a student's catch-all does not swallow the stop
+            return 0.0
+    start = time.perf_counter()
+    check("ex00.2", attainable_flops)
+    assert time.perf_counter() - start < 5
+    out = capsys.readouterr().out
+    assert "[FAIL] ex00.2: failed" in out and "stopped after 0.5 s: an endless loop" in out
+    check("ex00.2", lambda i, p, b: min(p, i * b))  # the timer is gone: nothing fires later
+    time.sleep(0.6)
+    assert "[PASS] ex00.2" in capsys.readouterr().out
+
+
 def test_a_function_that_is_not_callable_fails():
     assert run_cases(get("ex00.1"), 42).status == FAILED
 
