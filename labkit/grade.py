@@ -26,9 +26,11 @@ import sys
 import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -180,7 +182,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     submissions = find_submissions(paths, per_file)
     if not submissions:
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+    with _no_main_file(), ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), submissions))
     columns = sorted({ex.id for sub in submissions for ex in for_lab(sub.lab)})
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
@@ -198,6 +200,21 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
                 ex = get(ex_id)
                 results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+@contextmanager
+def _no_main_file() -> Iterator[None]:
+    """Start the workers with no ``__file__`` on ``__main__``: a new process runs that file first,
+    and the workers need nothing of it (they run labkit.grade's own code). In a notebook ``__main__``
+    has none, unless Triton's interpreter has run a kernel defined there: it copies its own module's
+    globals, ``__file__`` included, into the kernel's, and every worker then crashed running them."""
+    main = sys.modules["__main__"]
+    saved = vars(main).pop("__file__", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            main.__file__ = saved
 
 
 def _by_student_and_lab(graded: list[tuple[Submission, dict[str, Result]]]

@@ -60,6 +60,20 @@ def test_solutions_score_full_points_and_stubs_zero(root):
     assert sum(r.points for r in stubs.values()) == 0
 
 
+def test_grading_from_a_notebook_where_triton_left_a_main_file(root, tmp_path):
+    """Triton's interpreter puts its own ``__file__`` into the globals of a kernel defined in a
+    notebook, that is ``__main__``'s: the workers must not run it (they all crashed)."""
+    trap = tmp_path / "trap.py"
+    trap.write_text("raise ImportError('a worker ran __main__.__file__')\n")
+    code = ("import sys, labkit.grade as g\n"
+            f"sys.modules['__main__'].__file__ = {str(trap)!r}\n"
+            f"book = g.grade([__import__('pathlib').Path({str(root / 'solutions/00_welcome.ipynb')!r})])\n"
+            "print(sorted({r.status for r in book['solutions'].values()}), sys.modules['__main__'].__file__)\n")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["['passed']", str(trap)], ran.stdout + ran.stderr  # and __file__ is back
+
+
 @pytest.fixture(scope="module")
 def class_folder(tmp_path_factory):
     from tests.conftest import ROOT
