@@ -7,10 +7,10 @@ notebook runs in a fresh Python process with a time limit: the notebook's cells 
 ``setup`` first, then the cells of the notebook's earlier exercises (so that an exercise may
 use what an earlier one defined, as it does in the notebook; their errors are not counted here,
 and each may run for a few seconds at most), then the exercise cell, then the exercise's cases
-(the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A crash, an endless loop, a syntax
-error or ``sys.exit`` in a submission costs that exercise's points and nothing more. The
-grader prints a points table and writes ``grades.json`` (every result with its reason) and
-``grades.csv`` (a row per student, a column per exercise).
+(the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
+crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
+points and nothing more. The grader prints a points table and writes ``grades.json`` (every
+result with its reason) and ``grades.csv`` (a row per student, a column per exercise).
 """
 from __future__ import annotations
 
