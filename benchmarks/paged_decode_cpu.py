@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{build_directory().name}")
     print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
     print(f"{args.sequences} sequences of {lengths.min()}..{lengths.max()} tokens (mean {lengths.float().mean():.0f}), "
-          f"{model.config.n_heads} query heads, {model.config.n_kv_heads} KV heads of {model.config.head_dim}, blocks "
+          f"{config.n_heads} query heads, {config.n_kv_heads} KV heads of {config.head_dim}, blocks "
           f"of {args.block_size}; kernel against gathers: max abs difference {error.abs().max():.1e}\n")
-    layers = range(model.config.n_layers)
+    layers = range(config.n_layers)
     layer_bytes = int(lengths.sum()) * 2 * k[0, 0, 0].numel() * k.element_size()  # the keys and values read
     ways = {(1, "one layer"): (lambda: paged_attention(q, k[0], v[0], tables, lengths),
                                lambda: paged_decode_cpu(q, k[0], v[0], tables, lengths)),

@@ -30,13 +30,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from labkit import notebook
 from labkit.check import Result, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
@@ -274,33 +277,36 @@ def _isolate(cwd: str, scratch: str) -> None:
 
 
 def _worker(spec: dict, cwd: str, result_path: str) -> None:
-    """Inside the fresh process: run setup and exercise cells as IPython would, then the cases."""
+    """Inside the fresh process: run the setup cells, the earlier exercises' cells and the
+    exercise's cell as IPython would, then the cases."""
     from IPython.core.interactiveshell import InteractiveShell
 
     _isolate(cwd, str(Path(result_path).parent))
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
-    outcome = {"status": ERROR, "message": ""}
-    cells = [*(("a setup cell", s) for s in spec["setup"]), *((None, s) for s in spec["earlier"]),
-             ("the exercise cell", spec["cell"])]
-    for kind, src in cells:
-        if kind is None:  # an earlier exercise's cell: what it defines is this one's to use, its errors are not
+    failed = _run_cells(shell, "a setup cell", spec["setup"])
+    if failed is None:
+        for src in spec["earlier"]:  # what an earlier exercise's cell defines is this one's to use, its errors are not
             with time_limit(spec["earlier_s"]):  # IPython catches its Overtime, as any error of the cell
                 shell.run_cell(src, store_history=False)
-            continue
+        failed = _run_cells(shell, "the exercise cell", [spec["cell"]])
+    fn = shell.user_ns.get(exercise.function)
+    if failed is not None or fn is None:
+        outcome = {"status": ERROR, "message": failed or f"the exercise cell does not define {exercise.function}"}
+    else:
+        result = run_cases(exercise, fn)
+        outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
+    Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
+
+
+def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | None:
+    """Run the cells in turn, as IPython would; at the first that raises, stop and say what it raised."""
+    for src in sources:
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
         if error is not None:
-            outcome["message"] = f"{kind} raised {type(error).__name__}: {error}"
-            break
-    else:
-        fn = shell.user_ns.get(exercise.function)
-        if fn is None:
-            outcome["message"] = f"the exercise cell does not define {exercise.function}"
-        else:
-            result = run_cases(exercise, fn)
-            outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
+            return f"{kind} raised {type(error).__name__}: {error}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
