@@ -10,7 +10,8 @@ and each may run for a few seconds at most), then the exercise cell, then the ex
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
 crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
 points and nothing more. The grader prints a points table and writes ``grades.json`` (every
-result with its reason) and ``grades.csv`` (a row per student, a column per exercise).
+result with its reason) and ``grades.csv`` (a row per student: a column per exercise, the
+total, and the exercises that did not pass, each with its status).
 """
 from __future__ import annotations
 
@@ -247,7 +248,8 @@ def table(book: dict[str, dict[str, Result]]) -> str:
 
 
 def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
-    """grades.json (every result) and grades.csv (points, a row per student)."""
+    """grades.json (every result) and grades.csv (a row per student: the points, and which
+    exercises did not pass and why, in a word)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
     report = {s: {"total": _total(r)[0], "max": _total(r)[1],
@@ -256,9 +258,10 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
     columns = list(next(iter(book.values())))
     with csv_path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["student", *columns, "total", "max"])
+        writer.writerow(["student", *columns, "total", "max", "not passed"])
         for student, results in book.items():
-            writer.writerow([student, *(f"{results[c].points:g}" for c in columns), *map(str, _total(results))])
+            missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != "passed")
+            writer.writerow([student, *(f"{results[c].points:g}" for c in columns), *map(str, _total(results)), missed])
     return json_path, csv_path
 
 

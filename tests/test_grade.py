@@ -131,8 +131,9 @@ def test_the_table_and_reports(class_folder, tmp_path):
     assert "found in sys.modules" not in run.stderr, run.stderr  # runpy's warning: the CLI imported twice
     assert "magic" in run.stdout and "3/3" in run.stdout and "wrong ex00.1: failed" in run.stdout
     rows = list(csv.DictReader((tmp_path / "grades.csv").open()))
-    assert rows == [{"student": "magic", "ex00.1": "2", "ex00.2": "1", "total": "3", "max": "3"},
-                    {"student": "wrong", "ex00.1": "0", "ex00.2": "1", "total": "1", "max": "3"}]
+    assert rows == [{"student": "magic", "ex00.1": "2", "ex00.2": "1", "total": "3", "max": "3", "not passed": ""},
+                    {"student": "wrong", "ex00.1": "0", "ex00.2": "1", "total": "1", "max": "3",
+                     "not passed": "ex00.1 failed"}]
     report = json.loads((tmp_path / "grades.json").read_text())
     assert report["wrong"]["exercises"]["ex00.1"]["status"] == "failed"
 
