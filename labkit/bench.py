@@ -7,6 +7,7 @@ return before the work is done; on the CPU ``time.perf_counter`` is exact enough
 
 ``compare`` times two callables side by side, alternating A B A B, so that drift in the
 machine (turbo, thermal, other processes) hits both alike; quote the ratio of medians.
+``alternate`` does the same for any number of callables.
 ``peak_memory`` measures the most tensor memory a callable holds at once.
 ``nonnegative_polyfit`` fits a cost model to timings without letting noise make a cost negative.
 """
@@ -119,21 +120,33 @@ def measure(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, label:
     return Timing(label, device_name(device), times)
 
 
-def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[str, str] = ("A", "B"),
-            warmup: int = 2, repeats: int = 10, device: torch.device | str | None = None) -> Comparison:
-    """Time two callables alternately (A B A B ...) and return both timings."""
+def alternate(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10,
+              device: torch.device | str | None = None) -> dict[str, Timing]:
+    """Time several callables in turn (A B C A B C ...), so that drift in the machine hits all
+    alike; a timing per label."""
     _check_counts(warmup, repeats)
+    if not fns:
+        raise ValueError("give at least one callable to time")
     device = torch.device(device) if device is not None else get_device()
     run_once = _timer(device)
     for _ in range(warmup):
-        fn_a()
-        fn_b()
-    times_a, times_b = [], []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {label: [] for label in fns}
     for _ in range(repeats):
-        times_a.append(run_once(fn_a))
-        times_b.append(run_once(fn_b))
+        for label, fn in fns.items():
+            times[label].append(run_once(fn))
     name = device_name(device)
-    return Comparison(Timing(labels[0], name, tuple(times_a)), Timing(labels[1], name, tuple(times_b)))
+    return {label: Timing(label, name, tuple(t)) for label, t in times.items()}
+
+
+def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[str, str] = ("A", "B"),
+            warmup: int = 2, repeats: int = 10, device: torch.device | str | None = None) -> Comparison:
+    """Time two callables alternately (A B A B ...) and return both timings."""
+    if labels[0] == labels[1]:
+        raise ValueError(f"the two labels must differ, not both {labels[0]!r}")
+    timings = alternate(dict(zip(labels, (fn_a, fn_b))), warmup=warmup, repeats=repeats, device=device)
+    return Comparison(*timings.values())
 
 
 class _LiveTensors(TorchDispatchMode):

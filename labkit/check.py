@@ -60,9 +60,28 @@ class Result:
 def _describe_error(error: BaseException) -> str:
     if isinstance(error, AssertionError) and str(error):
         return str(error)
-    frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
-    where = f" (line {frame[0].lineno} of {frame[0].name})" if frame else ""
-    return f"raised {type(error).__name__}: {error}{where}"
+    return f"raised {type(error).__name__}: {error}{_where(error)}"
+
+
+def _where(error: BaseException) -> str:
+    """Where ``error`` was raised and, when that is in labkit or a library, the student's line that
+    led there: the last of their frames in the error or in the errors it came from (Triton's
+    interpreter wraps a kernel's error in its own, raised in its own code)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last, chain = frames[-1], [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
+        chain.append(cause)
+    theirs = [f for e in chain for f in traceback.extract_tb(e.__traceback__) if _is_students(f)]
+    if not theirs or theirs[-1][:3] == last[:3]:  # file, line, function
+        return f" (line {last.lineno} of {last.name})"
+    return f" (line {theirs[-1].lineno} of your {theirs[-1].name}; raised in {last.name}, line {last.lineno})"
+
+
+def _is_students(frame: traceback.FrameSummary) -> bool:
+    path = os.path.normcase(os.path.abspath(frame.filename))
+    return not (path.startswith(_LIBRARIES) or path.startswith(_LABKIT) or frame.filename.startswith("<frozen "))
 
 
 def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.bench import Comparison, Timing, compare, format_seconds, measure, nonnegative_polyfit, peak_memory
+from labkit.bench import Comparison, Timing, alternate, compare, format_seconds, measure, nonnegative_polyfit, peak_memory
 
 
 def test_measure_warms_up_then_times_each_repeat():
@@ -23,6 +23,19 @@ def test_compare_alternates_a_and_b():
     result = compare(lambda: order.append("a"), lambda: order.append("b"), warmup=1, repeats=4, device="cpu")
     assert order == ["a", "b"] * 5
     assert len(result.a.times_s) == len(result.b.times_s) == 4
+    with pytest.raises(ValueError, match="labels must differ"):
+        compare(lambda: None, lambda: None, labels=("x", "x"))
+
+
+def test_alternate_takes_turns_and_labels_each_timing():
+    order = []
+    timings = alternate({name: (lambda name=name: order.append(name)) for name in "abc"}, warmup=1, repeats=3,
+                        device="cpu")
+    assert order == ["a", "b", "c"] * 4
+    assert list(timings) == ["a", "b", "c"]
+    assert all(t.label == name and len(t.times_s) == 3 for name, t in timings.items())
+    with pytest.raises(ValueError, match="at least one"):
+        alternate({}, device="cpu")
 
 
 def test_statistics_match_an_independent_computation():

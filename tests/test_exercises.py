@@ -122,6 +122,21 @@ def test_a_plausible_mistake_fails_with_the_case_and_a_hint():
     assert "first failure, case" in result.message and "hint:" in result.message
 
 
+def test_an_error_raised_in_labkit_names_the_students_line_that_led_there():
+    from labkit.paged import BlockAllocator
+
+    def intensity(m, n, k, b=2):
+        return BlockAllocator(0, 16)  # raises inside labkit: an empty pool
+    message = run_cases(get("ex00.1"), intensity).message
+    line = intensity.__code__.co_firstlineno + 1
+    assert f"(line {line} of your intensity; raised in " in message, message
+
+    def own_error(m, n, k, b=2):
+        raise ValueError("mine")
+    message = run_cases(get("ex00.1"), own_error).message
+    assert f"mine (line {own_error.__code__.co_firstlineno + 1} of own_error)" in message, message
+
+
 def test_check_prints_and_only_raises_when_strict(monkeypatch, capsys):
     monkeypatch.setenv("LABKIT_STRICT", "0")
     check("ex00.2", lambda i, p, b: 0.0)
@@ -445,3 +460,11 @@ def test_lab07_plausible_mistakes_fail(root):
         assert right in kernel, what
         result = run_cases(get("ex07.2"), _define(kernel.replace(right, wrong), "flash_attention_kernel"))
         assert result.status == FAILED, what
+    # an error inside the kernel surfaces in Triton's interpreter code; the message names the kernel's line
+    right = "k_t = tl.load(K + keys[None, :] * stride_kt + dims[:, None]"
+    untransposed = kernel.replace(right, "k_t = tl.load(K + keys[:, None] * stride_kt + dims[None, :]")
+    assert right in kernel
+    result = run_cases(get("ex07.2"), _define(untransposed.replace("mask=(keys[None, :] < S) & (dims[:, None]",
+                                                                   "mask=(keys[:, None] < S) & (dims[None, :]"),
+                                              "flash_attention_kernel"))
+    assert result.status == FAILED and "of your flash_attention_kernel; raised in" in result.message, result.message

@@ -106,11 +106,10 @@ EXERCISES = [
     Exercise(
         id="ex06.1", title="Quantize and dequantize one group", points=2, function="quantize_group",
         cases=_group_cases,
-        hint="Asymmetric: lo = min(w.min(), 0), hi = max(w.max(), 0), scale = (hi - lo) / (2**bits - 1); "
-             "symmetric: scale = w.abs().max() / (2**(bits-1) - 1) and zero = 2**(bits-1). Round the scale to "
-             "fp16 (scale.half().float()) and use 1 if it is 0; asymmetric zero = round(-lo / scale). "
-             "codes = clamp(round(w / scale) + zero, 0, 2**bits - 1) as torch.uint8; w_hat = (codes - zero) * scale. "
-             "Return (codes, scale, zero, w_hat).",
+        hint="The usual slips: subtracting the zero point from uint8 codes, which wraps around (3 - 8 is 251 "
+             "in uint8): make the codes float32 first; a grid that does not include 0 (lo and hi are widened to "
+             "take it in); the zero point computed from the scale before it was rounded to fp16; a scale of 0 "
+             "for an all-zero group, which must become 1.",
     ),
     Exercise(
         id="ex06.2", title="Pack and unpack 4-bit codes", points=2, function="Int4Packer",
@@ -123,7 +122,8 @@ EXERCISES = [
         id="ex06.3", title="QuantLinear.forward", points=2, function="quant_linear_forward",
         cases=_forward_cases,
         hint="codes = unpack_int4(layer.packed) for 4 bits (layer.packed itself for 8); zeros = layer.zeros, or "
-             "2**(bits-1) everywhere when it is None; reshape codes to [out, groups, group_size], subtract the "
+             "2**(bits-1) everywhere when it is None. Make the codes x's dtype before subtracting (uint8 arithmetic "
+             "wraps around). Reshape codes to [out, groups, group_size], subtract the "
              "zeros and multiply by the scales (both [out, groups, 1]), reshape back to [out, in] and return "
              "F.linear(x, weight) in x's dtype.",
     ),
