@@ -206,6 +206,14 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
 
 
+def this_notebook(name: str) -> Path:
+    """The notebook this kernel was started for, as Jupyter tells its kernels (``JPY_SESSION_NAME``),
+    so that a renamed copy (``00_welcome-Copy1.ipynb``) grades itself; where Jupyter does not say,
+    or names no notebook on disk, ``name`` in the working directory."""
+    started_for = Path(os.environ.get("JPY_SESSION_NAME", ""))
+    return started_for if started_for.suffix == ".ipynb" and started_for.is_file() else Path(name)
+
+
 @contextmanager
 def _no_main_file() -> Iterator[None]:
     """Start the workers with no ``__file__`` on ``__main__``: a new process runs that file first,
@@ -299,6 +307,9 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     else:
         result = run_cases(exercise, fn)
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
+        if "raised NameError" in result.message:  # passes inline, perhaps, with a name from a cell not run here
+            outcome["message"] += (f"\n    note: the grader runs only the setup cells and the exercise cells; a name "
+                                   f"defined in a cell of your own is not defined here: move it into the exercise cell")
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
 
 

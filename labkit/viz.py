@@ -22,7 +22,7 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
                   intensity_range: tuple[float, float] = (0.1, 1e4), title: str = "Roofline") -> Figure:
     """Each machine's roofline, log-log, with its ridge point; ``points`` are (label, intensity)
     kernels drawn as vertical lines. A measured machine is drawn thick and says so."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
            ylabel="attainable TFLOP/s", title=title)
     x = np.logspace(np.log10(intensity_range[0]), np.log10(intensity_range[1]), 400)
@@ -36,7 +36,7 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
         ax.text(intensity, 0.97, label, transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
                 fontsize=8, bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: points go on them
     fig.tight_layout()
     return fig
 

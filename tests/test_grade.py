@@ -11,7 +11,7 @@ import pytest
 
 from labkit import notebook
 from labkit.exercises import EXERCISES, for_lab, get
-from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table
+from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table, this_notebook
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
 BROKEN_EX1 = {
@@ -24,6 +24,8 @@ BROKEN_EX1 = {
     "exits_when_called": "import sys\ndef matmul_intensity(m, n, k, b=2):\n    sys.exit(4)\n",
     "wrong": "def matmul_intensity(m, n, k, b=2):\n    return 2 * m * n * k / (b * n * k)\n",
     "renamed": "def intensity(m, n, k, b=2):\n    return 1.0\n",
+    # a helper defined in a cell of the student's own: the inline check saw it, the grader does not
+    "helper_elsewhere": "def matmul_intensity(m, n, k, b=2):\n    return _intensity(m, n, k, b)\n",
     "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
 }
 
@@ -108,6 +110,7 @@ def class_book(class_folder):
     ("loops_at_top", TIMEOUT, "stopped after 8 s"),  # and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
+    ("helper_elsewhere", "failed", "a name defined in a cell of your own is not defined here"),
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
     ("reuses", "passed", ""),
@@ -179,3 +182,16 @@ def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(tmp_path / "nowhere")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "does not exist" in run.stderr
+
+
+def test_a_notebook_grades_itself_under_any_name(tmp_path, monkeypatch):
+    """Jupyter names the notebook a kernel was started for; a renamed copy grades itself."""
+    copy = tmp_path / "00_welcome-Copy1.ipynb"
+    copy.write_text("{}")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(copy))
+    assert this_notebook("00_welcome.ipynb") == copy
+    for session in (str(tmp_path / "gone.ipynb"), str(tmp_path), "console-1"):  # no such notebook: the name given
+        monkeypatch.setenv("JPY_SESSION_NAME", session)
+        assert this_notebook("00_welcome.ipynb").name == "00_welcome.ipynb"
+    monkeypatch.delenv("JPY_SESSION_NAME")
+    assert this_notebook("00_welcome.ipynb").name == "00_welcome.ipynb"
