@@ -11,6 +11,7 @@ bottom.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import site
 import sysconfig
@@ -63,6 +64,14 @@ def _describe_error(error: BaseException) -> str:
     return f"raised {type(error).__name__}: {error}{_where(error)}"
 
 
+def _name_item(message: str, exercise: Exercise) -> str:
+    """``item 1: ...`` of a tuple the exercise names the items of, as ``residual (item 1): ...``."""
+    match = re.match(r"item (\d+): ", message)
+    if match is None or int(match[1]) >= len(exercise.returns):
+        return message
+    return f"{exercise.returns[int(match[1])]} ({message[:match.end() - 2]}){message[match.end() - 2:]}"
+
+
 def _where(error: BaseException) -> str:
     """Where ``error`` was raised and, when that is in labkit or a library, the student's line that
     led there: the last of their frames in the error or in the errors it came from (Triton's
@@ -101,7 +110,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
         except (Exception, SystemExit) as error:  # a student's bug of any kind is a failed case, not a crash
             stub = _stub_name(fn, exercise.function, error)
             stubs += [stub] if stub else []
-            what = f"{stub} still raises NotImplementedError" if stub else _describe_error(error)
+            what = f"{stub} still raises NotImplementedError" if stub else _name_item(_describe_error(error), exercise)
             first_failure = first_failure or f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))

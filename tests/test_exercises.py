@@ -46,6 +46,25 @@ def test_solution_passes(root, ex_id):
     assert result.points == get(ex_id).points
 
 
+@pytest.mark.parametrize("ex_id", sorted(ex_id for ex_id, ex in EXERCISES.items() if ex.returns))
+def test_the_named_items_are_what_the_solution_returns(root, ex_id):
+    """An exercise that names the items of the tuple it returns names as many as the solution returns,
+    and a wrong item is named in the message."""
+    exercise = get(ex_id)
+    fn = _define(_cells("solutions", root)[ex_id], exercise.function)
+    case = exercise.cases()[0]
+    got = fn(*case.args, **case.kwargs)
+    assert isinstance(got, tuple) and len(got) == len(exercise.returns), got
+    last = len(got) - 1
+
+    def last_item_wrong(*args, **kwargs):
+        items = list(fn(*args, **kwargs))
+        items[last] = object()
+        return tuple(items)
+    message = run_cases(exercise, last_item_wrong).message
+    assert f"{exercise.returns[last]} (item {last}): expected" in message, message
+
+
 @pytest.mark.parametrize("ex_id", sorted(EXERCISES))
 def test_released_stub_scores_nothing(root, ex_id):
     fn = _define(_cells("notebooks", root)[ex_id], get(ex_id).function)

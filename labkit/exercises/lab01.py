@@ -95,6 +95,7 @@ EXERCISES = [
     ),
     Exercise(
         id="ex01.2", title="One cached attention step", points=2, function="cached_attention_step",
+        returns=("out", "k_cache", "v_cache"),
         cases=_attention_cases,
         hint="Concatenate along the sequence axis (dim 2). Scores are q @ k^T / sqrt(head_dim), softmax "
              "over the keys, times v. With fewer KV heads, KV head j serves query heads "

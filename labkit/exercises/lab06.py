@@ -105,6 +105,7 @@ def _forward_cases() -> list[Case]:
 EXERCISES = [
     Exercise(
         id="ex06.1", title="Quantize and dequantize one group", points=2, function="quantize_group",
+        returns=("codes", "scale", "zero", "w_hat"),
         cases=_group_cases,
         hint="The usual slips: subtracting the zero point from uint8 codes, which wraps around (3 - 8 is 251 "
              "in uint8): make the codes float32 first; a grid that does not include 0 (lo and hi are widened to "

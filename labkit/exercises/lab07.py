@@ -84,6 +84,7 @@ def _kernel_cases() -> list[Scenario]:
 EXERCISES = [
     Exercise(
         id="ex07.1", title="The online softmax update", points=2, function="online_softmax_update",
+        returns=("m", "l", "acc"),
         cases=_online_cases,
         hint="The new maximum is the larger of m and the tile's row maxima. Everything summed so far was "
              "weighted by exp(. - m): multiply the old l and acc by exp(m - m_new) before adding the tile's "

@@ -62,6 +62,7 @@ class Exercise:
     hint: str
     timeout_s: float = 60.0
     methods: tuple[str, ...] = ()  # when ``function`` is a class: the methods the student writes in it
+    returns: tuple[str, ...] = ()  # when it returns a tuple: the names of its items, for messages
 
     @property
     def lab(self) -> str:
