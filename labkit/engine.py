@@ -166,9 +166,18 @@ class Scheduler:
         self.allocator, self.config = allocator, config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.ids: set[Hashable] = set()  # of the requests waiting or running
 
     def add(self, request: Request) -> None:
+        """Queue a request (``check_id``)."""
+        self.check_id(request)
+        self.ids.add(request.request_id)
         self.waiting.append(request)
+
+    def check_id(self, request: Request) -> None:
+        """ValueError if a request with this one's id is queued or running."""
+        if request.request_id in self.ids:
+            raise ValueError(f"a request with id {request.request_id!r} is already queued or running: ids must be unique")
 
     @property
     def has_work(self) -> bool:
@@ -207,6 +216,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         self.allocator.free(request.request_id)
+        self.ids.discard(request.request_id)
         request.status = FINISHED
 
 
@@ -238,7 +248,11 @@ def _kind(request: Request, n: int) -> str:
 
 
 def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
-    """ValueError unless the request's tokens are in the vocabulary and it fits the context."""
+    """ValueError unless the request is new (served again, it would add to its output), its tokens
+    are in the vocabulary and it fits the context."""
+    if request.status != WAITING or request.output or request.num_computed:
+        raise ValueError(f"request {request.request_id!r} has run before ({request.status}, "
+                         f"{len(request.output)} tokens out): serve a new Request")
     if max(request.prompt) >= vocab_size:
         raise ValueError(f"request {request.request_id!r}: token {max(request.prompt)} is outside the "
                          f"vocabulary of {vocab_size}")
@@ -286,8 +300,15 @@ class Engine:
     def reset_clock(self) -> None:
         self._start = time.perf_counter()
 
+    def add(self, request: Request) -> None:
+        """Queue a request now (``run`` adds each as it arrives); ``validate`` says which are refused."""
+        self.validate(request)
+        self.scheduler.add(request)
+
     def validate(self, request: Request) -> None:
-        """A clear error for a request this engine could never serve."""
+        """A clear error for a request this engine could never serve, one that has run before, or
+        one whose id it is serving."""
+        self.scheduler.check_id(request)
         check_fits(request, self.vocab_size, self.max_seq_len)
         need, size = blocks_for(request.max_tokens, self.allocator.block_size), self.allocator.block_size
         if need > self.allocator.num_blocks:
@@ -323,6 +344,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedule, run one forward pass over every scheduled token, sample, finish; returns
         the requests that finished in this step."""
+        if not self.scheduler.has_work:
+            raise RuntimeError("nothing to run: no request is waiting or running (add one first)")
         start = self.now()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -330,7 +353,13 @@ class Engine:
         rows = [i for i, (r, n) in enumerate(plan.scheduled) if n == r.to_compute]  # their last token runs
         done = [plan.scheduled[i][0] for i in rows]  # so they get a new one
         batch = [(r.request_id, n, _kind(r, n)) for r, n in plan.scheduled]
-        tokens = self.execute(plan, rows)
+        try:
+            tokens = self.execute(plan, rows)
+        except BaseException:  # failed or interrupted (Ctrl-C): what the step ran counts as not run, and runs again
+            for request, _ in plan.scheduled:
+                if request.request_id in self.allocator.computed:
+                    self.allocator.computed[request.request_id] = request.num_computed
+            raise
         end, finished = self.now(), []
         for request, n in plan.scheduled:
             request.num_computed += n

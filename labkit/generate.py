@@ -11,7 +11,9 @@ reaches ``top_p``, renormalises and draws. Temperature 0 means greedy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -33,6 +35,14 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise ValueError(f"{name}={value!r} must be an int")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         if self.temperature < 0:

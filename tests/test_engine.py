@@ -670,6 +670,48 @@ def test_the_engine_refuses_a_request_it_could_never_serve(request_, engine_args
     assert fine.output == [] and fine.status == WAITING  # nothing ran
 
 
+def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
+    engine = Engine(MODEL, 16, 4)
+    served = engine.run([Request("x", [1, 2], params(2))])
+    for again in (lambda: engine.run(served), lambda: run_static(MODEL, served, 2)):
+        with pytest.raises(ValueError, match=r"request 'x' has run before \(finished, 2 tokens out\): serve a new"):
+            again()
+    assert served[0].output == alone(served[0])  # and its output is as it was
+    engine.add(Request("y", [3], params(3)))
+    with pytest.raises(ValueError, match="a request with id 'y' is already queued or running"):
+        engine.add(Request("y", [4], params(1)))
+    with pytest.raises(ValueError, match="token 64 is outside the vocabulary"):
+        engine.add(Request("oov", [VOCAB], params(1)))
+    while engine.scheduler.has_work:
+        engine.step()
+    with pytest.raises(RuntimeError, match="nothing to run: no request is waiting or running"):
+        engine.step()
+    engine.add(Request("y", [4], params(1)))  # its id is free again
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
+def test_a_step_interrupted_after_the_forward_pass_runs_again(monkeypatch, interruption):
+    """Ctrl-C (or an error) while sampling, after the cache marked the step's tokens computed: the
+    step counts as not run, and the engine goes on, every request getting its own output."""
+    import labkit.engine
+    real, calls = labkit.engine.sample, [0]
+
+    def interrupted_once(logits, requests):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise interruption("now")
+        return real(logits, requests)
+    monkeypatch.setattr(labkit.engine, "sample", interrupted_once)
+    engine = Engine(MODEL, 64, 4)
+    requests = [Request(i, [i + 1] * (3 + i), params(4)) for i in range(3)]
+    with pytest.raises(interruption):
+        engine.run(requests)
+    while engine.scheduler.has_work:
+        engine.step()
+    assert [r.output for r in requests] == [alone(r) for r in requests]
+    engine.allocator.check()
+
+
 def test_a_request_that_exactly_fits_runs():
     request = Request("edge", [1] * 120, params(9))  # 128 tokens: max_seq_len
     engine = Engine(MODEL, num_blocks=32, block_size=4)  # exactly 32 blocks of 4 for 128 tokens

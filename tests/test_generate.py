@@ -63,6 +63,10 @@ def test_sampling_follows_the_softmax():
 @pytest.mark.parametrize("bad, message", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1), "temperature=-1"),
     (dict(top_k=-2), "top_k=-2"), (dict(top_p=0), "top_p=0"),
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an int"), (dict(top_k=2.5), "top_k=2.5 must be an int"),
+    (dict(seed=1.0), "seed=1.0 must be an int"), (dict(max_new_tokens=True), "max_new_tokens=True must be an int"),
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+    (dict(top_p=float("inf")), "top_p=inf must be a finite number"), (dict(temperature="1"), "temperature='1'"),
 ])
 def test_bad_sampling_params(bad, message):
     with pytest.raises(ValueError, match=message):
