@@ -176,6 +176,11 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
+        if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
+            outcome = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
+            if outcome["status"] != "passed":
+                outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
+                                       "with them the process crashed")
         results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome})
     return results
 
@@ -198,12 +203,29 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
             print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
                   f"{best_sub.path.name}{hint}", file=sys.stderr)
         book[student].update(best)
-    for student, results in book.items():
-        for ex_id in columns:
-            if ex_id not in results:
-                ex = get(ex_id)
-                results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
+    if not per_file:  # a student is a folder: what it lacks of the class's labs is missing (a file is one lab)
+        for folder in _empty_folders(paths):
+            book.setdefault(folder.name, {})
+        for student, results in book.items():
+            for ex_id in columns:
+                if ex_id not in results:
+                    ex = get(ex_id)
+                    results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+def _empty_folders(paths: list[Path]) -> list[Path]:
+    """The student folders of a class folder (one with no notebook of its own) that hold no
+    notebook, each said on stderr."""
+    empty = []
+    for path in (p for p in paths if p.is_dir() and not _notebooks_in(p)):
+        for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if not _notebooks_in(folder):
+                deeper = next(folder.rglob("*.ipynb"), None)
+                where = f" ({deeper.relative_to(folder)} is deeper down: move it up)" if deeper else ""
+                print(f"{folder}: no notebook in it{where}; every exercise counts as missing", file=sys.stderr)
+                empty.append(folder)
+    return empty
 
 
 def this_notebook(name: str) -> Path:
@@ -241,14 +263,19 @@ def _total(results: dict[str, Result]) -> tuple[float, int]:
     return sum(r.points for r in results.values()), sum(r.max_points for r in results.values())
 
 
+def _columns(book: dict[str, dict[str, Result]]) -> list[str]:
+    """Every exercise any student was graded on (with ``--per-file``, a file has its own lab's only)."""
+    return sorted({ex_id for results in book.values() for ex_id in results})
+
+
 def table(book: dict[str, dict[str, Result]]) -> str:
     """A points table, then the reason for every exercise that did not pass."""
-    columns = list(next(iter(book.values())))
+    columns = _columns(book)
     width = max(len("student"), *(len(s) for s in book))
     lines = ["  ".join(["student".ljust(width), *(c.rjust(7) for c in columns), "  total"])]
     for student, results in book.items():
         got, most = _total(results)
-        cells = [f"{results[c].points:g}/{results[c].max_points}".rjust(7) for c in columns]
+        cells = [(f"{results[c].points:g}/{results[c].max_points}" if c in results else "-").rjust(7) for c in columns]
         lines.append("  ".join([student.ljust(width), *cells, f"{got:g}/{most}".rjust(7)]))
     notes = [f"{student} {r.exercise}: {r.status}" + (f": {r.message}" if r.message else "")
              for student, results in book.items() for r in results.values() if r.status != "passed"]
@@ -263,13 +290,14 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
     report = {s: {"total": _total(r)[0], "max": _total(r)[1],
                   "exercises": {e: res.to_dict() for e, res in r.items()}} for s, r in book.items()}
     json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    columns = list(next(iter(book.values())))
+    columns = _columns(book)
     with csv_path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["student", *columns, "total", "max", "not passed"])
         for student, results in book.items():
             missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != "passed")
-            writer.writerow([student, *(f"{results[c].points:g}" for c in columns), *map(str, _total(results)), missed])
+            points = (f"{results[c].points:g}" if c in results else "" for c in columns)
+            writer.writerow([student, *points, *map(str, _total(results)), missed])
     return json_path, csv_path
 
 

@@ -3,7 +3,8 @@
 ``python -m labkit.release`` turns each ``solutions/NN_name.ipynb`` into
 ``notebooks/NN_name.ipynb``: in every cell tagged ``exercise`` the lines between
 ``### BEGIN SOLUTION`` and ``### END SOLUTION`` become one ``raise NotImplementedError(...)``
-at the same indentation, and every output is cleared. ``--check`` writes nothing and exits 1
+at the same indentation; every output is cleared, and of the metadata only the tags, the exercise
+ids, the kernel and the language stay. ``--check`` writes nothing and exits 1
 when notebooks/ is not what a release would write.
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ from labkit import notebook
 from labkit.exercises import EXERCISES
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+# the metadata a student copy keeps; the rest is the instructor's editor state (hidden sources,
+# timings, scroll state, widget state), which has no place in it
+CELL_METADATA, NOTEBOOK_METADATA = ("tags", "labkit"), ("kernelspec", "language_info")
 
 
 def strip_solutions(text: str, exercise: str, where: str) -> str:
@@ -58,7 +62,7 @@ def _release_cell(cell: notebook.Cell, where: str) -> None:
         if BEGIN not in text:
             raise ValueError(f"{where}: exercise {exercise} has no {BEGIN!r} region to release")
         notebook.set_source(cell, strip_solutions(text, exercise, where))
-    cell.get("metadata", {}).pop("execution", None)
+    cell["metadata"] = {k: v for k, v in cell.get("metadata", {}).items() if k in CELL_METADATA}
     if cell.get("cell_type") == "code":
         cell["outputs"], cell["execution_count"] = [], None
 
@@ -66,7 +70,9 @@ def _release_cell(cell: notebook.Cell, where: str) -> None:
 def release_notebook(nb: notebook.Notebook, name: str) -> notebook.Notebook:
     """The student copy of an instructor notebook."""
     student = copy.deepcopy(nb)
-    student.get("metadata", {}).pop("widgets", None)
+    student["metadata"] = {k: v for k, v in student.get("metadata", {}).items() if k in NOTEBOOK_METADATA}
+    if "language_info" in student["metadata"]:  # its name, not the instructor's Python version
+        student["metadata"]["language_info"] = {"name": student["metadata"]["language_info"].get("name", "python")}
     for index, cell in enumerate(student["cells"]):
         _release_cell(cell, f"{name} cell {index}")
     return student

@@ -20,6 +20,7 @@ BROKEN_EX1 = {
     "syntax": "def matmul_intensity(m, n, k, b=2)\n    return 1\n",
     "exits": "import sys\nsys.exit(3)\n",
     "hard_exits": "import os\ndef matmul_intensity(m, n, k, b=2):\n    os._exit(7)\n",
+    "crashes_at_top": "import os\nos._exit(9)\n",  # and ex00.2's worker, which runs this cell first, crashes too
     "loops_at_top": "while True:\n    pass\n",
     "exits_when_called": "import sys\ndef matmul_intensity(m, n, k, b=2):\n    sys.exit(4)\n",
     "wrong": "def matmul_intensity(m, n, k, b=2):\n    return 2 * m * n * k / (b * n * k)\n",
@@ -90,6 +91,7 @@ def class_folder(tmp_path_factory):
     _submit(folder, "copy_renamed", template, BROKEN_EX1["magic"], name="my_work.ipynb")
     _submit(folder, "two_copies", template, BROKEN_EX1["wrong"])  # the original is wrong, its copy right
     notebook.write(notebook.read(folder / "magic/00_welcome.ipynb"), folder / "two_copies/00_welcome-Copy1.ipynb")
+    _submit(folder / "zipped", "inner", template, BROKEN_EX1["magic"])
     (folder / "garbage").mkdir()
     (folder / "garbage/00_welcome.ipynb").write_text("{ this is not json")
     return folder
@@ -106,6 +108,8 @@ def class_book(class_folder):
     ("syntax", ERROR, "SyntaxError"),
     ("exits", ERROR, "SystemExit: 3"),
     ("hard_exits", CRASHED, "exited with code 7"),
+    ("crashes_at_top", CRASHED, "exited with code 9"),
+    ("zipped", MISSING, "no notebook 00_* submitted"),  # a folder with its notebook one level deeper
     ("exits_when_called", "failed", "raised SystemExit: 4"),
     ("loops_at_top", TIMEOUT, "stopped after 8 s"),  # and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
@@ -121,7 +125,7 @@ def class_book(class_folder):
 def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
     result = class_book[student]["ex00.1"]
     assert result.status == status and says in result.message
-    if student != "garbage":
+    if student not in ("garbage", "zipped"):
         assert class_book[student]["ex00.2"].status == "passed", "the other exercise keeps its points"
 
 
@@ -155,10 +159,15 @@ def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
         (tmp_path / "staging" / student / "00_welcome.ipynb").rename(tmp_path / f"{student}_00_welcome.ipynb")
     merged = grade([tmp_path], timeout_s=30)
     assert list(merged) == [tmp_path.name], "without --per-file the folder is one student"
+    (tmp_path / "carol_02_kv_memory.ipynb").write_bytes((root / "solutions/02_kv_memory.ipynb").read_bytes())
     book = grade([tmp_path], timeout_s=30, per_file=True)
-    assert sorted(book) == ["magic_00_welcome", "wrong_00_welcome"]
+    assert sorted(book) == ["carol_02_kv_memory", "magic_00_welcome", "wrong_00_welcome"]
     assert book["magic_00_welcome"]["ex00.1"].status == "passed"
     assert book["wrong_00_welcome"]["ex00.1"].status == "failed"
+    # a file is one lab: graded on its own exercises, out of its own points, not the other labs'
+    assert {e[:4] for e in book["carol_02_kv_memory"]} == {"ex02"} and {e[:4] for e in book["magic_00_welcome"]} == {"ex00"}
+    rows = table(book).splitlines()
+    assert rows[1].split()[-1] == "4/4" and rows[2].split()[1:] == ["2/2", "1/1", "-", "-", "-", "3/3"], rows
 
 
 def test_per_file_names_links_and_clashes(root, tmp_path):

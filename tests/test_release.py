@@ -71,6 +71,20 @@ def test_release_clears_outputs_and_widget_state():
     assert nb["cells"][0]["outputs"], "the instructor notebook itself is left alone"
 
 
+def test_release_keeps_only_the_metadata_students_need():
+    """An instructor who ran and saved the solutions leaves editor state in them: a hidden source
+    would hide a stub from the students."""
+    cell = _code(SOLVED, ["exercise"], "ex00.1")
+    cell["metadata"].update(jupyter={"source_hidden": True}, ExecuteTime={"end_time": "x"}, scrolled=True,
+                            vscode={"languageId": "python"})
+    nb = _nb(cell)
+    nb["metadata"].update(toc={"number_sections": True}, language_info={"name": "python", "version": "3.11.9"},
+                          kernelspec={"name": "labkit", "display_name": "Python (labkit)", "language": "python"})
+    student = release_notebook(nb, "00_x.ipynb")
+    assert student["cells"][0]["metadata"] == {"tags": ["exercise"], "labkit": {"exercise": "ex00.1"}}
+    assert student["metadata"] == {"kernelspec": nb["metadata"]["kernelspec"], "language_info": {"name": "python"}}
+
+
 @pytest.mark.parametrize("cell, complaint", [
     (_code(SOLVED), "not tagged 'exercise'"),
     (_code("def f(): pass", ["exercise"], "ex00.1"), "no '### BEGIN SOLUTION'"),
