@@ -44,9 +44,10 @@ class Result:
     status: str  # passed, failed, not attempted; the grader adds error, timeout, crashed, missing
     points: float
     max_points: int
-    passed: int = 0
+    passed: int = 0  # cases
     total: int = 0
     message: str = ""
+    notebook: str = ""  # the file the grader graded
 
     def verdict(self) -> str:
         mark = _MARK.get(self.status, "FAIL")

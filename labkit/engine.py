@@ -177,7 +177,8 @@ class Scheduler:
     def check_id(self, request: Request) -> None:
         """ValueError if a request with this one's id is queued or running."""
         if request.request_id in self.ids:
-            raise ValueError(f"a request with id {request.request_id!r} is already queued or running: ids must be unique")
+            raise ValueError(f"a request with id {request.request_id!r} is already queued or running: "
+                             "ids must be unique")
 
     @property
     def has_work(self) -> bool:

@@ -10,7 +10,7 @@ and each may run for a few seconds at most), then the exercise cell, then the ex
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
 crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
 points and nothing more. The grader prints a points table and writes ``grades.json`` (every
-result with its reason) and ``grades.csv`` (a row per student: a column per exercise, the
+result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a column per exercise, the
 total, and the exercises that did not pass, each with its status).
 """
 from __future__ import annotations
@@ -163,13 +163,14 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
     try:
         nb = notebook.read(sub.path)
     except ValueError as error:
-        return {ex.id: Result(ex.id, ERROR, 0, ex.points, message=str(error)) for ex in exercises}
+        return {ex.id: Result(ex.id, ERROR, 0, ex.points, message=str(error), notebook=str(sub.path))
+                for ex in exercises}
     setup = [notebook.source(c) for c in notebook.code_cells(nb, "setup")]
     cells = [_exercise_cell(nb, ex) for ex in exercises]
     results = {}
     for i, (ex, cell) in enumerate(zip(exercises, cells)):
         if cell is None:
-            results[ex.id] = Result(ex.id, MISSING, 0, ex.points,
+            results[ex.id] = Result(ex.id, MISSING, 0, ex.points, notebook=str(sub.path),
                                     message=f"no cell tagged 'exercise' for {ex.id} (was it deleted?)")
             continue
         limit = timeout_s or ex.timeout_s
@@ -181,7 +182,8 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
             if outcome["status"] != "passed":
                 outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
                                        "with them the process crashed")
-        results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome})
+        results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome,
+                                   "notebook": str(sub.path)})
     return results
 
 

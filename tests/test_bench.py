@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.bench import Comparison, Timing, alternate, compare, format_seconds, measure, nonnegative_polyfit, peak_memory
+from labkit.bench import (Comparison, Timing, alternate, compare, format_seconds, measure, nonnegative_polyfit,
+                          peak_memory)
 
 
 def test_measure_warms_up_then_times_each_repeat():

@@ -143,6 +143,8 @@ def test_the_table_and_reports(class_folder, tmp_path):
                      "not passed": "ex00.1 failed"}]
     report = json.loads((tmp_path / "grades.json").read_text())
     assert report["wrong"]["exercises"]["ex00.1"]["status"] == "failed"
+    graded = str((class_folder / "wrong/00_welcome.ipynb").resolve())
+    assert report["wrong"]["exercises"]["ex00.1"]["notebook"] == graded
 
 
 def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):
@@ -165,7 +167,8 @@ def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
     assert book["magic_00_welcome"]["ex00.1"].status == "passed"
     assert book["wrong_00_welcome"]["ex00.1"].status == "failed"
     # a file is one lab: graded on its own exercises, out of its own points, not the other labs'
-    assert {e[:4] for e in book["carol_02_kv_memory"]} == {"ex02"} and {e[:4] for e in book["magic_00_welcome"]} == {"ex00"}
+    assert {e[:4] for e in book["carol_02_kv_memory"]} == {"ex02"}
+    assert {e[:4] for e in book["magic_00_welcome"]} == {"ex00"}
     rows = table(book).splitlines()
     assert rows[1].split()[-1] == "4/4" and rows[2].split()[1:] == ["2/2", "1/1", "-", "-", "-", "3/3"], rows
 
