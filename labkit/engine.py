@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from labkit.generate import SamplingParams, next_token
-from labkit.model import ContiguousKVCache, Transformer
+from labkit.model import ContiguousKVCache, Transformer, token_ids
 from labkit.paged import BlockAllocator, DecodeKernel, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -63,11 +63,12 @@ class Request:
     cached_tokens: int = 0  # prompt tokens the prefix cache held when it was (last) admitted
 
     def __post_init__(self) -> None:
-        self.prompt = list(self.prompt)
+        try:
+            self.prompt = token_ids(self.prompt)
+        except ValueError as error:
+            raise ValueError(f"request {self.request_id!r}: {error}") from None
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r} has an empty prompt: give at least one token")
-        if not all(isinstance(t, int) and t >= 0 for t in self.prompt):
-            raise ValueError(f"request {self.request_id!r}: prompt tokens must be non-negative ints")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
             raise ValueError(f"request {self.request_id!r}: arrival_time={self.arrival_time} must be finite and >= 0")
         self._generator = None if self.params.seed is None else torch.Generator().manual_seed(self.params.seed)

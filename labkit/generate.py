@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from labkit.model import ContiguousKVCache, KVCache, Transformer
+from labkit.model import ContiguousKVCache, KVCache, Transformer, token_ids
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
 
@@ -107,7 +107,9 @@ def seeded_generator(params: SamplingParams, device: torch.device) -> torch.Gene
 
 def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingParams) -> int:
     """The tokens a generation from ``prompt`` keeps in the cache at most (the last new token is
-    never fed back); a ValueError if the prompt is empty or that exceeds the model's context."""
+    never fed back); a ValueError if the prompt is empty, holds anything but token ids of the model's
+    vocabulary, or that exceeds the model's context."""
+    token_ids(prompt, model.config.vocab_size)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt) + params.max_new_tokens - 1

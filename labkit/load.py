@@ -35,8 +35,9 @@ _HF_STACKED = {"attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.
 _HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 
 
-def save_checkpoint(model: Transformer, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_checkpoint(model: Transformer, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write ``model.safetensors`` and ``config.json`` (labkit's own parameter names)."""
+    folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
              if not (model.config.tie_embeddings and k == "lm_head.weight")}
@@ -59,9 +60,10 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.de
     return model
 
 
-def load_checkpoint(folder: Path, device: torch.device | None = None,
+def load_checkpoint(folder: str | Path, device: torch.device | None = None,
                     dtype: torch.dtype = torch.float32) -> Transformer:
     """A model saved by ``save_checkpoint``."""
+    folder = Path(folder).expanduser()
     config = ModelConfig(**json.loads((folder / "config.json").read_text()))
     return _build(config, load_file(str(folder / "model.safetensors")), device or get_device(), dtype)
 
@@ -129,9 +131,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def save_hf(model: Transformer, folder: Path, tokenizer: Tokenizer | None = None) -> None:
+def save_hf(model: Transformer, folder: str | Path, tokenizer: Tokenizer | None = None) -> None:
     """Write a labkit model as a Hugging Face Llama checkpoint (config.json, safetensors)."""
-    c = model.config
+    folder, c = Path(folder).expanduser(), model.config
     layer_names = {ours: theirs for theirs, ours in _HF_LAYER.items()}
     top_names = {ours: theirs for theirs, ours in _HF_TOP.items()}
     sizes = {"attn.wqkv": [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim],

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from numbers import Integral
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,20 @@ class KVCache(Protocol):
     # A cache may also take over attention itself, ``attend(layer, q, k, v, positions)`` returning
     # the output ``[B, n_heads, T, head_dim]``: the paged cache does, to run a ragged batch (each
     # sequence with its own number of new tokens) without padding every sequence to the longest.
+
+
+def token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]:
+    """``tokens`` as a list of ints; a ValueError naming the problem where they are not token ids
+    (of a vocabulary of ``vocab_size``, if given)."""
+    if isinstance(tokens, Tensor):
+        raise ValueError("token ids must be a list of ints, not a tensor (tensor.tolist() makes one)")
+    ids = list(tokens)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+            raise ValueError(f"token ids must be non-negative ints: got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(f"token {t} is outside the vocabulary of {vocab_size}")
+    return ids
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:

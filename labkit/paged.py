@@ -34,8 +34,9 @@ from typing import Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from labkit.kernels import check_paged_decode
 from labkit.memory import ModelShape, kv_bytes_per_token
-from labkit.model import ModelConfig, Transformer, attention, causal_mask
+from labkit.model import ModelConfig, Transformer, attention, causal_mask, token_ids
 
 # q [B, n_heads, d], k_pool, v_pool, block_tables, lengths -> [B, n_heads, d]: as paged_attention
 DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -239,6 +240,7 @@ class BlockAllocator(BlockPool):
         the next forward must compute). Returns how many prompt tokens are already cached."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        prompt = token_ids(prompt)  # hashed into the prefix cache's keys: a tensor's would never match
         if not prompt:
             raise ValueError("the prompt is empty: a sequence starts with at least one token")
         hits = self._reusable_prefix(prompt)
@@ -275,7 +277,7 @@ class BlockAllocator(BlockPool):
         """Reserve slots for ``tokens`` after ``seq_id``'s last one. If its last block is partly
         filled and shared, it gets its own copy first: returns the (source, destination) block
         copies the cache must make before writing."""
-        table, have = self.table(seq_id), self.tokens[seq_id]
+        table, have, tokens = self.table(seq_id), self.tokens[seq_id], token_ids(tokens)
         shared_tail = len(have) % self.block_size != 0 and self.ref_count[table[-1]] > 1 and len(tokens) > 0
         new_blocks = blocks_for(len(have) + len(tokens), self.block_size) - len(table)
         self._ensure_free(new_blocks + shared_tail)
@@ -434,9 +436,9 @@ def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tenso
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> Tensor:
     """Decode attention, one new query per sequence: ``q`` ``[B, n_heads, head_dim]`` attends
     to the first ``lengths[b]`` keys and values of sequence b, gathered from the pools
-    ``[num_blocks, block_size, n_kv_heads, head_dim]`` through ``block_tables`` ``[B, max_blocks]``."""
-    if int(lengths.min()) < 1:
-        raise ValueError(f"every sequence needs at least one token to attend to, got lengths {lengths.tolist()}")
+    ``[num_blocks, block_size, n_kv_heads, head_dim]`` through ``block_tables`` ``[B, max_blocks]``.
+    Checked as the decode kernels check their operands (``labkit.kernels.check_paged_decode``)."""
+    check_paged_decode(q, k_pool, v_pool, block_tables, lengths, dtypes=(q.dtype,))
     mask = torch.arange(int(lengths.max()), device=q.device)[None] < lengths[:, None]
     return attend_blocks(q[:, :, None], k_pool, v_pool, block_tables, mask[:, None, None])[:, :, 0]
 
@@ -656,6 +658,7 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens} must be at least 1")
     allocator, device = cache.allocator, cache.k.device
+    prompts = [token_ids(p, model.config.vocab_size) for p in prompts]
     seq_ids = [("generate", i) for i in range(len(prompts))]
     added: list[Hashable] = []  # freed at the end, and only these: the caller's sequences stay
     out: list[list[int]] = []

@@ -110,8 +110,8 @@ def pack_int4(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte along the last dimension: even column low, odd column high."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack {codes.shape[-1]} codes per row into bytes: the count must be even")
-    if codes.numel() and int(codes.max()) > 15:
-        raise ValueError(f"code {int(codes.max())} does not fit in 4 bits (0-15)")
+    if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) <= 15:
+        raise ValueError(f"codes {int(codes.min())}..{int(codes.max())} do not fit in 4 bits (0-15)")
     codes = codes.to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 

@@ -88,6 +88,10 @@ def speculation_gain(a: float, k: int, c: float, v: float = 1.0) -> tuple[float,
     expected speedup over the target alone, that over k c + v, for acceptance rate ``a``, ``k``
     draft tokens, a draft step costing ``c`` target steps and verification of k + 1 tokens ``v``
     (1 where a few more tokens per call are free, as on a GPU)."""
+    if not 0 <= a <= 1:
+        raise ValueError(f"a={a} is an acceptance rate: it must be in [0, 1] (not a percentage)")
+    if k < 0 or c < 0 or v <= 0:
+        raise ValueError(f"k={k} and c={c} must be >= 0 and v={v} > 0")
     tokens = k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
     return tokens, tokens / (k * c + v)
 
@@ -272,6 +276,8 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
                          f"{target.config.vocab_size}: they must share one tokenizer")
     weight = next(target.parameters())
     stats = stats if stats is not None else SpeculationStats(k)
+    if stats.k != k:
+        raise ValueError(f"stats count rounds of k={stats.k} drafts, but this run drafts k={k}: SpeculationStats(k)")
     generator = seeded_generator(params, weight.device)
     cache = ContiguousKVCache(target.config, 1, capacity, dtype=weight.dtype, device=weight.device)
     drafter.start(capacity)

@@ -643,10 +643,12 @@ def test_the_simulator_reuses_a_cached_prefix_like_the_engine():
 def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="request 'a' has an empty prompt"):
         Request("a", [])
-    with pytest.raises(ValueError, match="prompt tokens must be non-negative ints"):
+    with pytest.raises(ValueError, match="request 'a': token ids must be non-negative ints: got -1"):
         Request("a", [1, -1])
-    with pytest.raises(ValueError, match="prompt tokens must be non-negative ints"):
+    with pytest.raises(ValueError, match="request 'a': token ids must be non-negative ints: got 2.0"):
         Request("a", [1, 2.0])
+    with pytest.raises(ValueError, match="request 'a': token ids must be a list of ints, not a tensor"):
+        Request("a", torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="arrival_time=-1"):
         Request("a", [1], arrival_time=-1)
     with pytest.raises(ValueError, match="arrival_time=nan"):

@@ -73,6 +73,15 @@ def test_bad_sampling_params(bad, message):
         SamplingParams(**bad)
 
 
+def test_prompts_that_are_not_token_ids_of_the_model_are_refused(model):
+    vocab = model.config.vocab_size
+    for prompt, message in [([1, vocab], f"token {vocab} is outside the vocabulary of {vocab}"),
+                            ([1, -2], "non-negative ints: got -2"), ([1, 2.5], "got 2.5"),
+                            (torch.tensor([1, 2]), r"not a tensor \(tensor.tolist\(\) makes one\)")]:
+        with pytest.raises(ValueError, match=message):
+            next(stream(model, prompt, SamplingParams(max_new_tokens=2)))
+
+
 def test_too_long_and_empty_requests(model):
     with pytest.raises(ValueError, match="exceed the context limit max_seq_len=128"):
         next(stream(model, [1] * 100, SamplingParams(max_new_tokens=40)))

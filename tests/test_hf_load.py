@@ -126,8 +126,21 @@ def test_a_labkit_model_saved_as_hugging_face_loads_in_transformers(tmp_path, ti
     torch.manual_seed(1)
     model = Transformer(ModelConfig(vocab_size=60, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                     d_ff=48, max_seq_len=64, tie_embeddings=tied)).eval()
-    save_hf(model, tmp_path)
+    save_hf(model, str(tmp_path))  # a path as a string will do
     hf = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 60, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
+    from labkit.load import load_checkpoint, save_checkpoint
+    from labkit.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                                    max_seq_len=16)).eval()
+    save_checkpoint(model, str(tmp_path / "ckpt"), dtype=torch.float32)
+    loaded = load_checkpoint(str(tmp_path / "ckpt"), device=torch.device("cpu"))
+    tokens = torch.randint(0, 40, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens))

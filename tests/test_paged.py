@@ -246,6 +246,13 @@ def test_bad_requests_are_refused_by_name():
         BlockAllocator(4, 0)
     with pytest.raises(ValueError, match="n_tokens=2: sequence 'a' has slots for 1"):
         allocator.mark_computed("a", 2)
+    before = allocator.block_states()
+    for tokens in (torch.tensor([2, 3]), [2, 1.5]):  # a tensor's tokens would never match a cached prefix
+        with pytest.raises(ValueError, match="token ids must be"):
+            allocator.append("a", tokens)
+        with pytest.raises(ValueError, match="token ids must be"):
+            allocator.add_sequence("c", tokens)
+    assert allocator.block_states() == before and allocator.length("a") == 1 and "c" not in allocator.tables
 
 
 def test_generate_paged_leaves_the_callers_sequences_alone():
@@ -257,6 +264,8 @@ def test_generate_paged_leaves_the_callers_sequences_alone():
     assert cache.allocator.length(("generate", 0)) == 2
     with pytest.raises(ValueError, match="new_tokens=0"):
         generate_paged(model, cache, [[3, 4]], 0)
+    with pytest.raises(ValueError, match=f"token {model.config.vocab_size} is outside the vocabulary"):
+        generate_paged(model, cache, [[3, model.config.vocab_size]], 2)
 
 
 def test_slot_mapping_and_gather_follow_the_block_table():
@@ -282,6 +291,11 @@ def test_paged_attention_matches_attention_over_contiguous_keys():
     for b in range(2):
         expected = F.scaled_dot_product_attention(q[b, :, None], keys[b], values[b], enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[b], expected)
+    for bad_tables, bad_lengths, message in [(tables[:1], torch.tensor(lengths), r"block_tables \[B=2"),
+                                             (tables, torch.tensor(lengths[:1]), r"lengths \[2\]"),
+                                             (tables, torch.tensor([5, 13]), r"every length must be in \[1, 12\]")]:
+        with pytest.raises(ValueError, match=message):  # not broadcast, nor read past the table
+            paged_attention(q, k_pool, v_pool, bad_tables, bad_lengths)
 
 
 def _padded_slots(lengths, groups, overhead):

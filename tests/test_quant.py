@@ -86,8 +86,10 @@ def test_packing_known_bytes_and_round_trip():
     assert torch.equal(unpack_int4(packed), codes)
     with pytest.raises(ValueError, match="even"):
         pack_int4(torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="code 16"):
+    with pytest.raises(ValueError, match=r"codes 0..16 do not fit in 4 bits"):
         pack_int4(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"codes -1..3 do not fit in 4 bits"):  # would wrap to 15
+        pack_int4(torch.tensor([-1, 3]))
 
 
 @pytest.mark.parametrize("scheme, bytes_per_row", [(Scheme(4, 64), 64 + 2 * 2 * 2), (Scheme(4, 32, True), 64 + 4 * 2),
