@@ -49,7 +49,10 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.de
            dtype: torch.dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(config)
-    model.load_state_dict(state, strict=False, assign=True)
+    unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+    if unexpected:  # weights of more layers than the config has, say: dropping them would be a different model
+        raise ValueError(f"the checkpoint has {len(unexpected)} weights its config has no place for, e.g. "
+                         f"{unexpected[:3]} (config: {config.n_layers} layers)")
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]

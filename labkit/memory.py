@@ -81,9 +81,14 @@ def kv_tokens_per_gib(model: ModelShape, dtype: str = "fp16") -> float:
     return GIB / kv_bytes_per_token(model, dtype)
 
 
-def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilization: float) -> float:
+def check_utilization(utilization: float) -> None:
+    """The share of a GPU's memory a server may use: in (0, 1], not a percentage."""
     if not 0 < utilization <= 1:
-        raise ValueError(f"utilization={utilization} must be in (0, 1]")
+        raise ValueError(f"utilization={utilization} must be in (0, 1] (a share of the memory, not a percentage)")
+
+
+def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilization: float) -> float:
+    check_utilization(utilization)
     free = utilization * gpu.memory_bytes - weight_bytes(model, weight_dtype)
     if free <= 0:
         need = weight_bytes(model, weight_dtype) / GIB
@@ -95,6 +100,8 @@ def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilizatio
 def max_batch(model: ModelShape, gpu: Hardware, seq_len: int, weight_dtype: str = "bf16",
               kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
     """The most sequences of ``seq_len`` tokens whose KV cache fits beside the weights."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be at least 1")
     free = _free_for_kv(model, gpu, weight_dtype, utilization)
     return math.floor(free / kv_cache_bytes(model, seq_len, 1, kv_dtype))
 
@@ -102,5 +109,7 @@ def max_batch(model: ModelShape, gpu: Hardware, seq_len: int, weight_dtype: str 
 def max_context(model: ModelShape, gpu: Hardware, batch: int = 1, weight_dtype: str = "bf16",
                 kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
     """The longest context ``batch`` sequences can each have, capped at the model's limit."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be at least 1")
     free = _free_for_kv(model, gpu, weight_dtype, utilization)
     return min(model.max_context, math.floor(free / (batch * kv_bytes_per_token(model, kv_dtype))))

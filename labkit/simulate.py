@@ -22,7 +22,7 @@ from typing import Sequence
 from labkit.cost import attention_flops
 from labkit.engine import Engine, Scheduler, SchedulerConfig, StepPlan
 from labkit.hardware import Hardware
-from labkit.memory import ModelShape, bytes_per_element, kv_bytes_per_token, weight_bytes
+from labkit.memory import ModelShape, bytes_per_element, check_utilization, kv_bytes_per_token, weight_bytes
 from labkit.paged import BlockAllocator, num_blocks_for_memory
 
 
@@ -58,6 +58,7 @@ class CostModel:
 
     def kv_blocks(self, block_size: int = 16, utilization: float = 0.9) -> int:
         """Blocks of KV cache that fit in ``utilization`` of the GPUs' memory beside the weights."""
+        check_utilization(utilization)
         free = utilization * self.n_gpus * self.hardware.memory_bytes - weight_bytes(self.model, self.weight_dtype)
         if free <= 0:
             raise ValueError(f"{self.model.name}'s weights do not fit {utilization:.0%} of {self.n_gpus} x "

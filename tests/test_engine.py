@@ -933,6 +933,8 @@ def test_kv_blocks_fill_the_memory_the_weights_leave():
     assert CostModel(presets.model("Llama-3.1-70B"), presets.gpu("H100-SXM"), n_gpus=2).kv_blocks() > 0
     with pytest.raises(ValueError, match="n_gpus=0"):
         CostModel(TOY, TOY_GPU, n_gpus=0)
+    with pytest.raises(ValueError, match=r"utilization=90 must be in \(0, 1\] \(a share of the memory"):
+        cost.kv_blocks(16, utilization=90)
 
 
 def test_simulated_steps_take_the_cost_models_time():

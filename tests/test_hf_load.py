@@ -133,6 +133,19 @@ def test_a_labkit_model_saved_as_hugging_face_loads_in_transformers(tmp_path, ti
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
 
 
+def test_weights_of_layers_the_config_lacks_are_refused(tmp_path):
+    """A config that lists fewer layers than the weights would silently make another model."""
+    from labkit.load import load_checkpoint, save_checkpoint
+    from labkit.model import ModelConfig, Transformer
+
+    save_checkpoint(Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32,
+                                            max_seq_len=16)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_layers": 1}))
+    with pytest.raises(ValueError, match=r"weights its config has no place for, e.g. \['blocks.1."):
+        load_checkpoint(tmp_path, device=torch.device("cpu"))
+
+
 def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
     from labkit.load import load_checkpoint, save_checkpoint
     from labkit.model import ModelConfig, Transformer

@@ -46,6 +46,11 @@ def test_what_fits_on_a_gpu():
     assert max_context(m, h100, batch=64) == int(free // (64 * 128 * 1024))
     with pytest.raises(ValueError, match="do not fit 90% of L4 24GB"):
         max_batch(model("Llama-3.1-70B"), gpu("L4"), 1024)
+    for bad, message in [(lambda: max_batch(m, h100, 0), "seq_len=0 must be at least 1"),
+                         (lambda: max_context(m, h100, batch=0), "batch=0 must be at least 1"),
+                         (lambda: max_batch(m, h100, 1024, utilization=90), r"utilization=90 must be in \(0, 1\]")]:
+        with pytest.raises(ValueError, match=message):
+            bad()
 
 
 def test_presets_cover_the_published_models():
