@@ -499,8 +499,7 @@ def uniform(low: int, high: int) -> LengthDistribution:
 def lognormal(median: float, sigma: float, low: int, high: int) -> LengthDistribution:
     """Token counts lognormal around ``median`` (spread ``sigma``), clipped to [low, high]: most
     short, a few long, as in real chat traffic."""
-    if not (median > 0 and sigma >= 0 and 1 <= low <= high):
-        raise ValueError(f"lognormal({median}, {sigma}, {low}, {high}): need median > 0, sigma >= 0, 1 <= low <= high")
+    lognormal_lengths(0, median, sigma, low, high, 0)  # refuses bad parameters now, not at the first draw
     return lambda n, generator: lognormal_lengths(n, median, sigma, low, high, generator)
 
 

@@ -133,7 +133,9 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.max_len = max_len or config.max_seq_len
+        self.max_len = config.max_seq_len if max_len is None else max_len
+        if self.max_len < 1:
+            raise ValueError(f"max_len={self.max_len} must be at least 1 (None: the model's max_seq_len)")
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

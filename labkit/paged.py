@@ -62,6 +62,8 @@ def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
                       seed: int | torch.Generator) -> list[int]:
     """``n`` token counts, lognormal around ``median`` (spread ``sigma``), clipped to [low, high];
     drawn from ``seed``, a generator or the seed of a fresh one."""
+    if not (median > 0 and sigma >= 0 and 1 <= low <= high):
+        raise ValueError(f"lognormal({median}, {sigma}, {low}, {high}): need median > 0, sigma >= 0, 1 <= low <= high")
     generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     draws = torch.exp(math.log(median) + sigma * torch.randn(n, generator=generator, dtype=torch.float64))
     return draws.round().clamp(low, high).long().tolist()
@@ -91,6 +93,8 @@ def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict
 def sequences_that_fit(lengths: Sequence[int], memory_slots: int, block_size: int) -> int:
     """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once:
     a real ``BlockAllocator`` of that size, filled until it runs out of blocks."""
+    if memory_slots < block_size:
+        raise ValueError(f"memory_slots={memory_slots} is less than one block of block_size={block_size}")
     allocator = BlockAllocator(memory_slots // block_size, block_size, prefix_caching=False)
     for fitted, n in enumerate(lengths):
         try:
@@ -655,8 +659,9 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
     tokens prefilled on its own (no padding), then one token per sequence per step, all in one
     batch. Returns the new tokens of each prompt and how many of its tokens the prefix cache
     already held. The sequences are freed at the end: their full blocks stay cached."""
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens={new_tokens} must be at least 1")
+    if new_tokens < 1 or not prompts:
+        raise ValueError(f"new_tokens={new_tokens} must be at least 1, and there must be a prompt "
+                         f"(got {len(prompts)})")
     allocator, device = cache.allocator, cache.k.device
     prompts = [token_ids(p, model.config.vocab_size) for p in prompts]
     seq_ids = [("generate", i) for i in range(len(prompts))]

@@ -63,6 +63,12 @@ def test_bad_counts_are_refused(bad):
         measure(lambda: None, device="cpu", **bad)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_timing_on_a_gpu_that_is_not_there_says_so():
+    with pytest.raises(ValueError, match="cannot time on cuda: torch sees no CUDA GPU here"):
+        measure(lambda: None, device="cuda")
+
+
 def test_format_seconds():
     assert format_seconds(2.5) == "2.5 s"
     assert format_seconds(0.25) == "250.0 ms"

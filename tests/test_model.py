@@ -36,6 +36,8 @@ def test_positions_past_the_context_are_refused():
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[63, 64]]))
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_len=0 must be at least 1"):
+        ContiguousKVCache(model.config, 1, max_len=0)
     with pytest.raises(ValueError, match="position -2 is negative"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-2, 0]]))
 

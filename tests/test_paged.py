@@ -19,7 +19,7 @@ from labkit.memory import kv_cache_bytes, shape_of
 from labkit.model import ContiguousKVCache
 from labkit.paged import (BlockAllocator, BlockPool, OutOfBlocks, PagedKVCache, blocks_for, check_invariants,
                           fragmentation, gather_kv, generate_paged, length_groups, num_blocks_for_memory,
-                          paged_attention, sequences_that_fit, slot_mapping)
+                          lognormal_lengths, paged_attention, sequences_that_fit, slot_mapping)
 
 
 def _state(allocator: BlockAllocator) -> dict:
@@ -264,6 +264,8 @@ def test_generate_paged_leaves_the_callers_sequences_alone():
     assert cache.allocator.length(("generate", 0)) == 2
     with pytest.raises(ValueError, match="new_tokens=0"):
         generate_paged(model, cache, [[3, 4]], 0)
+    with pytest.raises(ValueError, match=r"there must be a prompt \(got 0\)"):
+        generate_paged(model, cache, [], 2)
     with pytest.raises(ValueError, match=f"token {model.config.vocab_size} is outside the vocabulary"):
         generate_paged(model, cache, [[3, model.config.vocab_size]], 2)
 
@@ -420,4 +422,8 @@ def test_fragmentation_counts_slots():
     assert (stats["used"], stats["paged_held"], stats["contiguous_reserved"]) == (34, 64, 96)
     assert stats["paged_waste"] == pytest.approx(30 / 64) and stats["contiguous_waste"] == pytest.approx(62 / 96)
     assert sequences_that_fit([1, 16, 17, 5], memory_slots=48, block_size=16) == 2
+    with pytest.raises(ValueError, match="memory_slots=8 is less than one block of block_size=16"):
+        sequences_that_fit([1], memory_slots=8, block_size=16)
+    with pytest.raises(ValueError, match=r"lognormal\(64, 1, 9, 5\): need"):
+        lognormal_lengths(3, 64, 1, 9, 5, seed=0)
     assert blocks_for(0, 4) == 0 and blocks_for(9, 4) == 3
