@@ -10,8 +10,9 @@ and each may run for a few seconds at most), then the exercise cell, then the ex
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
 crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
 points and nothing more. The grader prints a points table and writes ``grades.json`` (every
-result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a column per exercise, the
-total, and the exercises that did not pass, each with its status).
+result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a column per exercise, a
+total per notebook when there are several, the total, and the exercises that did not pass, each
+with its status).
 """
 from __future__ import annotations
 
@@ -285,7 +286,8 @@ def table(book: dict[str, dict[str, Result]]) -> str:
 
 
 def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
-    """grades.json (every result) and grades.csv (a row per student: the points, and which
+    """grades.json (every result) and grades.csv (a row per student: the points of each exercise,
+    of each notebook where there are several (a gradebook's assignments), in all, and which
     exercises did not pass and why, in a word)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
@@ -293,13 +295,16 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
                   "exercises": {e: res.to_dict() for e, res in r.items()}} for s, r in book.items()}
     json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     columns = _columns(book)
+    labs = sorted({get(c).lab for c in columns})
+    labs = labs if len(labs) > 1 else []  # one notebook: its total is the total
     with csv_path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["student", *columns, "total", "max", "not passed"])
+        writer.writerow(["student", *columns, *(f"{lab} total" for lab in labs), "total", "max", "not passed"])
         for student, results in book.items():
             missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != "passed")
             points = (f"{results[c].points:g}" if c in results else "" for c in columns)
-            writer.writerow([student, *points, *map(str, _total(results)), missed])
+            per_lab = (f"{_total({e: r for e, r in results.items() if get(e).lab == lab})[0]:g}" for lab in labs)
+            writer.writerow([student, *points, *per_lab, *map(str, _total(results)), missed])
     return json_path, csv_path
 
 

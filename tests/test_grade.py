@@ -11,7 +11,8 @@ import pytest
 
 from labkit import notebook
 from labkit.exercises import EXERCISES, for_lab, get
-from labkit.grade import CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table, this_notebook
+from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table, this_notebook,
+                          write_reports)
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
 BROKEN_EX1 = {
@@ -171,6 +172,10 @@ def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
     assert {e[:4] for e in book["magic_00_welcome"]} == {"ex00"}
     rows = table(book).splitlines()
     assert rows[1].split()[-1] == "4/4" and rows[2].split()[1:] == ["2/2", "1/1", "-", "-", "-", "3/3"], rows
+    write_reports(book, tmp_path / "grades")
+    csv_rows = list(csv.DictReader((tmp_path / "grades/grades.csv").open()))
+    assert [(r["00 total"], r["02 total"], r["total"], r["max"]) for r in csv_rows] == [
+        ("0", "4", "4", "4"), ("3", "0", "3", "3"), ("1", "0", "1", "3")], csv_rows
 
 
 def test_per_file_names_links_and_clashes(root, tmp_path):
