@@ -10,9 +10,9 @@ and each may run for a few seconds at most), then the exercise cell, then the ex
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
 crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
 points and nothing more. The grader prints a points table and writes ``grades.json`` (every
-result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a column per exercise, a
-total per notebook when there are several, the total, and the exercises that did not pass, each
-with its status).
+result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a
+column per exercise, a total per notebook when there are several, the total, and the exercises
+that did not pass, each with its status).
 """
 from __future__ import annotations
 
