@@ -238,7 +238,11 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
           f"{weights_mb:.1f} MB) for each: continuous {blocks} blocks of {args.block_size} "
           f"(max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_batched_tokens}, headroom "
           f"{config.headroom}, decode kernel: {getattr(kernel, '__name__', 'none')}); static and "
-          f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})\n")
+          f"transformers batch {batch} = {args.kv_tokens} // ({args.max_prompt} + {args.max_output})")
+    groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]  # static's batches (all arrive at 0)
+    rows = sum(len(group) * max(r.params.max_new_tokens for r in group) for group in groups)
+    print(f"static batching decodes {rows} rows for these {output_tokens} tokens ({rows / output_tokens:.2f}x): "
+          f"a batch runs every row until its longest output is done\n")
     runs = alternate(systems, workload, args.warmup, args.repeats)
     print_table(runs, output_tokens)
     cont = runs["continuous"]
