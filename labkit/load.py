@@ -185,14 +185,18 @@ def load_hf(folder: str | Path, device: torch.device | None = None,
 
 def load(name: str | None = None, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
-    """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``) or a local
-    Hugging Face folder; ``LABKIT_MODEL`` when no name is given."""
+    """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``), or a local
+    folder: a Hugging Face one, or one ``save_checkpoint`` wrote (with the lab's tokenizer unless it
+    holds its own); ``LABKIT_MODEL`` when no name is given."""
     name = name or os.environ.get("LABKIT_MODEL", "target")
     device = torch.device(device) if device is not None else get_device()
-    shipped = CHECKPOINTS / name
+    shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
         return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
-    if (Path(name).expanduser() / "config.json").exists():
+    if (folder / "config.json").exists() and "model_type" not in json.loads((folder / "config.json").read_text()):
+        own = folder / "tokenizer.json"  # labkit's own format, as save_checkpoint writes it
+        return load_checkpoint(folder, device, dtype), Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
+    if (folder / "config.json").exists():
         return load_hf(name, device, dtype)
     names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
     raise FileNotFoundError(f"no checkpoint {name!r}: not a folder with a config.json, and not one of "

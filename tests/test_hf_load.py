@@ -154,6 +154,9 @@ def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
                                     max_seq_len=16)).eval()
     save_checkpoint(model, str(tmp_path / "ckpt"), dtype=torch.float32)
     loaded = load_checkpoint(str(tmp_path / "ckpt"), device=torch.device("cpu"))
+    by_name, tokenizer = load(str(tmp_path / "ckpt"), device="cpu")  # as LABKIT_MODEL would name it
+    assert tokenizer is not None
     tokens = torch.randint(0, 40, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens), model(tokens))
+        torch.testing.assert_close(by_name(tokens), model(tokens))
