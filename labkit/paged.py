@@ -547,6 +547,9 @@ class PagedKVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
         """Write the new keys and values ``[B, n_kv_heads, T, head_dim]`` at their slots, then
         the attention output ``[B, n_heads, T, head_dim]`` of the queries (zero at padding)."""
+        if layer >= self.k.shape[0]:
+            raise ValueError(f"the model runs layer {layer}, but this cache has layers 0..{self.k.shape[0] - 1}: "
+                             "build it from the model's own config")
         if layer == 0:  # the slots, tables and masks are the same for every layer of one forward
             self._step = self._plan(positions)
         step, (batch, heads, length, dim) = self._step, q.shape

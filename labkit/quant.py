@@ -130,6 +130,9 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.scheme = scheme
         self.out_features, self.in_features = codes.shape
+        if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) < 2 ** scheme.bits:
+            raise ValueError(f"codes {int(codes.min())}..{int(codes.max())} do not fit {scheme.bits} bits "
+                             f"(0..{2 ** scheme.bits - 1})")
         self.register_buffer("packed", pack_int4(codes) if scheme.bits == 4 else codes.to(torch.uint8))
         self.register_buffer("scales", scales.half())
         # a symmetric grid's zero is the fixed 2^(bits-1): nothing to store

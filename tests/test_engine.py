@@ -899,6 +899,12 @@ def test_bad_query_lens_are_refused():
     cache.query_lens = [3, 2]
     MODEL(tokens, positions, cache)
     assert cache.allocator.computed == {"a": 3, "b": 2}
+    from dataclasses import replace
+    shallow = PagedKVCache(replace(MODEL.config, n_layers=1), BlockAllocator(16, 4), torch.float64)
+    shallow.allocator.add_sequence("a", [1, 2])
+    shallow.seq_ids = ["a"]
+    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0: build it from the model"):
+        MODEL(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), shallow)
 
 
 # ---------------------------------------------------------------- the simulator
