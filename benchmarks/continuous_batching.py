@@ -166,8 +166,8 @@ def median_runs(runs: list[Run]) -> dict[str, Run]:
     return {name: sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2] for name, rs in by_name.items()}
 
 
-def alternate(systems: dict[str, Callable[[list[Request]], Run]], workload: Callable[..., list[Request]],
-              warmup: int, repeats: int) -> dict[str, Run]:
+def in_turn(systems: dict[str, Callable[[list[Request]], Run]], workload: Callable[..., list[Request]],
+            warmup: int, repeats: int) -> dict[str, Run]:
     """Warm each system up on ``warmup`` other requests, then run them in turn ``repeats`` times,
     each on a fresh copy of the workload; the median run of each (every run's wall time printed)."""
     for system in systems.values():
@@ -243,7 +243,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     rows = sum(len(group) * max(r.params.max_new_tokens for r in group) for group in groups)
     print(f"static batching decodes {rows} rows for these {output_tokens} tokens ({rows / output_tokens:.2f}x): "
           f"a batch runs every row until its longest output is done\n")
-    runs = alternate(systems, workload, args.warmup, args.repeats)
+    runs = in_turn(systems, workload, args.warmup, args.repeats)
     print_table(runs, output_tokens)
     cont = runs["continuous"]
     ratios = {"continuous / static": runs["static"].wall_s / cont.wall_s,
@@ -285,7 +285,7 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
         print(f"(the same weights with max_seq_len {long.config.max_seq_len}: positions past {model.config.max_seq_len} "
               f"are beyond the training length, so the outputs mean little, which does not change the timing)")
     print()
-    runs = alternate(systems, workload, args.warmup, args.repeats)
+    runs = in_turn(systems, workload, args.warmup, args.repeats)
     on, off = runs[names[True]], runs[names[False]]
     # fp32 must give the same tokens. In bf16 the cached keys and values, computed in a batch of another
     # shape, can differ from the recomputed ones by a rounding, enough to flip a near-tied token

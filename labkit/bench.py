@@ -83,7 +83,8 @@ def format_seconds(seconds: float) -> str:
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     """A function that runs ``fn`` once and returns its duration in seconds on ``device``."""
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"cannot time on {device}: torch sees no CUDA GPU here (labkit.get_device() picks what there is)")
+        raise ValueError(f"cannot time on {device}: torch sees no CUDA GPU here "
+                         "(labkit.get_device() picks what there is)")
     if device.type == "cuda":
         def cuda_time(fn: Callable[[], Any]) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -90,8 +90,10 @@ def _where(error: BaseException) -> str:
 
 
 def _is_students(frame: traceback.FrameSummary) -> bool:
+    """Not labkit's, a library's, or generated (a dataclass's ``__init__`` comes from ``<string>``)."""
     path = os.path.normcase(os.path.abspath(frame.filename))
-    return not (path.startswith(_LIBRARIES) or path.startswith(_LABKIT) or frame.filename.startswith("<frozen "))
+    return not (path.startswith(_LIBRARIES) or path.startswith(_LABKIT) or frame.filename == "<string>"
+                or frame.filename.startswith("<frozen "))
 
 
 def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:

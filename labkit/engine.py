@@ -63,10 +63,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens the prefix cache held when it was (last) admitted
 
     def __post_init__(self) -> None:
-        try:
-            self.prompt = token_ids(self.prompt)
-        except ValueError as error:
-            raise ValueError(f"request {self.request_id!r}: {error}") from None
+        self.prompt = _prompt_ids(self)
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r} has an empty prompt: give at least one token")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
@@ -249,15 +246,21 @@ def _kind(request: Request, n: int) -> str:
     return "decode" if request.output and n == 1 and request.to_compute == 1 else "prefill"
 
 
+def _prompt_ids(request: Request, vocab_size: int | None = None) -> list[int]:
+    """The request's prompt as token ids (``token_ids``), or a ValueError that names the request."""
+    try:
+        return token_ids(request.prompt, vocab_size)
+    except ValueError as error:
+        raise ValueError(f"request {request.request_id!r}: {error}") from None
+
+
 def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
     """ValueError unless the request is new (served again, it would add to its output), its tokens
     are in the vocabulary and it fits the context."""
     if request.status != WAITING or request.output or request.num_computed:
         raise ValueError(f"request {request.request_id!r} has run before ({request.status}, "
                          f"{len(request.output)} tokens out): serve a new Request")
-    if max(request.prompt) >= vocab_size:
-        raise ValueError(f"request {request.request_id!r}: token {max(request.prompt)} is outside the "
-                         f"vocabulary of {vocab_size}")
+    _prompt_ids(request, vocab_size)
     if request.max_tokens > max_seq_len:
         raise ValueError(f"request {request.request_id!r}: {len(request.prompt)} prompt tokens + "
                          f"{request.params.max_new_tokens} new ones exceed max_seq_len={max_seq_len}")
@@ -303,8 +306,13 @@ class Engine:
         self._start = time.perf_counter()
 
     def add(self, request: Request) -> None:
-        """Queue a request now (``run`` adds each as it arrives); ``validate`` says which are refused."""
+        """Queue a request now, which is then its arrival time (``run`` adds each as it arrives);
+        ``validate`` says which are refused, and one due to arrive later is too."""
+        if request.arrival_time > self.now():
+            raise ValueError(f"request {request.request_id!r} arrives at {request.arrival_time} s, {self.now():.3f} s "
+                             "into the run: add it then, or give run() every request with its arrival time")
         self.validate(request)
+        request.arrival_time = self.now()
         self.scheduler.add(request)
 
     def validate(self, request: Request) -> None:
@@ -359,8 +367,7 @@ class Engine:
             tokens = self.execute(plan, rows)
         except BaseException:  # failed or interrupted (Ctrl-C): what the step ran counts as not run, and runs again
             for request, _ in plan.scheduled:
-                if request.request_id in self.allocator.computed:
-                    self.allocator.computed[request.request_id] = request.num_computed
+                self.allocator.uncompute(request.request_id, request.num_computed)
             raise
         end, finished = self.now(), []
         for request, n in plan.scheduled:

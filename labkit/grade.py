@@ -75,7 +75,8 @@ def _notebooks_in(folder: Path) -> list[Path]:
 
 def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submission]:
     """Every (student, notebook) under the given paths; a student is the folder a notebook is in,
-    or with ``per_file`` the notebook's file name without its extension."""
+    or with ``per_file`` the notebook's file name without its extension. A student folder of a
+    class folder that holds no notebook is a submission too, of no lab (``lab`` empty)."""
     found: list[Path] = []
     for path in paths:
         if path.is_file():
@@ -89,8 +90,9 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     # where each notebook sits (a link is the student's own, wherever it points), each once
     found = list(dict.fromkeys(p.parent.resolve() / p.name for p in found))
     owners = {p: p.with_suffix("") if per_file else p.parent for p in found}
-    clash = Counter(owner.name for owner in set(owners.values()))
-    submissions = []
+    empty = [] if per_file else [folder.resolve() for folder in _empty_folders(paths)]
+    clash = Counter(owner.name for owner in set(owners.values()) | set(empty))
+    submissions = [Submission(f.name if clash[f.name] == 1 else str(f), f, "") for f in empty]
     for nb_path in found:
         lab, owner = _lab_of(nb_path), owners[nb_path]
         if lab is None:
@@ -179,10 +181,12 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
-            outcome = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
-            if outcome["status"] != "passed":
-                outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
-                                       "with them the process crashed")
+            alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
+            if alone["status"] != CRASHED:  # it was one of them
+                outcome = alone
+                if alone["status"] != "passed":
+                    outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
+                                           "with them the process crashed")
         results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome,
                                    "notebook": str(sub.path)})
     return results
@@ -192,11 +196,11 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
           ) -> dict[str, dict[str, Result]]:
     """Grade every submission under ``paths``: {student: {exercise id: Result}}."""
     submissions = find_submissions(paths, per_file)
-    if not submissions:
+    if not any(sub.lab for sub in submissions):
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     with _no_main_file(), ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), submissions))
-    columns = sorted({ex.id for sub in submissions for ex in for_lab(sub.lab)})
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), [s for s in submissions if s.lab]))
+    columns = sorted({ex.id for sub in submissions if sub.lab for ex in for_lab(sub.lab)})
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
@@ -207,8 +211,6 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
                   f"{best_sub.path.name}{hint}", file=sys.stderr)
         book[student].update(best)
     if not per_file:  # a student is a folder: what it lacks of the class's labs is missing (a file is one lab)
-        for folder in _empty_folders(paths):
-            book.setdefault(folder.name, {})
         for student, results in book.items():
             for ex_id in columns:
                 if ex_id not in results:
@@ -219,11 +221,12 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
 
 def _empty_folders(paths: list[Path]) -> list[Path]:
     """The student folders of a class folder (one with no notebook of its own) that hold no
-    notebook, each said on stderr."""
+    notebook, each said on stderr; not hidden ones, ``__MACOSX`` and the like, or the grader's
+    own output (a folder holding grades.json)."""
     empty = []
     for path in (p for p in paths if p.is_dir() and not _notebooks_in(p)):
-        for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if not _notebooks_in(folder):
+        for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
+            if not _notebooks_in(folder) and not (folder / "grades.json").exists():
                 deeper = next(folder.rglob("*.ipynb"), None)
                 where = f" ({deeper.relative_to(folder)} is deeper down: move it up)" if deeper else ""
                 print(f"{folder}: no notebook in it{where}; every exercise counts as missing", file=sys.stderr)
@@ -303,9 +306,15 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
         for student, results in book.items():
             missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != "passed")
             points = (f"{results[c].points:g}" if c in results else "" for c in columns)
-            per_lab = (f"{_total({e: r for e, r in results.items() if get(e).lab == lab})[0]:g}" for lab in labs)
+            per_lab = (_lab_total(results, lab) for lab in labs)
             writer.writerow([student, *points, *per_lab, *map(str, _total(results)), missed])
     return json_path, csv_path
+
+
+def _lab_total(results: dict[str, Result], lab: str) -> str:
+    """The points of one notebook's exercises; blank for a student graded on none of them."""
+    ours = {e: r for e, r in results.items() if get(e).lab == lab}
+    return f"{_total(ours)[0]:g}" if ours else ""
 
 
 def _isolate(cwd: str, scratch: str) -> None:
@@ -342,9 +351,9 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     else:
         result = run_cases(exercise, fn)
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-        if "raised NameError" in result.message:  # passes inline, perhaps, with a name from a cell not run here
-            outcome["message"] += (f"\n    note: the grader runs only the setup cells and the exercise cells; a name "
-                                   f"defined in a cell of your own is not defined here: move it into the exercise cell")
+    if "raised NameError" in outcome["message"]:  # it may pass inline, with a name from a cell not run here
+        outcome["message"] += ("\n    note: the grader runs only the setup cells and the exercise cells; if the name "
+                               "is defined in a cell of your own, move it into the exercise cell")
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
 
 

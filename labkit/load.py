@@ -194,8 +194,13 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
         return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
     if (folder / "config.json").exists() and "model_type" not in json.loads((folder / "config.json").read_text()):
-        own = folder / "tokenizer.json"  # labkit's own format, as save_checkpoint writes it
-        return load_checkpoint(folder, device, dtype), Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
+        model, own = load_checkpoint(folder, device, dtype), folder / "tokenizer.json"  # as save_checkpoint writes
+        tokenizer = Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
+        if tokenizer.get_vocab_size() != model.config.vocab_size:
+            which = own if own.exists() else "the lab's: the folder has no tokenizer.json"
+            raise ValueError(f"{folder}: a vocabulary of {model.config.vocab_size} tokens, but its tokenizer "
+                             f"({which}) has {tokenizer.get_vocab_size()}")
+        return model, tokenizer
     if (folder / "config.json").exists():
         return load_hf(name, device, dtype)
     names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())

@@ -298,6 +298,15 @@ class BlockAllocator(BlockPool):
         self.computed[seq_id] = max(self.computed[seq_id], n_tokens)
         self._name_full_blocks(seq_id)
 
+    def uncompute(self, seq_id: Hashable, n_tokens: int) -> None:
+        """Count only the first ``n_tokens`` of ``seq_id``'s tokens as computed, the rest to be run
+        again (an engine step interrupted after its forward pass): they keep their slots, and blocks
+        of theirs that are cached stay cached (what was written in them is right)."""
+        if not 0 <= n_tokens <= self.computed[seq_id]:
+            raise ValueError(f"n_tokens={n_tokens}: sequence {seq_id!r} has {self.computed[seq_id]} computed tokens")
+        self.computed[seq_id] = n_tokens
+        del self.names[seq_id][n_tokens // self.block_size:]
+
     def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
         """Keep only the first ``n_tokens`` tokens of ``seq_id`` (a rollback, as speculative decoding
         needs): blocks past them are released, and a kept block that will be written again stops
@@ -307,8 +316,8 @@ class BlockAllocator(BlockPool):
         table, keep = self.tables[seq_id], blocks_for(n_tokens, self.block_size)
         for block in reversed(table[keep:]):
             self._release(block)
-        del table[keep:], self.tokens[seq_id][n_tokens:], self.names[seq_id][n_tokens // self.block_size:]
-        self.computed[seq_id] = min(self.computed[seq_id], n_tokens)
+        del table[keep:], self.tokens[seq_id][n_tokens:]
+        self.uncompute(seq_id, min(self.computed[seq_id], n_tokens))
         tail = table[-1]
         if n_tokens % self.block_size and self.ref_count[tail] == 1 and tail in self.block_key:
             del self.cached[self.block_key.pop(tail)[0]]
@@ -662,7 +671,7 @@ def generate_paged(model: Transformer, cache: PagedKVCache, prompts: Sequence[Se
     tokens prefilled on its own (no padding), then one token per sequence per step, all in one
     batch. Returns the new tokens of each prompt and how many of its tokens the prefix cache
     already held. The sequences are freed at the end: their full blocks stay cached."""
-    if new_tokens < 1 or not prompts:
+    if new_tokens < 1 or len(prompts) == 0:
         raise ValueError(f"new_tokens={new_tokens} must be at least 1, and there must be a prompt "
                          f"(got {len(prompts)})")
     allocator, device = cache.allocator, cache.k.device

@@ -679,7 +679,11 @@ def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
         with pytest.raises(ValueError, match=r"request 'x' has run before \(finished, 2 tokens out\): serve a new"):
             again()
     assert served[0].output == alone(served[0])  # and its output is as it was
-    engine.add(Request("y", [3], params(3)))
+    added = Request("y", [3], params(3))
+    engine.add(added)
+    assert 0 < added.arrival_time <= engine.now()  # it arrived when it was added: its TTFT counts from then
+    with pytest.raises(ValueError, match="request 'later' arrives at 50.0 s"):
+        engine.add(Request("later", [1], params(1), arrival_time=50.0))
     with pytest.raises(ValueError, match="a request with id 'y' is already queued or running"):
         engine.add(Request("y", [4], params(1)))
     with pytest.raises(ValueError, match="token 64 is outside the vocabulary"):
@@ -700,7 +704,7 @@ def test_a_step_interrupted_after_the_forward_pass_runs_again(monkeypatch, inter
 
     def interrupted_once(logits, requests):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == 2:  # the step in which the first request's first block fills: it was named
             raise interruption("now")
         return real(logits, requests)
     monkeypatch.setattr(labkit.engine, "sample", interrupted_once)
@@ -708,6 +712,7 @@ def test_a_step_interrupted_after_the_forward_pass_runs_again(monkeypatch, inter
     requests = [Request(i, [i + 1] * (3 + i), params(4)) for i in range(3)]
     with pytest.raises(interruption):
         engine.run(requests)
+    engine.allocator.check()  # consistent at once, not only once the requests are done
     while engine.scheduler.has_work:
         engine.step()
     assert [r.output for r in requests] == [alone(r) for r in requests]
@@ -903,7 +908,7 @@ def test_bad_query_lens_are_refused():
     shallow = PagedKVCache(replace(MODEL.config, n_layers=1), BlockAllocator(16, 4), torch.float64)
     shallow.allocator.add_sequence("a", [1, 2])
     shallow.seq_ids = ["a"]
-    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0: build it from the model"):
+    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0: build it from"):
         MODEL(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), shallow)
 
 

@@ -10,6 +10,7 @@ from labkit import notebook
 from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, ExerciseFailed, check, run_cases
 from labkit.exercises import EXERCISES, get
 from labkit.exercises.spec import assert_matches
+from labkit.generate import SamplingParams
 
 
 def _cells(folder, root) -> dict[str, str]:
@@ -149,6 +150,11 @@ def test_an_error_raised_in_labkit_names_the_students_line_that_led_there():
     message = run_cases(get("ex00.1"), intensity).message
     line = intensity.__code__.co_firstlineno + 1
     assert f"(line {line} of your intensity; raised in " in message, message
+
+    def bad_params(m, n, k, b=2):
+        return SamplingParams(max_new_tokens=0)  # raised in a dataclass's generated __init__, then labkit's check
+    message = run_cases(get("ex00.1"), bad_params).message
+    assert f"(line {bad_params.__code__.co_firstlineno + 1} of your bad_params; raised in __post_init__" in message
 
     def own_error(m, n, k, b=2):
         raise ValueError("mine")

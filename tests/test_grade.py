@@ -93,6 +93,7 @@ def class_folder(tmp_path_factory):
     _submit(folder, "two_copies", template, BROKEN_EX1["wrong"])  # the original is wrong, its copy right
     notebook.write(notebook.read(folder / "magic/00_welcome.ipynb"), folder / "two_copies/00_welcome-Copy1.ipynb")
     _submit(folder / "zipped", "inner", template, BROKEN_EX1["magic"])
+    _submit(folder, "ex2_crashes", template, BROKEN_EX1["magic"], ex2_source="import os\nos._exit(5)\n")
     (folder / "garbage").mkdir()
     (folder / "garbage/00_welcome.ipynb").write_text("{ this is not json")
     return folder
@@ -115,7 +116,7 @@ def class_book(class_folder):
     ("loops_at_top", TIMEOUT, "stopped after 8 s"),  # and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
-    ("helper_elsewhere", "failed", "a name defined in a cell of your own is not defined here"),
+    ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
     ("reuses", "passed", ""),
@@ -148,6 +149,26 @@ def test_the_table_and_reports(class_folder, tmp_path):
     assert report["wrong"]["exercises"]["ex00.1"]["notebook"] == graded
 
 
+def test_a_crash_of_the_exercise_itself_is_not_blamed_on_the_cells_before_it(class_book):
+    crashed = class_book["ex2_crashes"]["ex00.2"]
+    assert crashed.status == CRASHED and "exited with code 5" in crashed.message
+    assert "graded without" not in crashed.message and class_book["ex2_crashes"]["ex00.1"].status == "passed"
+
+
+def test_empty_student_folders_are_missing_rows_named_as_the_others(root, tmp_path, capsys):
+    _submit(tmp_path / "sec1", "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    (tmp_path / "sec2" / "alice").mkdir(parents=True)  # empty, and named like sec1's alice
+    (tmp_path / "sec2" / "__MACOSX" / "alice").mkdir(parents=True)  # a zip's leftovers: nobody
+    (tmp_path / "sec2" / "grades").mkdir()
+    (tmp_path / "sec2" / "grades" / "grades.json").write_text("{}")  # the grader's own output: nobody
+    book = grade([tmp_path / "sec1", tmp_path / "sec2"], timeout_s=30)
+    full, empty = (str((tmp_path / s / "alice").resolve()) for s in ("sec1", "sec2"))
+    assert sorted(book) == sorted([full, empty])
+    assert {r.status for r in book[full].values()} == {"passed"}
+    assert {r.status for r in book[empty].values()} == {MISSING}
+    assert "no notebook in it; every exercise counts as missing" in capsys.readouterr().err
+
+
 def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):
     for group in ("monday", "tuesday"):
         _submit(tmp_path / group, "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
@@ -175,7 +196,7 @@ def test_a_flat_folder_of_a_class_per_file(root, tmp_path):
     write_reports(book, tmp_path / "grades")
     csv_rows = list(csv.DictReader((tmp_path / "grades/grades.csv").open()))
     assert [(r["00 total"], r["02 total"], r["total"], r["max"]) for r in csv_rows] == [
-        ("0", "4", "4", "4"), ("3", "0", "3", "3"), ("1", "0", "1", "3")], csv_rows
+        ("", "4", "4", "4"), ("3", "", "3", "3"), ("1", "", "1", "3")], csv_rows
 
 
 def test_per_file_names_links_and_clashes(root, tmp_path):

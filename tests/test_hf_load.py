@@ -147,16 +147,23 @@ def test_weights_of_layers_the_config_lacks_are_refused(tmp_path):
 
 
 def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
-    from labkit.load import load_checkpoint, save_checkpoint
+    from labkit.load import TOKENIZER, load_checkpoint, save_checkpoint
     from labkit.model import ModelConfig, Transformer
+    from tokenizers import Tokenizer
 
-    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+    vocab = Tokenizer.from_file(str(TOKENIZER)).get_vocab_size()
+    model = Transformer(ModelConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
                                     max_seq_len=16)).eval()
     save_checkpoint(model, str(tmp_path / "ckpt"), dtype=torch.float32)
     loaded = load_checkpoint(str(tmp_path / "ckpt"), device=torch.device("cpu"))
     by_name, tokenizer = load(str(tmp_path / "ckpt"), device="cpu")  # as LABKIT_MODEL would name it
-    assert tokenizer is not None
-    tokens = torch.randint(0, 40, (1, 8))
+    assert tokenizer.get_vocab_size() == vocab
+    tokens = torch.randint(0, vocab, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens), model(tokens))
         torch.testing.assert_close(by_name(tokens), model(tokens))
+    save_checkpoint(Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                                            max_seq_len=16)), tmp_path / "other")
+    with pytest.raises(ValueError, match=f"a vocabulary of 40 tokens, but its tokenizer .the lab's: the folder has no "
+                                         f"tokenizer.json. has {vocab}"):
+        load(str(tmp_path / "other"), device="cpu")
