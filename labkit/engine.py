@@ -363,11 +363,14 @@ class Engine:
         rows = [i for i, (r, n) in enumerate(plan.scheduled) if n == r.to_compute]  # their last token runs
         done = [plan.scheduled[i][0] for i in rows]  # so they get a new one
         batch = [(r.request_id, n, _kind(r, n)) for r, n in plan.scheduled]
+        seeded = [(r, r._generator.get_state()) for r in done if r._generator is not None]
         try:
             tokens = self.execute(plan, rows)
         except BaseException:  # failed or interrupted (Ctrl-C): what the step ran counts as not run, and runs again
             for request, _ in plan.scheduled:
                 self.allocator.uncompute(request.request_id, request.num_computed)
+            for request, state in seeded:  # and a seeded draw it made is drawn again
+                request._generator.set_state(state)
             raise
         end, finished = self.now(), []
         for request, n in plan.scheduled:

@@ -704,12 +704,14 @@ def test_a_step_interrupted_after_the_forward_pass_runs_again(monkeypatch, inter
 
     def interrupted_once(logits, requests):
         calls[0] += 1
+        tokens = real(logits, requests)  # the seeded request's draw is made
         if calls[0] == 2:  # the step in which the first request's first block fills: it was named
             raise interruption("now")
-        return real(logits, requests)
+        return tokens
     monkeypatch.setattr(labkit.engine, "sample", interrupted_once)
     engine = Engine(MODEL, 64, 4)
     requests = [Request(i, [i + 1] * (3 + i), params(4)) for i in range(3)]
+    requests.append(Request("seeded", [5, 6, 7], params(4, temperature=1.0, seed=3)))
     with pytest.raises(interruption):
         engine.run(requests)
     engine.allocator.check()  # consistent at once, not only once the requests are done
