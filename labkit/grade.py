@@ -362,6 +362,8 @@ def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | 
     for src in sources:
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
+        if isinstance(error, SyntaxError):  # its own text names IPython's file for the cell: say which line
+            return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"
         if error is not None:
             return f"{kind} raised {type(error).__name__}: {error}"
     return None

@@ -107,7 +107,7 @@ def class_book(class_folder):
 @pytest.mark.parametrize("student, status, says", [
     ("loops", TIMEOUT, "stopped after 8 s"),
     ("raises", ERROR, "RuntimeError: boom"),
-    ("syntax", ERROR, "SyntaxError"),
+    ("syntax", ERROR, "the exercise cell raised SyntaxError: expected ':' (line 1 of the cell)"),
     ("exits", ERROR, "SystemExit: 3"),
     ("hard_exits", CRASHED, "exited with code 7"),
     ("crashes_at_top", CRASHED, "exited with code 9"),
