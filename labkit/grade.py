@@ -58,15 +58,18 @@ class Submission:
 
 
 def _lab_of(path: Path) -> str | None:
-    """The notebook number, from the file name (``03_paged-Copy1.ipynb``) or its exercises."""
+    """The notebook number, from its exercises, or else from the file name (``03_paged-Copy1.ipynb``);
+    a name that disagrees with the exercises is said on stderr."""
     match = re.match(r"(\d\d)_", path.name)
-    if match:
-        return match.group(1)
+    named = match.group(1) if match else None
     try:
         ids = [i for c in notebook.read(path)["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
     except ValueError:
-        return None
-    return get(ids[0]).lab if ids else None
+        return named  # unreadable: graded by its name, which reports it so
+    held = get(ids[0]).lab if ids else None
+    if held is not None and named not in (None, held):
+        print(f"{path}: named {named}_ but it holds notebook {held}'s exercises: graded as {held}", file=sys.stderr)
+    return held or named
 
 
 def _notebooks_in(folder: Path) -> list[Path]:

@@ -169,6 +169,13 @@ def test_empty_student_folders_are_missing_rows_named_as_the_others(root, tmp_pa
     assert "no notebook in it; every exercise counts as missing" in capsys.readouterr().err
 
 
+def test_a_notebook_is_graded_as_the_lab_its_exercises_belong_to(root, tmp_path, capsys):
+    _submit(tmp_path, "alice", root / "notebooks/00_welcome.ipynb", name="10_welcome.ipynb")
+    _submit(tmp_path, "bob", root / "notebooks/00_welcome.ipynb", name="my_work.ipynb")
+    assert [(s.student, s.lab) for s in find_submissions([tmp_path])] == [("alice", "00"), ("bob", "00")]
+    assert "10_welcome.ipynb: named 10_ but it holds notebook 00's exercises: graded as 00" in capsys.readouterr().err
+
+
 def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):
     for group in ("monday", "tuesday"):
         _submit(tmp_path / group, "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
