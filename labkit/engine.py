@@ -308,10 +308,10 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request now, which is then its arrival time (``run`` adds each as it arrives);
         ``validate`` says which are refused, and one due to arrive later is too."""
+        self.validate(request)
         if request.arrival_time > self.now():
             raise ValueError(f"request {request.request_id!r} arrives at {request.arrival_time} s, {self.now():.3f} s "
                              "into the run: add it then, or give run() every request with its arrival time")
-        self.validate(request)
         request.arrival_time = self.now()
         self.scheduler.add(request)
 
@@ -333,6 +333,9 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Serve every request, each added when its arrival time comes; returns them, finished,
         in the order given. The clock starts now."""
+        if self.scheduler.has_work:  # their times count from the clock that run() would restart
+            raise RuntimeError(f"the engine still serves {len(self.scheduler.ids)} requests (added with add(), or "
+                               "left by an interrupted run): step() until they are done, then run()")
         requests = list(requests)
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):

@@ -58,16 +58,20 @@ class Submission:
 
 
 def _lab_of(path: Path) -> str | None:
-    """The notebook number, from its exercises, or else from the file name (``03_paged-Copy1.ipynb``);
-    a name that disagrees with the exercises is said on stderr."""
+    """The notebook number: the file name's (``03_paged-Copy1.ipynb``) if it holds any of that
+    notebook's exercises, or else that of most of its exercises (said on stderr where the name
+    gives another), or else the name's."""
     match = re.match(r"(\d\d)_", path.name)
     named = match.group(1) if match else None
     try:
         ids = [i for c in notebook.read(path)["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
     except ValueError:
         return named  # unreadable: graded by its name, which reports it so
-    held = get(ids[0]).lab if ids else None
-    if held is not None and named not in (None, held):
+    labs = Counter(get(i).lab for i in ids)
+    if named in labs:  # an exercise of another lab pasted in does not move it
+        return named
+    held = labs.most_common(1)[0][0] if labs else None
+    if held is not None and named is not None:
         print(f"{path}: named {named}_ but it holds notebook {held}'s exercises: graded as {held}", file=sys.stderr)
     return held or named
 
@@ -321,12 +325,14 @@ def _lab_total(results: dict[str, Result], lab: str) -> str:
 
 
 def _isolate(cwd: str, scratch: str) -> None:
-    """In the worker: own process group, no terminal output, a cap on files written, and an
-    IPython profile of its own (so the user's history is not written to)."""
+    """In the worker: own process group, the notebook's folder as working directory and first on
+    the import path (as in Jupyter), no terminal output, a cap on files written, and an IPython
+    profile of its own (so the user's history is not written to)."""
     import resource
 
     os.setsid()
     os.chdir(cwd)
+    sys.path.insert(0, cwd)  # as in Jupyter, a module beside the notebook imports
     os.environ.update(LABKIT_STRICT="0", MPLBACKEND="Agg", IPYTHONDIR=scratch)
     resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -354,7 +360,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     else:
         result = run_cases(exercise, fn)
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    if "raised NameError" in outcome["message"]:  # it may pass inline, with a name from a cell not run here
+    if "raised NameError" in outcome["message"] and "a setup cell" not in outcome["message"]:  # passes inline, maybe
         outcome["message"] += ("\n    note: the grader runs only the setup cells and the exercise cells; if the name "
                                "is defined in a cell of your own, move it into the exercise cell")
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
@@ -365,8 +371,8 @@ def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | 
     for src in sources:
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
-        if isinstance(error, SyntaxError):  # its own text names IPython's file for the cell: say which line
-            return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"
+        if isinstance(ran.error_before_exec, SyntaxError) and error.lineno:  # in the cell itself, which its text
+            return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"  # names oddly
         if error is not None:
             return f"{kind} raised {type(error).__name__}: {error}"
     return None

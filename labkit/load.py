@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,15 @@ def load_hf(folder: str | Path, device: torch.device | None = None,
     return model, Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
 
 
+def _is_labkit_config(path: Path) -> bool:
+    """Whether a config.json is labkit's own (``save_checkpoint``'s: ModelConfig's fields only)."""
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    return isinstance(config, dict) and set(config) <= {f.name for f in fields(ModelConfig)}
+
+
 def load(name: str | None = None, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
     """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``), or a local
@@ -193,10 +202,10 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
         return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
-    if (folder / "config.json").exists() and "model_type" not in json.loads((folder / "config.json").read_text()):
+    if (folder / "config.json").exists() and _is_labkit_config(folder / "config.json"):
         model, own = load_checkpoint(folder, device, dtype), folder / "tokenizer.json"  # as save_checkpoint writes
         tokenizer = Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
-        if tokenizer.get_vocab_size() != model.config.vocab_size:
+        if tokenizer.get_vocab_size() > model.config.vocab_size:  # it would give ids the model has no row for
             which = own if own.exists() else "the lab's: the folder has no tokenizer.json"
             raise ValueError(f"{folder}: a vocabulary of {model.config.vocab_size} tokens, but its tokenizer "
                              f"({which}) has {tokenizer.get_vocab_size()}")

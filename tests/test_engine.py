@@ -693,6 +693,8 @@ def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
     with pytest.raises(RuntimeError, match="nothing to run: no request is waiting or running"):
         engine.step()
     engine.add(Request("y", [4], params(1)))  # its id is free again
+    with pytest.raises(RuntimeError, match="the engine still serves 1 requests .added with add"):
+        engine.run([Request("z", [5], params(1))])  # its clock would restart under y
 
 
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])

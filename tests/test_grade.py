@@ -94,6 +94,8 @@ def class_folder(tmp_path_factory):
     notebook.write(notebook.read(folder / "magic/00_welcome.ipynb"), folder / "two_copies/00_welcome-Copy1.ipynb")
     _submit(folder / "zipped", "inner", template, BROKEN_EX1["magic"])
     _submit(folder, "ex2_crashes", template, BROKEN_EX1["magic"], ex2_source="import os\nos._exit(5)\n")
+    _submit(folder, "imports_broken", template, "import broken_helper\n")  # the syntax error is in another file
+    (folder / "imports_broken/broken_helper.py").write_text("x = 1\ndef f(:\n")
     (folder / "garbage").mkdir()
     (folder / "garbage/00_welcome.ipynb").write_text("{ this is not json")
     return folder
@@ -108,6 +110,7 @@ def class_book(class_folder):
     ("loops", TIMEOUT, "stopped after 8 s"),
     ("raises", ERROR, "RuntimeError: boom"),
     ("syntax", ERROR, "the exercise cell raised SyntaxError: expected ':' (line 1 of the cell)"),
+    ("imports_broken", ERROR, "broken_helper.py, line 2)"),
     ("exits", ERROR, "SystemExit: 3"),
     ("hard_exits", CRASHED, "exited with code 7"),
     ("crashes_at_top", CRASHED, "exited with code 9"),
@@ -172,8 +175,16 @@ def test_empty_student_folders_are_missing_rows_named_as_the_others(root, tmp_pa
 def test_a_notebook_is_graded_as_the_lab_its_exercises_belong_to(root, tmp_path, capsys):
     _submit(tmp_path, "alice", root / "notebooks/00_welcome.ipynb", name="10_welcome.ipynb")
     _submit(tmp_path, "bob", root / "notebooks/00_welcome.ipynb", name="my_work.ipynb")
-    assert [(s.student, s.lab) for s in find_submissions([tmp_path])] == [("alice", "00"), ("bob", "00")]
-    assert "10_welcome.ipynb: named 10_ but it holds notebook 00's exercises: graded as 00" in capsys.readouterr().err
+    nb = notebook.read(root / "notebooks/03_paged_attention.ipynb")  # and one exercise of lab 00 pasted in
+    nb["cells"].append(next(c for c in notebook.read(root / "notebooks/00_welcome.ipynb")["cells"]
+                            if notebook.exercise_id(c) == "ex00.1"))
+    (tmp_path / "carol").mkdir()
+    notebook.write(nb, tmp_path / "carol/03_paged_attention.ipynb")
+    found = [(s.student, s.lab) for s in find_submissions([tmp_path])]
+    assert found == [("alice", "00"), ("bob", "00"), ("carol", "03")]
+    err = capsys.readouterr().err
+    assert "10_welcome.ipynb: named 10_ but it holds notebook 00's exercises: graded as 00" in err
+    assert "carol" not in err
 
 
 def test_students_with_the_same_folder_name_are_kept_apart(root, tmp_path):

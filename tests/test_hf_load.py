@@ -167,3 +167,7 @@ def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
     with pytest.raises(ValueError, match=f"a vocabulary of 40 tokens, but its tokenizer .the lab's: the folder has no "
                                          f"tokenizer.json. has {vocab}"):
         load(str(tmp_path / "other"), device="cpu")
+    config = json.loads((tmp_path / "other/config.json").read_text())  # a Hugging Face config lacking model_type
+    (tmp_path / "other/config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="model_type=None is not supported"):
+        load(str(tmp_path / "other"), device="cpu")
