@@ -106,12 +106,18 @@ def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype 
     return ((groups - zeros[..., None].to(dtype)) * scales[..., None].to(dtype)).reshape(out_features, in_features)
 
 
+def check_codes(codes: Tensor, bits: int) -> None:
+    """ValueError unless every code fits in ``bits`` bits (a byte would wrap the others)."""
+    if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) < 2 ** bits:
+        raise ValueError(f"codes {int(codes.min())}..{int(codes.max())} do not fit in {bits} bits "
+                         f"(0..{2 ** bits - 1})")
+
+
 def pack_int4(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte along the last dimension: even column low, odd column high."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack {codes.shape[-1]} codes per row into bytes: the count must be even")
-    if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) <= 15:
-        raise ValueError(f"codes {int(codes.min())}..{int(codes.max())} do not fit in 4 bits (0-15)")
+    check_codes(codes, 4)
     codes = codes.to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
@@ -130,9 +136,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.scheme = scheme
         self.out_features, self.in_features = codes.shape
-        if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) < 2 ** scheme.bits:
-            raise ValueError(f"codes {int(codes.min())}..{int(codes.max())} do not fit {scheme.bits} bits "
-                             f"(0..{2 ** scheme.bits - 1})")
+        if scheme.bits != 4:  # pack_int4 checks 4-bit codes
+            check_codes(codes, scheme.bits)
         self.register_buffer("packed", pack_int4(codes) if scheme.bits == 4 else codes.to(torch.uint8))
         self.register_buffer("scales", scales.half())
         # a symmetric grid's zero is the fixed 2^(bits-1): nothing to store

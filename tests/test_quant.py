@@ -91,8 +91,8 @@ def test_packing_known_bytes_and_round_trip():
     with pytest.raises(ValueError, match=r"codes -1..3 do not fit in 4 bits"):  # would wrap to 15
         pack_int4(torch.tensor([-1, 3]))
     ones = torch.ones(2, 1)
-    for scheme, codes, message in [(Scheme(8, None, True), [[300, 0], [1, 2]], r"codes 0..300 do not fit 8 bits"),
-                                   (Scheme(3, None), [[8, 0], [1, 2]], r"codes 0..8 do not fit 3 bits \(0..7\)")]:
+    for scheme, codes, message in [(Scheme(8, None, True), [[300, 0], [1, 2]], r"codes 0..300 do not fit in 8 bits"),
+                                   (Scheme(3, None), [[8, 0], [1, 2]], r"codes 0..8 do not fit in 3 bits \(0..7\)")]:
         with pytest.raises(ValueError, match=message):  # a byte each: 300 would be stored as 44
             QuantLinear(torch.tensor(codes), ones, ones, scheme)
 
