@@ -85,19 +85,23 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     or with ``per_file`` the notebook's file name without its extension. A student folder of a
     class folder that holds no notebook is a submission too, of no lab (``lab`` empty)."""
     found: list[Path] = []
+    empty: list[Path] = []  # student folders without a notebook
     for path in paths:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            found += _notebooks_in(path)
+            own = _notebooks_in(path)
+            found += own
             for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                found += _notebooks_in(sub)
+                notebooks = _notebooks_in(sub)
+                found += notebooks
+                if not (notebooks or own or per_file) and _an_empty_student(sub):
+                    empty.append(sub.resolve())
         else:
             raise FileNotFoundError(f"{path} does not exist")
     # where each notebook sits (a link is the student's own, wherever it points), each once
     found = list(dict.fromkeys(p.parent.resolve() / p.name for p in found))
     owners = {p: p.with_suffix("") if per_file else p.parent for p in found}
-    empty = [] if per_file else [folder.resolve() for folder in _empty_folders(paths)]
     clash = Counter(owner.name for owner in set(owners.values()) | set(empty))
     submissions = [Submission(f.name if clash[f.name] == 1 else str(f), f, "") for f in empty]
     for nb_path in found:
@@ -226,19 +230,15 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
 
 
-def _empty_folders(paths: list[Path]) -> list[Path]:
-    """The student folders of a class folder (one with no notebook of its own) that hold no
-    notebook, each said on stderr; not hidden ones, ``__MACOSX`` and the like, or the grader's
-    own output (a folder holding grades.json)."""
-    empty = []
-    for path in (p for p in paths if p.is_dir() and not _notebooks_in(p)):
-        for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))):
-            if not _notebooks_in(folder) and not (folder / "grades.json").exists():
-                deeper = next(folder.rglob("*.ipynb"), None)
-                where = f" ({deeper.relative_to(folder)} is deeper down: move it up)" if deeper else ""
-                print(f"{folder}: no notebook in it{where}; every exercise counts as missing", file=sys.stderr)
-                empty.append(folder)
-    return empty
+def _an_empty_student(folder: Path) -> bool:
+    """Whether a folder of a class folder that holds no notebook is a student's (said on stderr):
+    not ``__MACOSX`` and the like, nor the grader's own output (a folder holding grades.json)."""
+    if folder.name.startswith("__") or (folder / "grades.json").exists():
+        return False
+    deeper = next(folder.rglob("*.ipynb"), None)
+    where = f" ({deeper.relative_to(folder)} is deeper down: move it up)" if deeper else ""
+    print(f"{folder}: no notebook in it{where}; every exercise counts as missing", file=sys.stderr)
+    return True
 
 
 def this_notebook(name: str) -> Path:
@@ -371,8 +371,9 @@ def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | 
     for src in sources:
         ran = shell.run_cell(src, store_history=False)
         error = ran.error_before_exec or ran.error_in_exec
-        if isinstance(ran.error_before_exec, SyntaxError) and error.lineno:  # in the cell itself, which its text
-            return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"  # names oddly
+        # a syntax error in the cell itself: its text names IPython's file for the cell, so say the line
+        if isinstance(ran.error_before_exec, SyntaxError) and error.lineno:
+            return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"
         if error is not None:
             return f"{kind} raised {type(error).__name__}: {error}"
     return None
