@@ -192,6 +192,17 @@ def _is_labkit_config(path: Path) -> bool:
     return isinstance(config, dict) and set(config) <= {f.name for f in fields(ModelConfig)}
 
 
+def _load_labkit_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+    """A folder ``save_checkpoint`` wrote, with its own tokenizer.json or else the lab's."""
+    model, own = load_checkpoint(folder, device, dtype), folder / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
+    if tokenizer.get_vocab_size() > model.config.vocab_size:  # it would give ids the model has no row for
+        which = own if own.exists() else "the lab's: the folder has no tokenizer.json"
+        raise ValueError(f"{folder}: a vocabulary of {model.config.vocab_size} tokens, but its tokenizer "
+                         f"({which}) has {tokenizer.get_vocab_size()}")
+    return model, tokenizer
+
+
 def load(name: str | None = None, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
     """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``), or a local
@@ -202,15 +213,9 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
         return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
-    if (folder / "config.json").exists() and _is_labkit_config(folder / "config.json"):
-        model, own = load_checkpoint(folder, device, dtype), folder / "tokenizer.json"  # as save_checkpoint writes
-        tokenizer = Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
-        if tokenizer.get_vocab_size() > model.config.vocab_size:  # it would give ids the model has no row for
-            which = own if own.exists() else "the lab's: the folder has no tokenizer.json"
-            raise ValueError(f"{folder}: a vocabulary of {model.config.vocab_size} tokens, but its tokenizer "
-                             f"({which}) has {tokenizer.get_vocab_size()}")
-        return model, tokenizer
     if (folder / "config.json").exists():
+        if _is_labkit_config(folder / "config.json"):
+            return _load_labkit_folder(folder, device, dtype)
         return load_hf(name, device, dtype)
     names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
     raise FileNotFoundError(f"no checkpoint {name!r}: not a folder with a config.json, and not one of "
