@@ -345,7 +345,7 @@ def test_every_class_exercise_names_the_methods_a_student_writes(root):
 
 def test_lab04_plausible_mistakes_fail():
     from labkit.engine import admit, preempt_newest, request_metrics
-    from labkit.paged import OutOfBlocks
+    from labkit.paged import OutOfBlocks, blocks_for
 
     def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
         return admit(waiting, running, allocator, 10**9, max_num_seqs)
@@ -368,6 +368,38 @@ def test_lab04_plausible_mistakes_fail():
         return scheduled
     result = run_cases(get("ex04.1"), skips_ahead)
     assert result.status == FAILED and 0 < result.passed < result.total
+
+    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False):
+        """admit, but reserving ``reserve(request)``, scheduling ``run(request) - cached`` tokens, trying a
+        request only if ``fits``, and (``counts_scheduled``) counting this call's admissions twice in the cap."""
+        def wrong(waiting, running, allocator, budget, max_num_seqs):
+            scheduled = []
+            while waiting and budget > 0 and len(running) + counts_scheduled * len(scheduled) < max_num_seqs:
+                request = waiting[0]
+                if not fits(allocator, request):
+                    break
+                try:
+                    cached = allocator.add_sequence(request.request_id, reserve(request))
+                except OutOfBlocks:
+                    break
+                n = min(len(run(request)) - cached, budget)
+                waiting.popleft()
+                request.num_computed, request.status = cached, "running"
+                running.append(request)
+                scheduled.append((request, n))
+                budget -= n
+            return scheduled
+        return wrong
+    tokens, prompt = (lambda r: r.tokens), (lambda r: r.prompt)
+    assert run_cases(get("ex04.1"), admit_with(tokens, tokens)).status == PASSED  # the helper itself is right
+    for label, wrong, case in [
+            ("prompt only", admit_with(prompt, prompt), "a preempted request"),
+            ("all reserved, prompt scheduled", admit_with(tokens, prompt), "a preempted request"),
+            ("counts blocks before the cache", admit_with(tokens, tokens, fits=lambda a, r: a.num_free >= blocks_for(
+                len(r.tokens), a.block_size)), "a cached prefix needs no new blocks"),
+            ("cap counts admissions twice", admit_with(tokens, tokens, counts_scheduled=True), "max_num_seqs")]:
+        result = run_cases(get("ex04.1"), wrong)
+        assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, label
 
     def oldest(waiting, running, allocator):
         return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)

@@ -67,9 +67,14 @@ def _admit_cases() -> list[Scenario]:
     def budget_chunks() -> tuple[State, tuple]:  # the third prompt gets what is left of the budget
         return (queue(6, 5, 9), [], BlockAllocator(16, 4)), (16, 8)
 
-    def seq_cap() -> tuple[State, tuple]:
+    def seq_cap() -> tuple[State, tuple]:  # one runs already: two more of the three may join
         allocator = BlockAllocator(16, 4)
-        return (queue(2, 2, 2), _running(allocator, _request("old", 3, first_token=900)), allocator), (64, 2)
+        return (queue(2, 2, 2), _running(allocator, _request("old", 3, first_token=900)), allocator), (64, 3)
+
+    def preempted() -> tuple[State, tuple]:  # back after a preemption: its prompt and its 4 outputs run again
+        back = _request("back", 5, first_token=300, output=4)
+        back.preemptions = 1
+        return (deque([back, _request("r1", 4, first_token=500)]), [], BlockAllocator(16, 4)), (64, 8)
 
     def out_of_blocks() -> tuple[State, tuple]:  # the second needs 4 blocks, 3 are left: it and all after wait
         allocator = BlockAllocator(6, 4)
@@ -81,14 +86,22 @@ def _admit_cases() -> list[Scenario]:
         running = _running(allocator, _request("old", 10))
         return (deque([_request("r0", 11), _request("r1", 4, first_token=500)]), running, allocator), (5, 8)
 
+    def prefix_makes_room() -> tuple[State, tuple]:  # r0 needs 3 blocks, 2 are free, but 2 of its 3 are cached
+        allocator = BlockAllocator(5, 4)
+        running = _running(allocator, _request("old", 10))
+        return (deque([_request("r0", 11), _request("r1", 4, first_token=500)]), running, allocator), (64, 8)
+
     def empty_budget() -> tuple[State, tuple]:
         return (queue(3), [], BlockAllocator(4, 4)), (0, 8)
 
     return [_scenario(label, build, admit) for label, build in [
         ("three prompts that all fit", fits_all), ("the budget cuts the last prompt into a chunk", budget_chunks),
         ("max_num_seqs caps the running requests", seq_cap),
+        ("a preempted request runs its prompt and its output again", preempted),
         ("out of blocks: first come, first served, so nobody jumps the queue", out_of_blocks),
-        ("a cached prefix is not run again", cached_prefix), ("no budget left: nothing admitted", empty_budget)]]
+        ("a cached prefix is not run again", cached_prefix),
+        ("a cached prefix needs no new blocks, so the request fits", prefix_makes_room),
+        ("no budget left: nothing admitted", empty_budget)]]
 
 
 def _preempt_cases() -> list[Scenario]:
