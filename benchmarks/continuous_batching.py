@@ -45,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -55,8 +55,8 @@ from transformers import LlamaForCausalLM
 
 import labkit
 from labkit.device import device_name
-from labkit.engine import (Engine, Request, SchedulerConfig, padded_prompts, lognormal, make_workload, run_static,
-                           summarize, uniform)
+from labkit.engine import (Engine, Request, SchedulerConfig, StepRecord, padded_prompts, lognormal, make_workload,
+                           run_static, summarize, uniform)
 from labkit.load import save_hf
 from labkit.memory import kv_bytes_per_token, shape_of, weight_bytes
 from labkit.model import Transformer
@@ -105,8 +105,9 @@ def free_decode_attention(q: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Run:
     """One system's run: its wall time, the tokens each request generated, the engine's metrics
-    (``summarize``; None for transformers), how it batched, and the engine's preemptions and
-    prompt tokens read from the prefix cache."""
+    (``summarize``; None for transformers), how it batched, the engine's preemptions and the tokens
+    its requests read from the prefix cache (``Request.cached_tokens``), and the step log (labkit's
+    systems; empty for transformers)."""
 
     name: str
     wall_s: float
@@ -115,6 +116,7 @@ class Run:
     batching: str
     preemptions: int = 0
     cached_tokens: int = 0
+    log: list[StepRecord] = field(default_factory=list)
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
@@ -131,12 +133,12 @@ def run_engine(name: str, model: Transformer, requests: list[Request], num_block
     wall, (engine, done) = timed(serve)
     peak = max(len(step.batch) for step in engine.log)
     return Run(name, wall, [r.output for r in done], summarize(done), f"paged, up to {peak}",
-               sum(r.preemptions for r in done), sum(r.cached_tokens for r in done))
+               sum(r.preemptions for r in done), sum(r.cached_tokens for r in done), engine.log)
 
 
 def run_static_batches(name: str, model: Transformer, requests: list[Request], batch_size: int) -> Run:
-    wall, (done, _) = timed(lambda: run_static(model, requests, batch_size))
-    return Run(name, wall, [r.output for r in done], summarize(done), f"padded, {batch_size}")
+    wall, (done, log) = timed(lambda: run_static(model, requests, batch_size))
+    return Run(name, wall, [r.output for r in done], summarize(done), f"padded, {batch_size}", log=log)
 
 
 def run_transformers(name: str, hf: LlamaForCausalLM, requests: list[Request], batch_size: int) -> Run:
@@ -188,6 +190,18 @@ def print_table(runs: dict[str, Run], output_tokens: int) -> None:
                    f"{f['p99_tpot_ms']:>7.1f}" if f else f"{'-':>15}{'-':>8}{'-':>15}{'-':>7}")
         print(f"{run.name:<30}{run.batching:>16}{run.wall_s:>8.1f}{output_tokens / run.wall_s:>11.1f}"
               f"{len(run.outputs) / run.wall_s:>7.2f}{run.preemptions:>9}{latency}")
+
+
+def print_steps(static: Run, cont: Run) -> None:
+    """The throughput ratio as fewer steps times dearer steps: how many forward passes each ran,
+    how many rows (sequences) and tokens a step, and the wall time per step."""
+    for run in (static, cont):
+        rows, tokens = (sum(f(step) for step in run.log) / len(run.log)
+                        for f in (lambda s: len(s.batch), lambda s: sum(n for _, n, _ in s.batch)))
+        print(f"{run.name}: {len(run.log)} steps of {rows:.1f} rows ({tokens:.1f} tokens) on average, "
+              f"{run.wall_s / len(run.log) * 1e3:.1f} ms each")
+    fewer, dearer = len(static.log) / len(cont.log), (cont.wall_s / len(cont.log)) / (static.wall_s / len(static.log))
+    print(f"continuous runs {fewer:.2f}x fewer steps, each {dearer:.2f}x as long: {fewer / dearer:.2f}x")
 
 
 def agreement(a: Run, b: Run) -> str:
@@ -249,6 +263,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     ratios = {"continuous / static": runs["static"].wall_s / cont.wall_s,
               "continuous / transformers": runs[hf_name].wall_s / cont.wall_s}
     print("\noutput tok/s " + ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    print_steps(runs["static"], cont)
     if GATHERS in runs:
         slow = runs[GATHERS].wall_s
         print(f"{GATHERS}: {runs['static'].wall_s / slow:.2f}x static, {runs[hf_name].wall_s / slow:.2f}x "

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from labkit.generate import SamplingParams, next_token
-from labkit.model import ContiguousKVCache, Transformer, token_ids
+from labkit.model import ContiguousKVCache, Transformer, check_ints, token_ids
 from labkit.paged import BlockAllocator, DecodeKernel, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -60,9 +60,13 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     preemptions: int = 0
-    cached_tokens: int = 0  # prompt tokens the prefix cache held when it was (last) admitted
+    cached_tokens: int = 0  # of its tokens (prompt, and output if preempted), those the prefix cache held
+    # when it was last admitted: their keys and values were read, not computed again
 
     def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"request {self.request_id!r}: params must be a SamplingParams, got {self.params!r} "
+                             f"(for a length: SamplingParams(max_new_tokens=...))")
         self.prompt = _prompt_ids(self)
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r} has an empty prompt: give at least one token")
@@ -99,6 +103,10 @@ class SchedulerConfig:
     headroom: int = 1
 
     def __post_init__(self) -> None:
+        check_ints(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                   headroom=self.headroom)
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill={self.chunked_prefill!r} must be True or False")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must both be at least 1")
@@ -266,6 +274,15 @@ def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
                          f"{request.params.max_new_tokens} new ones exceed max_seq_len={max_seq_len}")
 
 
+def check_unique_ids(requests: Sequence[Request]) -> None:
+    """ValueError naming an id that two of ``requests`` share (or one request given twice)."""
+    seen: set[Hashable] = set()
+    for request in requests:
+        if request.request_id in seen:
+            raise ValueError(f"two requests have the id {request.request_id!r}: ids must be unique")
+        seen.add(request.request_id)
+
+
 def _is_done(request: Request, eos_id: int | None) -> bool:
     stopped = request.params.stop_at_eos and eos_id is not None and request.output[-1] == eos_id
     return stopped or len(request.output) >= request.params.max_new_tokens
@@ -337,9 +354,7 @@ class Engine:
             raise RuntimeError(f"the engine still serves {len(self.scheduler.ids)} requests (added with add(), or "
                                "left by an interrupted run): step() until they are done, then run()")
         requests = list(requests)
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
+        check_unique_ids(requests)
         for request in requests:
             self.validate(request)
         pending = deque(sorted(requests, key=lambda r: r.arrival_time))
@@ -413,6 +428,7 @@ def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
     requests = list(requests)
+    check_unique_ids(requests)
     for request in requests:
         check_fits(request, model.config.vocab_size, model.config.max_seq_len)
     pending, log, start = deque(sorted(requests, key=lambda r: r.arrival_time)), [], time.perf_counter()
@@ -504,6 +520,7 @@ LengthDistribution = Callable[[int, torch.Generator], list[int]]
 
 def uniform(low: int, high: int) -> LengthDistribution:
     """Token counts uniform in [low, high]."""
+    check_ints(low=low, high=high)
     if not 1 <= low <= high:
         raise ValueError(f"uniform({low}, {high}): need 1 <= low <= high")
     return lambda n, generator: torch.randint(low, high + 1, (n,), generator=generator).tolist()
@@ -523,13 +540,16 @@ def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: Le
     lengths drawn from the distributions; each generates exactly its drawn output length (EOS
     ignored, as serving benchmarks do). Offline (``rate`` None): all arrive at 0; online: Poisson
     arrivals at ``rate`` requests per second. Seeded: the same arguments give the same requests."""
-    if n < 1 or (rate is not None and not rate > 0):
-        raise ValueError(f"n={n} must be >= 1 and rate={rate} None (offline) or > 0")
+    check_ints(n=n, vocab_size=vocab_size)
+    if n < 1 or vocab_size < 1 or (rate is not None and not rate > 0):
+        raise ValueError(f"n={n} and vocab_size={vocab_size} must be >= 1, and rate={rate} None (offline) or > 0")
     generator = torch.Generator().manual_seed(seed)
     prompts, outputs = prompt_lengths(n, generator), output_lengths(n, generator)
+    tokens = [torch.randint(vocab_size, (p,), generator=generator).tolist() for p in prompts]
+    # drawn last, so that the same seed gives the same prompts offline and online
     gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator) if rate else torch.zeros(n)
     arrivals = (gaps.cumsum(0) - gaps[0]).tolist()  # the first arrives at 0
-    return [Request(f"{id_prefix}{i}", list(prefix) + torch.randint(vocab_size, (p,), generator=generator).tolist(),
+    return [Request(f"{id_prefix}{i}", list(prefix) + t,
                     SamplingParams(max_new_tokens=o, temperature=temperature, stop_at_eos=False, seed=seed + i),
-                    arrival_time=t)
-            for i, (p, o, t) in enumerate(zip(prompts, outputs, arrivals))]
+                    arrival_time=a)
+            for i, (t, o, a) in enumerate(zip(tokens, outputs, arrivals))]

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 from typing import Callable, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from labkit.model import ContiguousKVCache, KVCache, Transformer, token_ids
+from labkit.model import ContiguousKVCache, KVCache, Transformer, check_ints, token_ids
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
 
@@ -35,10 +35,8 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "top_k", "seed"):
-            value = getattr(self, name)
-            if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
-                raise ValueError(f"{name}={value!r} must be an int")
+        check_ints(max_new_tokens=self.max_new_tokens, top_k=self.top_k,
+                   **({} if self.seed is None else {"seed": self.seed}))
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):

@@ -82,6 +82,18 @@ class KVCache(Protocol):
     # sequence with its own number of new tokens) without padding every sequence to the longest.
 
 
+def is_int(value: object) -> bool:
+    """An int, or an integer scalar of numpy's; not a bool, though Python counts it as one."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_ints(**values: object) -> None:
+    """ValueError naming the first of ``values`` that is not an int."""
+    for name, value in values.items():
+        if not is_int(value):
+            raise ValueError(f"{name}={value!r} must be an int")
+
+
 def token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]:
     """``tokens`` as a list of ints; a ValueError naming the problem where they are not token ids
     (of a vocabulary of ``vocab_size``, if given)."""
@@ -89,7 +101,7 @@ def token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]
         raise ValueError("token ids must be a list of ints, not a tensor (tensor.tolist() makes one)")
     ids = list(tokens)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+        if not is_int(t) or t < 0:
             raise ValueError(f"token ids must be non-negative ints: got {t!r}")
         if vocab_size is not None and t >= vocab_size:
             raise ValueError(f"token {t} is outside the vocabulary of {vocab_size}")

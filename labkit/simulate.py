@@ -11,6 +11,8 @@ the roofline of lab 02: a decode-heavy step is bound by bandwidth (the weights a
 are read once for the whole batch, so a bigger batch is nearly free), a prefill-heavy one by
 FLOPs. Several GPUs split the model (tensor parallel): their memory, bandwidth and FLOP/s add
 up; the communication between them is left out, so predictions for several are optimistic.
+Every parameter counts for every token, though the engine computes logits only at each
+request's last token and the embedding is a lookup: a prefill's FLOPs come out a little high.
 The KV pool is whatever memory the weights leave, in blocks. Tokens are not computed: every
 request generates exactly ``max_new_tokens`` placeholder tokens.
 """
@@ -22,7 +24,7 @@ from typing import Sequence
 from labkit.cost import attention_flops
 from labkit.engine import Engine, Scheduler, SchedulerConfig, StepPlan
 from labkit.hardware import Hardware
-from labkit.memory import ModelShape, bytes_per_element, check_utilization, kv_bytes_per_token, weight_bytes
+from labkit.memory import ModelShape, check_utilization, kv_bytes_per_token, weight_bytes
 from labkit.paged import BlockAllocator, num_blocks_for_memory
 
 
@@ -48,8 +50,8 @@ class CostModel:
         return 2 * m.n_params * sum(n for n, _ in batch) + attention
 
     def bytes(self, batch: Sequence[tuple[int, int]]) -> float:
-        weights = self.model.n_params * bytes_per_element(self.weight_dtype)
-        return weights + kv_bytes_per_token(self.model, self.kv_dtype) * sum(n + c for n, c in batch)
+        kv = kv_bytes_per_token(self.model, self.kv_dtype) * sum(n + c for n, c in batch)
+        return weight_bytes(self.model, self.weight_dtype) + kv
 
     def step_time(self, batch: Sequence[tuple[int, int]]) -> float:
         compute = self.flops(batch) / (self.n_gpus * self.hardware.peak_flops)

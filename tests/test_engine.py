@@ -731,7 +731,7 @@ def test_a_request_that_exactly_fits_runs():
 
 
 def test_other_bad_arguments_are_refused_by_name():
-    with pytest.raises(ValueError, match="request ids must be unique"):
+    with pytest.raises(ValueError, match="two requests have the id .x."):
         Engine(MODEL, 16, 4).run([Request("x", [1], params(1)), Request("x", [2], params(1))])
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         SchedulerConfig(max_num_seqs=0)
@@ -747,9 +747,25 @@ def test_other_bad_arguments_are_refused_by_name():
         lognormal(0, 1, 1, 5)
     with pytest.raises(ValueError, match=r"lognormal\(10, -1, 1, 5\)"):
         lognormal(10, -1, 1, 5)
-    for n, rate in [(0, None), (3, 0.0), (3, -2.0)]:
-        with pytest.raises(ValueError, match=f"n={n} must be >= 1 and rate={rate}"):
-            make_workload(n, uniform(1, 2), uniform(1, 2), rate=rate)
+    for n, vocab, rate in [(0, 10, None), (3, 10, 0.0), (3, 10, -2.0), (3, 0, None)]:
+        with pytest.raises(ValueError, match=f"n={n} and vocab_size={vocab} must be >= 1, and rate={rate}"):
+            make_workload(n, uniform(1, 2), uniform(1, 2), rate=rate, vocab_size=vocab)
+    for bad, call in [("low=1.5", lambda: uniform(1.5, 3)), ("n=2.0", lambda: make_workload(2.0, uniform(1, 2),
+                                                                                          uniform(1, 2)))]:
+        with pytest.raises(ValueError, match=f"{bad} must be an int"):
+            call()
+    for field, value in [("max_num_seqs", True), ("max_num_batched_tokens", 4.5), ("headroom", 0.5)]:
+        with pytest.raises(ValueError, match=f"{field}={value} must be an int"):
+            SchedulerConfig(**{field: value})
+    with pytest.raises(ValueError, match="chunked_prefill=1 must be True or False"):
+        SchedulerConfig(chunked_prefill=1)
+    with pytest.raises(ValueError, match=r"request 'a': params must be a SamplingParams, got 5 \(for a length"):
+        Request("a", [1], 5)
+    twice = Request("t", [1], params(1))
+    for system in (lambda r: run_static(MODEL, r, 2), lambda r: Engine(MODEL, 8, 4).run(r)):
+        with pytest.raises(ValueError, match="two requests have the id 't'"):
+            system([twice, twice])
+        assert twice.status == WAITING and not twice.output
     with pytest.raises(ValueError, match="batch_size=0 must be at least 1"):
         run_static(MODEL, [Request("x", [1], params(1))], 0)
     with pytest.raises(ValueError, match=r"'y': 100 prompt tokens \+ 30 new ones exceed max_seq_len=128"):
@@ -833,6 +849,12 @@ def test_make_workload_is_seeded_and_offline_arrives_at_once():
         assert r.request_id == f"req{i}" and 3 <= len(r.prompt) <= 9 and 2 <= r.params.max_new_tokens <= 12
         assert all(0 <= t < 50 for t in r.prompt)
         assert (r.params.temperature, r.params.seed, r.params.stop_at_eos) == (0.5, 3 + i, False)
+
+
+def test_make_workload_gives_the_same_prompts_offline_and_online():
+    offline, online = (make_workload(10, uniform(3, 9), uniform(1, 5), rate=rate, seed=2) for rate in (None, 4.0))
+    assert [(r.prompt, r.params) for r in offline] == [(r.prompt, r.params) for r in online]
+    assert len({r.arrival_time for r in online}) == 10
 
 
 def test_make_workload_online_arrivals_are_poisson():
@@ -955,7 +977,7 @@ def test_kv_blocks_fill_the_memory_the_weights_leave():
 def test_simulated_steps_take_the_cost_models_time():
     cost = CostModel(presets.model("Llama-3.1-8B"), presets.gpu("H100-SXM"), step_overhead_s=1e-4)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, headroom=0)
-    requests = make_workload(30, uniform(20, 300), uniform(1, 40), rate=20.0, seed=1)
+    requests = make_workload(30, uniform(20, 300), uniform(1, 40), rate=20.0, seed=3)
     engine = SimulatedEngine(cost, num_blocks=60, block_size=16, config=config, prefix_caching=False)
     done = run_engine(engine, requests)
     assert sum(r.preemptions for r in requests) > 0  # 60 blocks: some preemption too
