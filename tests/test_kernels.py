@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -420,16 +419,27 @@ def test_the_registered_operator_checks_the_ranges_it_reads_by_itself():
         op(q, k_pool, v_pool, tables[:1], lengths, 1.0)
 
 
-def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes(tmp_path):
-    lock = tmp_path / "lock"
-    lock.touch()
-    paged_decode_cpu_module._remove_stale_lock(lock)  # fresh: another build may be running
-    assert lock.exists()
-    old = time.time() - paged_decode_cpu_module.STALE_LOCK_S - 1
-    os.utime(lock, (old, old))
-    with pytest.warns(UserWarning, match="left by a build that did not finish"):
-        paged_decode_cpu_module._remove_stale_lock(lock)
+def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes():
+    """Torch's lock file, left by a killed build, had made every later build wait for it forever."""
+    paged_decode_cpu_module.build()  # built and cached before the timing below
+    lock = paged_decode_cpu_module.build_directory() / "lock"
+    lock.touch()  # as a build killed a moment ago leaves it
+    ran = _python("from labkit.kernels.paged_decode_cpu import build\nbuild()\nprint('built')")
+    assert ran.stdout == "built\n" and "left by a build that did not finish" in ran.stderr, ran.stderr
     assert not lock.exists()
+
+
+def test_a_build_waits_for_another_that_is_running():
+    import fcntl
+    paged_decode_cpu_module.build()
+    folder = paged_decode_cpu_module.build_directory()
+    with open(folder / "build.lock", "w") as held:  # as another process building holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = subprocess.Popen([sys.executable, "-c", "from labkit.kernels.paged_decode_cpu import build\n"
+                                    "build()\nprint('built')"], stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=5)
+    assert waiting.communicate(timeout=120)[0] == "built\n"
 
 
 def test_cpu_paged_decode_without_a_compiler_says_what_it_needs(tmp_path):

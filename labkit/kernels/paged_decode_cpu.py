@@ -30,9 +30,10 @@ import os
 import shutil
 import sys
 import sysconfig
-import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -44,7 +45,6 @@ FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 # by torch's CPU capability; not -march=native, which would tune for this exact CPU model
 VECTOR_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
                 "AVX2": ["-mavx2", "-mfma"]}
-STALE_LOCK_S = 300
 
 
 def build_directory() -> Path:
@@ -68,10 +68,10 @@ def build(verbose: bool = False) -> None:
     folder = build_directory()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_stale_lock(folder / "lock")
         flags = FLAGS + VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-        load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
-             is_python_module=False, verbose=verbose)
+        with _one_build_at_a_time(folder):
+            load("labkit_paged_decode_cpu", [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
+                 is_python_module=False, verbose=verbose)
     except (OSError, RuntimeError, ImportError) as error:
         raise RuntimeError(f"could not build labkit's C++ paged decode operator ({SOURCE.name}) in {folder}. It "
                            f"needs a C++ compiler with OpenMP (g++ on Linux) and a folder it may write to (set "
@@ -79,12 +79,19 @@ def build(verbose: bool = False) -> None:
                            f"said:\n{error}") from error
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    """A build takes about 10 s. A lock older than ``STALE_LOCK_S`` was left by a build that was
-    killed (a notebook kernel restarted, say), and torch would wait for it forever."""
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        warnings.warn(f"removing {lock}, left by a build that did not finish", stacklevel=3)
-        lock.unlink(missing_ok=True)
+@contextmanager
+def _one_build_at_a_time(folder: Path) -> Iterator[None]:
+    """Hold an flock on ``folder``'s build.lock, which the OS releases when the process ends, however
+    it ends: another process building here is waited for. Torch's own lock file (``lock``) is not
+    released by a build that is killed (a notebook kernel restarted mid-build), and torch would wait
+    for it forever; with the flock held, one found there is such a build's, and is removed."""
+    import fcntl  # POSIX only: elsewhere, the ImportError says the operator cannot be built here
+    with open(folder / "build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if (folder / "lock").exists():
+            warnings.warn(f"removing {folder / 'lock'}, left by a build that did not finish", stacklevel=4)
+            (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
