@@ -214,6 +214,21 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
+    with pytest.raises(AssertionError, match="expected a list of 3 items, got 3, a int"):
+        assert_matches(3, [1, 2, 3], 0, 0)
+    with pytest.raises(AssertionError, match=r"expected 3 items, got 2: \(1, 2\)"):
+        assert_matches((1, 2), [1, 2, 3], 0, 0)
+
+
+def test_an_argument_changed_in_place_fails_though_the_result_is_right():
+    from labkit.speculative import acceptance_rule
+
+    def in_place(p, q, token):  # the residual computed in p's own memory
+        accept, residual = acceptance_rule(p, q, token)
+        p.sub_(q).clamp_(min=0)
+        return accept, residual
+    result = run_cases(get("ex05.1"), in_place)
+    assert result.status == FAILED and "changed its argument 1 in place" in result.message, result.message
 
 
 def test_lab01_plausible_mistakes_fail():
@@ -264,6 +279,12 @@ def test_lab02_plausible_mistakes_fail():
     result = run_cases(get("ex02.2"), tiled_heads)
     assert result.status == FAILED and 0 < result.passed < result.total
 
+    for dtypes in ({"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}, {**size, "fp8": 2}):  # bf16 and fp8 missing, or fp8 as 2
+        wrong = lambda layers, heads, kv, dim, tokens, batch, dtype, dtypes=dtypes: (
+            2 * layers * kv * dim * tokens * batch * dtypes[dtype])
+        result = run_cases(get("ex02.1"), wrong)
+        assert result.status == FAILED and "Llama-3.1-8B" in result.message, dtypes
+
     all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
     assert run_cases(get("ex02.3"), all_memory).status == FAILED
 
@@ -294,6 +315,27 @@ def test_lab03_plausible_mistakes_fail(root):
             return blocks
     result = run_cases(get("ex03.2"), Greedy)
     assert result.status == FAILED and "changed the pool first" in result.message, result.message
+
+    class IgnoresCounts(solution):  # every block back to the free list, whoever else holds it
+        def free(self, seq_id):
+            for block in self.tables.pop(seq_id):
+                self.ref_count[block] = 0
+                self.free_blocks.append(block)
+    result = run_cases(get("ex03.2"), IgnoresCounts)
+    assert result.status == FAILED and "two tables hold" in result.message, result.message
+
+    class SlicesFromTheEnd(solution):  # free_blocks[-0:] is all of them
+        def allocate(self, seq_id, n_blocks):
+            if n_blocks > len(self.free_blocks):
+                raise OutOfBlocks("too few")
+            blocks = self.free_blocks[-n_blocks:]
+            del self.free_blocks[-n_blocks:]
+            for block in blocks:
+                self.ref_count[block] = 1
+            self.tables.setdefault(seq_id, []).extend(blocks)
+            return blocks
+    result = run_cases(get("ex03.2"), SlicesFromTheEnd)
+    assert result.status == FAILED and "allocate 0 blocks" in result.message, result.message
 
     class AlwaysCopies(BlockPool):  # copies even an exclusive block
         def fork(self, parent, child):
@@ -476,6 +518,28 @@ def test_lab06_plausible_mistakes_fail():
         return codes, scale, float(2 ** (bits - 1)), (codes.float() - 2 ** (bits - 1)) * scale
     assert run_cases(get("ex06.1"), symmetric_over_8).status == FAILED
 
+    def grid(w, bits, symmetric, hi=lambda w: w.max().clamp(min=0), top=lambda w: w.abs().max(), exact_zero=False,
+             clamp=True):
+        """ex06.1 as the spec says, but for the part a keyword replaces (each call below makes one slip)."""
+        if symmetric:
+            exact = top(w) / (2 ** (bits - 1) - 1)
+        else:
+            lo = w.min().clamp(max=0)
+            exact = (hi(w) - lo) / (2 ** bits - 1)
+        scale = exact.half().float() if exact > 0 else torch.tensor(1.0)
+        zero = torch.tensor(2.0 ** (bits - 1)) if symmetric else torch.round(-lo / (exact if exact_zero and exact > 0
+                                                                                   else scale))
+        codes = torch.round(w / scale) + zero
+        codes = (codes.clamp(0, 2 ** bits - 1) if clamp else codes).to(torch.uint8)
+        return codes, scale.item(), zero.item(), (codes.float() - zero) * scale
+    assert run_cases(get("ex06.1"), grid).status == PASSED  # the helper itself is right
+    for slip, case in [(dict(hi=lambda w: w.max()), "all negative"),
+                       (dict(top=lambda w: w.max()), "the largest weight is negative"),
+                       (dict(clamp=False), "the top code is clamped"),
+                       (dict(exact_zero=True), "the zero point comes from the fp16 scale")]:
+        result = run_cases(get("ex06.1"), lambda w, bits, symmetric, slip=slip: grid(w, bits, symmetric, **slip))
+        assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, case
+
     class Swapped:  # the odd code in the low nibble
         pack = staticmethod(lambda codes: pack_int4(codes.flip(-1)).flip(-1) if codes.shape[-1] % 2 == 0
                             else pack_int4(codes))
@@ -487,16 +551,44 @@ def test_lab06_plausible_mistakes_fail():
         unpack = staticmethod(unpack_int4)
     assert run_cases(get("ex06.2"), Unchecked).status == FAILED
 
+    def checked(codes):
+        if codes.numel() % 2 or int(codes.max()) > 15:  # an odd count over the whole tensor, not each row
+            raise ValueError("does not fit")
+        return codes[..., 0::2] | (codes[..., 1::2] << 4)  # rows of 3 broadcast to rows of 2
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(checked),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p))}))
+    assert result.status == FAILED and "rows of 3 codes" in result.message, result.message
+
+    def shifts_in_place(codes):  # the odd codes shifted in the caller's tensor
+        pack_int4(codes)  # its checks
+        high = codes[..., 1::2]
+        high <<= 4
+        return codes[..., 0::2] | high
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(shifts_in_place),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p))}))
+    assert result.status == FAILED and "must leave its input as it was" in result.message, result.message
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(lambda c: pack_int4(c)),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p).flatten())}))
+    assert result.status == FAILED and "expected shape [5, 64] of uint8, got shape [320]" in result.message, result.message
+
     def forgets_zeros(layer, x):  # treats every grid as symmetric around 0
         codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
         return torch.nn.functional.linear(x, dequantize(codes, layer.scales, torch.zeros_like(layer.scales)))
     assert run_cases(get("ex06.3"), forgets_zeros).status == FAILED
+
+    def always_fp32(layer, x):  # the output in fp32 whatever x is
+        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
+        return torch.nn.functional.linear(x.float(), dequantize(codes, layer.scales, zeros))
+    result = run_cases(get("ex06.3"), always_fp32)
+    assert result.status == FAILED and result.passed == result.total - 1 and "bfloat16" in result.message
 
     def calls_the_layer(layer, x):  # the layer's own forward is sealed in the exercise
         return layer(x)
     assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the kernel that reads past the head dims
 def test_lab07_plausible_mistakes_fail(root):
     def no_rescale(m, l, acc, scores, values):  # forgets that the old sum and output were under the old maximum
         m_new = torch.maximum(m, scores.amax(-1))
@@ -512,6 +604,9 @@ def test_lab07_plausible_mistakes_fail(root):
         "diagonal tiles left unmasked": ("partly_masked = partly_masked | (start + BLOCK_N - 1 > first_position)",
                                          "partly_masked = partly_masked"),
         "exp of scores in log2 units": ("p = tl.exp2(scores", "p = tl.exp(scores"),
+        "V's tokens at K's stride": ("V + keys[:, None] * stride_vt", "V + keys[:, None] * stride_kt"),
+        "K's tile not masked to the head's dims": ("mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM)",
+                                                   "mask=(keys[None, :] < S)"),
     }
     for what, (right, wrong) in mistakes.items():
         assert right in kernel, what

@@ -18,6 +18,8 @@ def _bytes_cases() -> list[Case]:
         ("Mistral-7B, batch 16 of 4,096 tokens, int8", "Mistral-7B", None, 4096, 16, "int8"),
         ("Gemma-2-9B (head_dim 256), 8,192 tokens, fp32", "Gemma-2-9B", None, 8192, 1, "fp32"),
         ("Qwen2.5-7B, 1,000 tokens, batch 3, int4", "Qwen2.5-7B", None, 1000, 3, "int4"),
+        ("Llama-3.1-8B, 4,096 tokens, bf16", "Llama-3.1-8B", None, 4096, 1, "bf16"),
+        ("Llama-3.1-8B, batch 2 of 4,096 tokens, fp8", "Llama-3.1-8B", None, 4096, 2, "fp8"),
     ]
     cases = []
     for label, name, kv_heads, tokens, batch, dtype in runs:

@@ -79,7 +79,7 @@ def _allocate(pool: Any, reference: BlockPool, seq: str, n: int) -> None:
         raise AssertionError(f"{what} raised OutOfBlocks, but {len(free_before)} blocks were free") from None
     if not isinstance(got, list) or len(got) != n or not set(got) <= free_before or len(set(got)) != n:
         raise AssertionError(f"{what} returned {got!r}: expected a list of {n} different blocks that were free")
-    if pool.tables[seq][-n:] != got:
+    if pool.tables[seq][len(pool.tables[seq]) - n:] != got:
         raise AssertionError(f"{what}: the new blocks {got} must go at the end of the table, got {pool.tables[seq]}")
     _compare(pool, reference, what)
 
@@ -112,8 +112,24 @@ def _play_allocate_free(seed: int, num_blocks: int, steps: int) -> Callable[[Any
     return play
 
 
+def _free_a_shared_block(pool_class: Any) -> None:
+    """Two tables hold the same blocks, as a fork leaves them (set by hand: SimplePool has no fork):
+    freeing one drops a count, and the blocks stay held by the other."""
+    pool, reference = pool_class(6), BlockPool(6)
+    _allocate(pool, reference, "a", 2)
+    for p in (pool, reference):
+        p.tables["b"] = list(p.tables["a"])
+        for block in p.tables["b"]:
+            p.ref_count[block] += 1
+    _free(pool, reference, "a")
+    _allocate(pool, reference, "c", 4)
+    _free_all(pool, reference)
+
+
 def _allocate_free_cases() -> list[Scenario]:
     return [Scenario("allocate, then free everything", _play_fixed([("a", 3), ("b", 2), ("a", 1)], 8)),
+            Scenario("allocate 0 blocks: nothing taken", _play_fixed([("a", 2), ("a", 0), ("b", 2)], 4)),
+            Scenario("a block two tables hold stays held when one is freed", _free_a_shared_block),
             Scenario("asking for more than is free: OutOfBlocks, nothing changed", _play_fixed([("a", 5), ("b", 4)], 8)),
             *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})",
                        _play_allocate_free(seed, blocks, steps))

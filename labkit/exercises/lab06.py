@@ -18,13 +18,19 @@ def reference_group(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.
 def _group_cases() -> list[Case]:
     generator = torch.Generator().manual_seed(6)
     w = torch.randn(64, generator=generator) * 0.02
-    outlier = w.clone()
-    outlier[7] = 0.3
+    outlier, negative_outlier, even, wide = w.clone(), w.clone(), w.clone(), w.clone()
+    outlier[7], negative_outlier[7] = 0.3, -0.3
+    even[:2] = torch.tensor([-0.07, 0.07])  # the fp16 scale rounds down: the top weight's code needs the clamp
+    wide[:2] = torch.tensor([-0.1, 0.1])  # the fp16 scale rounds up: the zero point differs by one without it
     groups = [
         ("64 weights, 4 bits, asymmetric", (w, 4, False)),
         ("64 weights, 4 bits, symmetric", (w, 4, True)),
         ("one large outlier stretches the grid", (outlier, 4, False)),
         ("all positive: the range still includes 0, so zero = 0", (w.abs() + 0.01, 4, False)),
+        ("all negative: the range still includes 0", (-(w.abs() + 0.01), 4, False)),
+        ("symmetric, the largest weight is negative", (negative_outlier, 4, True)),
+        ("min = -max: the top code is clamped to the grid", (even, 4, False)),
+        ("min = -max: the zero point comes from the fp16 scale", (wide, 4, False)),
         ("all zero: scale 1, every code is the zero point", (torch.zeros(32), 4, False)),
         ("8 bits, symmetric", (w, 8, True)),
         ("3 bits, asymmetric", (w[:32], 3, False)),
@@ -33,8 +39,17 @@ def _group_cases() -> list[Case]:
 
 
 def _expect(got: Any, expected: torch.Tensor, what: str) -> None:
-    if not isinstance(got, torch.Tensor) or got.dtype != torch.uint8 or not torch.equal(got, expected):
-        raise AssertionError(f"{what}: expected {expected.tolist()} (uint8), got {got!r}")
+    """AssertionError naming what differs first: the type, the shape and dtype, or the first wrong code."""
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{what}: expected a uint8 tensor, got {got!r:.80}")
+    if got.dtype != torch.uint8 or got.shape != expected.shape:
+        raise AssertionError(f"{what}: expected shape {list(expected.shape)} of uint8, got shape {list(got.shape)} "
+                             f"of {got.dtype}")
+    if not torch.equal(got, expected):
+        wrong = got != expected
+        at = tuple(wrong.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
+                             f"({int(wrong.sum())} of {wrong.numel()} values differ)")
 
 
 def _raises(call: Callable[[], Any], what: str) -> None:
@@ -56,13 +71,16 @@ def _packing_cases() -> list[Scenario]:
                 "unpack([0x21, 0xF0])")
 
     def round_trip(packer: Any) -> None:
-        packed = packer.pack(codes.clone())
+        given = codes.clone()
+        packed = packer.pack(given)
         _expect(packed, pack_int4(codes), "pack of a [5, 64] matrix of codes, row by row")
+        _expect(given, codes, "the codes after pack, which must leave its input as it was")
         _expect(packer.unpack(packed), codes, "unpack(pack(codes))")
         _expect(packer.unpack(pack_int4(codes)), unpack_int4(pack_int4(codes)), "unpack of a [5, 32] matrix")
 
     def refuses(packer: Any) -> None:
         _raises(lambda: packer.pack(torch.tensor([1, 2, 3], dtype=torch.uint8)), "pack of an odd number of codes")
+        _raises(lambda: packer.pack(torch.zeros(2, 3, dtype=torch.uint8)), "pack of rows of 3 codes (6 in all)")
         _raises(lambda: packer.pack(torch.tensor([1, 16], dtype=torch.uint8)), "pack of a code above 15")
 
     return [Scenario("known bytes, both ways", known), Scenario("a matrix, there and back", round_trip),
@@ -94,11 +112,13 @@ def _forward_cases() -> list[Case]:
          (2, 5, 128)),
         ("INT4 g128 asymmetric, one token", sealed_layer(40, 256, Scheme(4, 128), 3), (1, 1, 256)),
         ("INT8 per-channel symmetric: codes not packed", sealed_layer(8, 96, Scheme(8, None, True), 4), (4, 96)),
+        ("x in bfloat16: the output in bfloat16 too", sealed_layer(16, 64, Scheme(4, 32), 5), (3, 64)),
     ]
     cases = []
     for label, (sealed, layer), shape in layers:
-        x = torch.randn(shape, generator=generator)
-        cases.append(Case(label, (sealed, x), layer(x), rtol=1e-5, atol=1e-5))
+        x = torch.randn(shape, generator=generator).to(torch.bfloat16 if "bfloat16" in label else torch.float32)
+        loose = x.dtype == torch.bfloat16
+        cases.append(Case(label, (sealed, x), layer(x), rtol=1e-2 if loose else 1e-5, atol=1e-2 if loose else 1e-5))
     return cases
 
 

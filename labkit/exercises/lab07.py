@@ -49,13 +49,20 @@ def _online_cases() -> list[Case | Scenario]:
     return cases
 
 
-def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal: bool, dtype: torch.dtype) -> None:
-    """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA."""
+def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal: bool, dtype: torch.dtype,
+                padded_k: bool = False) -> None:
+    """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA. With
+    ``padded_k``, K is a view of rows 16 wider than the head, NaN past it, in [B, S, heads, d] order:
+    its token stride is not V's, and a load that is not masked to the head's dims reads the NaNs."""
     batch, heads, kv_heads, n_queries, n_keys, dim = shape
     generator = torch.Generator().manual_seed(sum(shape))
     device = "cpu" if interpreted() else "cuda"
     q = torch.randn(batch, heads, n_queries, dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
+    if padded_k:
+        rows = torch.full((batch, n_keys, kv_heads, dim + 16), math.nan, device=device, dtype=dtype)
+        rows[..., :dim] = k.transpose(1, 2)
+        k = rows[..., :dim].transpose(1, 2)
     try:
         out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
     except Exception as error:  # a stub is not attempted: the interpreter wraps what it raised, and
@@ -75,8 +82,10 @@ def _kernel_cases() -> list[Scenario]:
         ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True),
         ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True),
         ("fp16 inputs, causal, 2 heads per KV head", (1, 4, 2, 24, 24, 32), True),
+        ("K laid out [batch, keys, heads, 64] and cut to head dim 48: other strides than V's", (1, 4, 2, 20, 37, 48),
+         True),
     ]
-    return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal,
+    return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal, padded_k="K laid out" in label,
                                     dtype=torch.float16 if "fp16" in label else torch.float32))
             for label, shape, causal in runs]
 

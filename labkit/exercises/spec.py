@@ -29,13 +29,21 @@ class Case:
     after: Callable[..., None] | None = None  # inspects the arguments after the call (how it was done)
 
     def run(self, fn: Callable[..., Any]) -> None:
-        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong,
-        or if ``after``, given those arguments after the call, finds it was done the wrong way."""
+        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, or
+        if ``after``, given those arguments after the call, finds it was done the wrong way (without
+        ``after``: if the call changed an argument in place)."""
         args, kwargs = copy.deepcopy(self.args), copy.deepcopy(dict(self.kwargs))
         got = fn(*args, **kwargs)
         assert_matches(got, self.expected, self.rtol, self.atol)
         if self.after is not None:
             self.after(*args, **kwargs)
+            return
+        for where, given, now in [*((f"argument {i + 1}", a, b) for i, (a, b) in enumerate(zip(self.args, args))),
+                                  *((f"argument {k}", self.kwargs[k], kwargs[k]) for k in self.kwargs)]:
+            if _changed(given, now):
+                raise AssertionError(f"the result is right, but the call changed its {where} in place (an in-place "
+                                     "operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the inputs "
+                                     "as they were, and work on a copy or a new tensor")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,20 @@ class Exercise:
         return self.id[2:4]
 
 
+def _changed(before: Any, after: Any) -> bool:
+    """Whether a call changed this argument in place: tensors, numbers, strings and the lists, tuples
+    and dicts that hold them are compared; other objects are not looked into."""
+    if isinstance(before, torch.Tensor):
+        return before.shape != after.shape or not bool(((before == after) | (before != before) & (after != after)).all())
+    if isinstance(before, (list, tuple)):
+        return len(before) != len(after) or any(_changed(b, a) for b, a in zip(before, after))
+    if isinstance(before, dict):
+        return before.keys() != after.keys() or any(_changed(before[k], after[k]) for k in before)
+    if isinstance(before, (numbers.Number, str)):
+        return before != after and before == before  # NaN is itself, though not equal to itself
+    return False
+
+
 def _short(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
@@ -99,8 +121,11 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         for key in expected:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
-        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError(f"expected {len(expected)} items, got {_short(got)}")
+        if not isinstance(got, (tuple, list)):
+            raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
+                                 f"{_short(got)}, a {type(got).__name__}")
+        if len(got) != len(expected):
+            raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
             _at(f"item {i}", got_item, expected_item, rtol, atol)
 
