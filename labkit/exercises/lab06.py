@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, Scenario, assert_equal_tensors
 from labkit.quant import QuantLinear, Scheme, dequantize, pack_int4, quantize, unpack_int4
 
 
@@ -39,17 +39,12 @@ def _group_cases() -> list[Case]:
 
 
 def _expect(got: Any, expected: torch.Tensor, what: str) -> None:
-    """AssertionError naming what differs first: the type, the shape and dtype, or the first wrong code."""
     if not isinstance(got, torch.Tensor):
         raise AssertionError(f"{what}: expected a uint8 tensor, got {got!r:.80}")
-    if got.dtype != torch.uint8 or got.shape != expected.shape:
-        raise AssertionError(f"{what}: expected shape {list(expected.shape)} of uint8, got shape {list(got.shape)} "
-                             f"of {got.dtype}")
-    if not torch.equal(got, expected):
-        wrong = got != expected
-        at = tuple(wrong.nonzero()[0].tolist())
-        raise AssertionError(f"{what}: at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
-                             f"({int(wrong.sum())} of {wrong.numel()} values differ)")
+    try:
+        assert_equal_tensors(got, expected)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
 
 
 def _raises(call: Callable[[], Any], what: str) -> None:

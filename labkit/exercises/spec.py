@@ -104,7 +104,10 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"expected a tensor, got {_short(got)}")
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+        if expected.is_floating_point():
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+        else:
+            assert_equal_tensors(got, expected)
     elif isinstance(expected, bool) or not isinstance(expected, (int, float, tuple, list, dict)):
         if got != expected:
             raise AssertionError(f"expected {_short(expected)}, got {_short(got)}")
@@ -128,6 +131,24 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
             _at(f"item {i}", got_item, expected_item, rtol, atol)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact comparison (integers, codes, slots, masks): AssertionError naming what differs first, the
+    shape, the dtype, or the first wrong value, and how many are wrong (and both, if small)."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(f"expected shape {list(expected.shape)} of {_name(expected.dtype)}, got shape "
+                             f"{list(got.shape)} of {_name(got.dtype)}")
+    wrong = got.cpu() != expected.cpu()
+    if wrong.any():
+        at = tuple(wrong.nonzero()[0].tolist())
+        both = f"\n    expected {expected.tolist()}\n    got      {got.tolist()}" if wrong.numel() <= 32 else ""
+        raise AssertionError(f"at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
+                             f"({int(wrong.sum())} of {wrong.numel()} values differ){both}")
 
 
 def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
