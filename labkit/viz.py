@@ -68,12 +68,14 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
                                hatch="///" if state == "shared" else None))
         label = f"{block}\n×{shared[block]}" if state == "shared" else str(block)
         ax.text(col + 0.46, -row + 0.46, label, ha="center", va="center", fontsize=7)
-    for seq in tables:
-        ax.plot([], [], "s", ms=9, color=colour_of(seq), label=str(seq))
-    ax.plot([], [], "s", ms=9, color="0.8", label="cached (free)")
+    handles = [Patch(facecolor=colour_of(seq), edgecolor="0.3", label=str(seq)) for seq in tables]
+    for state, style, label in [("shared", dict(facecolor="white", hatch="///"), "shared (×holders)"),
+                                ("cached", dict(facecolor="0.8"), "cached (free)")]:
+        if state in states:  # only what this picture shows
+            handles.append(Patch(edgecolor="0.3", label=label, **style))
     ax.set(xlim=(-0.1, columns), ylim=(-rows + 0.9, 1), aspect="equal", title=title)
     ax.axis("off")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return fig
 
 
