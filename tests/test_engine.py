@@ -630,7 +630,7 @@ def test_without_prefix_caching_nothing_is_reused():
     assert [r.output for r in requests] == [alone(r) for r in requests]
 
 
-def test_the_simulator_reuses_a_cached_prefix_like_the_engine():
+def test_the_simulator_reuses_a_cached_prefix():  # its scheduler and allocator are the engine's own
     cost = CostModel(presets.model("Llama-3.1-8B"), presets.gpu("H100-SXM"))
     system = list(range(1, 201))
     requests = [Request(i, system + [i], params(3)) for i in range(2)]
