@@ -214,7 +214,7 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
-    with pytest.raises(AssertionError, match="expected a list of 3 items, got 3, a int"):
+    with pytest.raises(AssertionError, match="expected a list of 3 items, got 3, an int"):
         assert_matches(3, [1, 2, 3], 0, 0)
     with pytest.raises(AssertionError, match=r"expected 3 items, got 2: \(1, 2\)"):
         assert_matches((1, 2), [1, 2, 3], 0, 0)

@@ -82,7 +82,8 @@ def _changed(before: Any, after: Any) -> bool:
     """Whether a call changed this argument in place: tensors, numbers, strings and the lists, tuples
     and dicts that hold them are compared; other objects are not looked into."""
     if isinstance(before, torch.Tensor):
-        return before.shape != after.shape or not bool(((before == after) | (before != before) & (after != after)).all())
+        same = (before == after) | (before != before) & (after != after)  # NaN where NaN was counts as unchanged
+        return before.shape != after.shape or not bool(same.all())
     if isinstance(before, (list, tuple)):
         return len(before) != len(after) or any(_changed(b, a) for b, a in zip(before, after))
     if isinstance(before, dict):
@@ -125,8 +126,9 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
         if not isinstance(got, (tuple, list)):
+            kind = type(got).__name__
             raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
-                                 f"{_short(got)}, a {type(got).__name__}")
+                                 f"{_short(got)}, {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
         if len(got) != len(expected):
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
