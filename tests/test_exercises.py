@@ -226,6 +226,18 @@ def test_assert_matches_compares_by_kind():
         assert_matches(torch.tensor([[0, 1, 8, 9]]), slots, 0, 0)
 
 
+def test_what_counts_as_an_argument_changed_in_place():
+    from labkit.exercises.spec import _changed
+
+    t = torch.tensor([1.0, float("nan")])
+    for before, after, changed in [(t, t.clone(), False), (t, torch.tensor([2.0, float("nan")]), True),
+                                   (t, t.double(), True), ([t, 1], [t.clone(), 1], False), ([t], [3], True),
+                                   ({"a": 1}, {"a": 1.5}, True), ([1, 2], [1, 2, 3], True), ("x", "x", False),
+                                   (float("nan"), float("nan"), False), (torch.tensor([True]), torch.tensor([False]), True),
+                                   (object(), object(), False)]:
+        assert _changed(before, after) == changed, (before, after)
+
+
 def test_an_argument_changed_in_place_fails_though_the_result_is_right():
     from labkit.speculative import acceptance_rule
 

@@ -81,9 +81,13 @@ class Exercise:
 def _changed(before: Any, after: Any) -> bool:
     """Whether a call changed this argument in place: tensors, numbers, strings and the lists, tuples
     and dicts that hold them are compared; other objects are not looked into."""
+    if type(before) is not type(after):  # an item of a list or dict replaced by something else
+        return True
     if isinstance(before, torch.Tensor):
+        if (before.shape, before.dtype, before.device) != (after.shape, after.dtype, after.device):
+            return True
         same = (before == after) | (before != before) & (after != after)  # NaN where NaN was counts as unchanged
-        return before.shape != after.shape or not bool(same.all())
+        return not bool(same.all())
     if isinstance(before, (list, tuple)):
         return len(before) != len(after) or any(_changed(b, a) for b, a in zip(before, after))
     if isinstance(before, dict):
