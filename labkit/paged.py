@@ -36,7 +36,7 @@ from torch import Tensor
 
 from labkit.kernels import check_paged_decode
 from labkit.memory import ModelShape, kv_bytes_per_token
-from labkit.model import ModelConfig, Transformer, attention, causal_mask, token_ids
+from labkit.model import ModelConfig, Transformer, attention, causal_mask, check_ints, token_ids
 
 # q [B, n_heads, d], k_pool, v_pool, block_tables, lengths -> [B, n_heads, d]: as paged_attention
 DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -62,6 +62,7 @@ def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
                       seed: int | torch.Generator) -> list[int]:
     """``n`` token counts, lognormal around ``median`` (spread ``sigma``), clipped to [low, high];
     drawn from ``seed``, a generator or the seed of a fresh one."""
+    check_ints(n=n, low=low, high=high)
     if not (median > 0 and sigma >= 0 and 1 <= low <= high):
         raise ValueError(f"lognormal({median}, {sigma}, {low}, {high}): need median > 0, sigma >= 0, 1 <= low <= high")
     generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)

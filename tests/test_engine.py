@@ -751,7 +751,8 @@ def test_other_bad_arguments_are_refused_by_name():
         with pytest.raises(ValueError, match=f"n={n} and vocab_size={vocab} must be >= 1, and rate={rate}"):
             make_workload(n, uniform(1, 2), uniform(1, 2), rate=rate, vocab_size=vocab)
     for bad, call in [("low=1.5", lambda: uniform(1.5, 3)), ("n=2.0", lambda: make_workload(2.0, uniform(1, 2),
-                                                                                          uniform(1, 2)))]:
+                                                                                          uniform(1, 2))),
+                      ("low=1.5", lambda: lognormal(10, 1, 1.5, 5))]:
         with pytest.raises(ValueError, match=f"{bad} must be an int"):
             call()
     for field, value in [("max_num_seqs", True), ("max_num_batched_tokens", 4.5), ("headroom", 0.5)]:

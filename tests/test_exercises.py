@@ -214,7 +214,7 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
-    with pytest.raises(AssertionError, match="expected a list of 3 items, got 3, an int"):
+    with pytest.raises(AssertionError, match=r"expected a list of 3 items, got 3 \(of type int\)"):
         assert_matches(3, [1, 2, 3], 0, 0)
     with pytest.raises(AssertionError, match=r"expected 3 items, got 2: \(1, 2\)"):
         assert_matches((1, 2), [1, 2, 3], 0, 0)
@@ -233,7 +233,8 @@ def test_what_counts_as_an_argument_changed_in_place():
     for before, after, changed in [(t, t.clone(), False), (t, torch.tensor([2.0, float("nan")]), True),
                                    (t, t.double(), True), ([t, 1], [t.clone(), 1], False), ([t], [3], True),
                                    ({"a": 1}, {"a": 1.5}, True), ([1, 2], [1, 2, 3], True), ("x", "x", False),
-                                   (float("nan"), float("nan"), False), (torch.tensor([True]), torch.tensor([False]), True),
+                                   (float("nan"), float("nan"), False), (float("nan"), 1.0, True),
+                                   (torch.tensor([True]), torch.tensor([False]), True),
                                    (object(), object(), False)]:
         assert _changed(before, after) == changed, (before, after)
 

@@ -27,23 +27,25 @@ class Case:
     rtol: float = 1e-6
     atol: float = 1e-9
     after: Callable[..., None] | None = None  # inspects the arguments after the call (how it was done)
+    unchanged: bool = False  # the call must leave its arguments as they were (where the spec says so)
 
     def run(self, fn: Callable[..., Any]) -> None:
-        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, or
-        if ``after``, given those arguments after the call, finds it was done the wrong way (without
-        ``after``: if the call changed an argument in place)."""
+        """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, if
+        ``after``, given those arguments after the call, finds it was done the wrong way, or, with
+        ``unchanged``, if the call changed an argument in place."""
         args, kwargs = copy.deepcopy(self.args), copy.deepcopy(dict(self.kwargs))
         got = fn(*args, **kwargs)
         assert_matches(got, self.expected, self.rtol, self.atol)
         if self.after is not None:
             self.after(*args, **kwargs)
+        if not self.unchanged:
             return
         for where, given, now in [*((f"argument {i + 1}", a, b) for i, (a, b) in enumerate(zip(self.args, args))),
                                   *((f"argument {k}", self.kwargs[k], kwargs[k]) for k in self.kwargs)]:
             if _changed(given, now):
                 raise AssertionError(f"the result is right, but the call changed its {where} in place (an in-place "
                                      "operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the inputs "
-                                     "as they were, and work on a copy or a new tensor")
+                                     "as they were, and compute into new tensors")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def _changed(before: Any, after: Any) -> bool:
     if isinstance(before, dict):
         return before.keys() != after.keys() or any(_changed(before[k], after[k]) for k in before)
     if isinstance(before, (numbers.Number, str)):
-        return before != after and before == before  # NaN is itself, though not equal to itself
+        return not (before == after or (before != before and after != after))  # NaN is not equal to itself
     return False
 
 
@@ -109,7 +111,7 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"expected a tensor, got {_short(got)}")
-        if expected.is_floating_point():
+        if expected.is_floating_point() or expected.is_complex():
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
         else:
             assert_equal_tensors(got, expected)
@@ -130,9 +132,8 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
         if not isinstance(got, (tuple, list)):
-            kind = type(got).__name__
             raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
-                                 f"{_short(got)}, {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+                                 f"{_short(got)} (of type {type(got).__name__})")
         if len(got) != len(expected):
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):

@@ -86,12 +86,16 @@ def _one_build_at_a_time(folder: Path) -> Iterator[None]:
     released by a build that is killed (a notebook kernel restarted mid-build), and torch would wait
     for it forever; with the flock held, one found there is such a build's, and is removed."""
     import fcntl  # POSIX only: elsewhere, the ImportError says the operator cannot be built here
-    with open(folder / "build.lock", "w") as handle:
+    # read-only: an flock needs no more, and another user's lock file (a shared folder) opens too
+    handle = os.open(folder / "build.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         if (folder / "lock").exists():
-            warnings.warn(f"removing {folder / 'lock'}, left by a build that did not finish", stacklevel=4)
             (folder / "lock").unlink(missing_ok=True)
+            warnings.warn(f"removed {folder / 'lock'}, left by a build that did not finish", stacklevel=4)
         yield
+    finally:
+        os.close(handle)  # releases the flock
 
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
