@@ -607,7 +607,8 @@ def test_lab06_plausible_mistakes_fail():
     assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED
 
 
-@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the kernel that reads past the head dims
+# the NaN warnings come from the mistake that loads K past the head dims
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
 def test_lab07_plausible_mistakes_fail(root):
     def no_rescale(m, l, acc, scores, values):  # forgets that the old sum and output were under the old maximum
         m_new = torch.maximum(m, scores.amax(-1))
