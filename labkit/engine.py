@@ -172,12 +172,15 @@ class Scheduler:
         self.allocator, self.config = allocator, config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.ids: set[Hashable] = set()  # of the requests waiting or running
+
+    @property
+    def ids(self) -> set[Hashable]:
+        """The ids of the requests waiting or running."""
+        return {r.request_id for r in (*self.waiting, *self.running)}
 
     def add(self, request: Request) -> None:
         """Queue a request (``check_id``)."""
         self.check_id(request)
-        self.ids.add(request.request_id)
         self.waiting.append(request)
 
     def check_id(self, request: Request) -> None:
@@ -223,7 +226,6 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         self.allocator.free(request.request_id)
-        self.ids.discard(request.request_id)
         request.status = FINISHED
 
 
