@@ -212,7 +212,7 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else get_device()
     shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
-        return load_checkpoint(shipped, device, dtype), Tokenizer.from_file(str(TOKENIZER))
+        return _load_labkit_folder(shipped, device, dtype)
     if (folder / "config.json").exists():
         if _is_labkit_config(folder / "config.json"):
             return _load_labkit_folder(folder, device, dtype)
