@@ -207,11 +207,12 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
           ) -> dict[str, dict[str, Result]]:
     """Grade every submission under ``paths``: {student: {exercise id: Result}}."""
     submissions = find_submissions(paths, per_file)
-    if not any(sub.lab for sub in submissions):
+    notebooks = [sub for sub in submissions if sub.lab]  # not the student folders that hold none
+    if not notebooks:
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     with _no_main_file(), ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), [s for s in submissions if s.lab]))
-    columns = sorted({ex.id for sub in submissions if sub.lab for ex in for_lab(sub.lab)})
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), notebooks))
+    columns = sorted({ex.id for sub in notebooks for ex in for_lab(sub.lab)})
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
