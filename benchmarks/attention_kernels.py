@@ -23,7 +23,7 @@ import torch
 from labkit.device import device_name, get_device
 from labkit.kernels import flash_attention, interpreted, paged_decode, reference_attention
 from labkit.kernels.speed import NEEDS_CUDA, decode_speeds, forward_speeds
-from labkit.paged import paged_attention
+from labkit.paged_attention import paged_attention
 
 GOAL = (4096, 64, 0.7)  # length, head dimension, least fraction of SDPA's forward throughput
 

@@ -55,12 +55,14 @@ from transformers import LlamaForCausalLM
 
 import labkit
 from labkit.device import device_name
-from labkit.engine import (Engine, Request, SchedulerConfig, StepRecord, padded_prompts, lognormal, make_workload,
-                           run_static, summarize, uniform)
+from labkit.engine import Engine, Request, SchedulerConfig, StepRecord
 from labkit.load import save_hf
 from labkit.memory import kv_bytes_per_token, shape_of, weight_bytes
+from labkit.metrics import summarize
 from labkit.model import Transformer
-from labkit.paged import DecodeKernel
+from labkit.paged_attention import DecodeKernel
+from labkit.static_batching import padded_prompts, run_static
+from labkit.workload import lognormal, make_workload, uniform
 
 T = TypeVar("T")
 PROMPT = dict(median=64, sigma=0.8, low=8)  # throughput part: lognormal, clipped to [low, --max-prompt]
@@ -220,7 +222,7 @@ def throughput(model: Transformer, args: argparse.Namespace) -> dict[str, float]
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, Path(tmp))
         hf = LlamaForCausalLM.from_pretrained(tmp, dtype=DTYPES[args.dtype], attn_implementation="sdpa").eval()
-    hf.to(next(model.parameters()).device)
+    hf.to(model.device)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     blocks, kernel = args.kv_tokens // args.block_size, args.kernel
     hf_name, wide = "transformers generate()", f"static, unconstrained batch {args.requests}"
@@ -277,8 +279,7 @@ def prefix_caching(model: Transformer, args: argparse.Namespace) -> dict[str, fl
     needed = args.prefix + QUESTION[1] + ANSWER[1]
     long = Transformer(replace(model.config, max_seq_len=max(model.config.max_seq_len, needed)))
     long.load_state_dict(model.state_dict())  # copies into the column-major weights __init__ laid out
-    weight = next(model.parameters())
-    long.eval().to(weight.device, weight.dtype)
+    long.eval().to(model.device, model.dtype)
     vocab = model.config.vocab_size
     prefix = torch.randint(vocab, (args.prefix,), generator=torch.Generator().manual_seed(1)).tolist()
 

@@ -29,7 +29,7 @@ from labkit.bench import measure
 from labkit.device import device_name
 from labkit.kernels.paged_decode_cpu import build, build_directory, paged_decode_cpu
 from labkit.kernels.speed import paged_decode_batch
-from labkit.paged import paged_attention
+from labkit.paged_attention import paged_attention
 
 
 def main(argv: list[str] | None = None) -> None:

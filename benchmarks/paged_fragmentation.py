@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from labkit.paged import fragmentation, sequences_that_fit, workload_lengths
+from labkit.memory import fragmentation
+from labkit.paged import sequences_that_fit
+from labkit.workload import workload_lengths
 
 GOALS = {"paged_waste": 0.04, "contiguous_waste": 0.60, "fit_ratio": 2.5}
 

@@ -20,12 +20,15 @@ Every scheduled token then goes through the model in one forward pass: a single 
 each request's new tokens after the previous request's, which the paged cache attends per
 request (Orca's selective batching: the matmuls see every token, attention each sequence).
 
-Metrics, as vLLM's serving benchmark defines them, for a request that arrives at ``a``, gets
-its n output tokens at t_1 .. t_n and completes at ``f``:
+A step is three calls, each with one job:
 
-    TTFT = t_1 - a      TPOT = (f - a - TTFT) / (n - 1)      ITL = t_(i+1) - t_i      E2E = f - a
+    batch = scheduler.schedule()                        # who runs, how many tokens; slots reserved
+    tokens = runner.execute(batch)                      # the forward pass and sampling, nothing else
+    scheduler.postprocess(batch, tokens, now, eos_id)   # what was computed, new tokens, who finished
 
-and the throughputs: completed requests, and output tokens, per second of the whole run.
+so a step interrupted before its last call has changed no request: it simply runs again.
+``labkit.metrics`` measures a run, ``labkit.static_batching`` is the baseline it is compared
+with, and ``labkit.simulate`` runs the same scheduler on a cost model's clock.
 """
 from __future__ import annotations
 
@@ -33,14 +36,16 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Protocol, Sequence
 
-import torch
 from torch import Tensor
 
-from labkit.generate import SamplingParams, next_token
-from labkit.model import ContiguousKVCache, Transformer, check_ints, token_ids
-from labkit.paged import BlockAllocator, DecodeKernel, OutOfBlocks, PagedKVCache, blocks_for, lognormal_lengths
+from labkit.generate import SamplingParams, next_token, token_generator
+from labkit.memory import blocks_for
+from labkit.model import Transformer
+from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, step_logits
+from labkit.paged_attention import DecodeKernel
+from labkit.validate import as_token_ids, check_ints
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -48,7 +53,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)
 class Request:
     """A prompt to complete, with how to sample it and when it arrives (seconds after the start);
-    the engine fills in its output, progress and timestamps."""
+    the engine fills in its output, progress and timestamps. The request is the one record of
+    its tokens and of how many of them are in the cache."""
 
     request_id: Hashable
     prompt: list[int]
@@ -72,7 +78,6 @@ class Request:
             raise ValueError(f"request {self.request_id!r} has an empty prompt: give at least one token")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
             raise ValueError(f"request {self.request_id!r}: arrival_time={self.arrival_time} must be finite and >= 0")
-        self._generator = None if self.params.seed is None else torch.Generator().manual_seed(self.params.seed)
 
     @property
     def tokens(self) -> list[int]:
@@ -115,13 +120,15 @@ class SchedulerConfig:
 
 
 @dataclass
-class StepPlan:
+class ScheduledBatch:
     """What one step runs: (request, how many of its tokens) in batch order, who was preempted,
-    and the block copies (copy on write) to make before the forward pass."""
+    the block copies (copy on write) to make before the forward pass, and which entries run their
+    last token, so that a new token is sampled for them (``sampled``, indices into ``scheduled``)."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
 
 
 def preempt_newest(waiting: deque[Request], running: list[Request], allocator: BlockAllocator) -> Request:
@@ -193,35 +200,56 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
-        """The next step's batch: running requests first, then waiting ones."""
-        plan, budget = StepPlan(), self.config.max_num_batched_tokens
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch: running requests first, then waiting ones; each gets slots for
+        the tokens it runs."""
+        batch, budget = ScheduledBatch(), self.config.max_num_batched_tokens
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RUNNING or not self._reserve(request, plan):
+            if request.status != RUNNING or not self._reserve(request, batch):
                 continue  # preempted, by an older request's decode or its own
             n = min(request.to_compute, budget)
-            plan.scheduled.append((request, n))
+            batch.scheduled.append((request, n))
             budget -= n
-        if not plan.preempted:
-            plan.scheduled += admit(self.waiting, self.running, self.allocator, budget, self.config.max_num_seqs,
-                                    self.config.chunked_prefill, self.config.headroom)
-        return plan
+        if not batch.preempted:
+            batch.scheduled += admit(self.waiting, self.running, self.allocator, budget, self.config.max_num_seqs,
+                                     self.config.chunked_prefill, self.config.headroom)
+        batch.sampled = [i for i, (r, n) in enumerate(batch.scheduled) if n == r.to_compute]
+        return batch
 
-    def _reserve(self, request: Request, plan: StepPlan) -> bool:
+    def _reserve(self, request: Request, batch: ScheduledBatch) -> bool:
         """Slots for the request's newest token(s), preempting the newest running requests until
         they fit; False if the request itself had to go."""
-        new = request.tokens[self.allocator.length(request.request_id):]
+        new = len(request.tokens) - self.allocator.length(request.request_id)
         while True:
             try:
-                plan.copies += self.allocator.append(request.request_id, new)
+                batch.copies += self.allocator.append(request.request_id, new)
                 return True
             except OutOfBlocks:
                 victim = preempt_newest(self.waiting, self.running, self.allocator)
-                plan.preempted.append(victim)
+                batch.preempted.append(victim)
                 if victim is request:
                     return False
+
+    def postprocess(self, batch: ScheduledBatch, tokens: Sequence[int], now: float,
+                    eos_id: int | None = None) -> list[Request]:
+        """Record a step once it has run: each scheduled request has its tokens computed (their full
+        blocks named for the prefix cache); those sampled get their new token at ``now``, and finish
+        at EOS or at their length. Returns the requests that finished."""
+        for request, n in batch.scheduled:
+            request.num_computed += n
+            self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
+        finished = []
+        for i, token in zip(batch.sampled, tokens):
+            request = batch.scheduled[i][0]
+            request.output.append(token)
+            request.token_times.append(now)
+            if is_finished(request, eos_id):
+                self.finish(request)
+                request.finish_time = now
+                finished.append(request)
+        return finished
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
@@ -242,11 +270,13 @@ class StepRecord:
 
 def sample(logits: Tensor, requests: Sequence[Request]) -> list[int]:
     """The next token of each request from its row of ``logits`` ([len(requests), vocab]):
-    greedy rows in one argmax, the others each with its own parameters and generator."""
+    greedy rows in one argmax, the others each with its own parameters (and, seeded, the
+    generator of that token: ``token_generator``)."""
     tokens = logits.argmax(-1).tolist()
     for i, request in enumerate(requests):
         if request.params.temperature > 0:
-            tokens[i] = int(next_token(logits[i:i + 1], request.params, request._generator))
+            generator = token_generator(request.params, len(request.output), logits.device)
+            tokens[i] = int(next_token(logits[i:i + 1], request.params, generator))
     return tokens
 
 
@@ -257,9 +287,9 @@ def _kind(request: Request, n: int) -> str:
 
 
 def _prompt_ids(request: Request, vocab_size: int | None = None) -> list[int]:
-    """The request's prompt as token ids (``token_ids``), or a ValueError that names the request."""
+    """The request's prompt as token ids (``as_token_ids``), or a ValueError that names the request."""
     try:
-        return token_ids(request.prompt, vocab_size)
+        return as_token_ids(request.prompt, vocab_size)
     except ValueError as error:
         raise ValueError(f"request {request.request_id!r}: {error}") from None
 
@@ -285,44 +315,75 @@ def check_unique_ids(requests: Sequence[Request]) -> None:
         seen.add(request.request_id)
 
 
-def _is_done(request: Request, eos_id: int | None) -> bool:
+def is_finished(request: Request, eos_id: int | None) -> bool:
+    """Whether the request's newest token ends it: EOS (if it stops there), or its length."""
     stopped = request.params.stop_at_eos and eos_id is not None and request.output[-1] == eos_id
     return stopped or len(request.output) >= request.params.max_new_tokens
 
 
-class Engine:
-    """Continuous batching of a model over a paged KV cache: ``run`` serves a list of requests
-    (arriving over time), ``step`` runs one scheduling step and one forward pass. ``decode_kernel``:
-    see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended)."""
+class Runner(Protocol):
+    """What executes a scheduled batch: the model (``ModelRunner``), or a cost model
+    (``labkit.simulate``); and the limits of the requests it can serve."""
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
-                 config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
-                 eos_id: int | None = None, decode_kernel: DecodeKernel | None = None) -> None:
-        self.model, self.eos_id = model, eos_id
-        self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.allocator, config)
-        weight = next(model.parameters())
-        self.cache = PagedKVCache(model.config, self.allocator, weight.dtype, weight.device, decode_kernel)
-        self.log: list[StepRecord] = []
-        self.reset_clock()
+    max_seq_len: int
+    vocab_size: int
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.model.config.max_seq_len
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """The new token of each entry of ``batch.sampled``; no bookkeeping."""
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+
+class Clock(Protocol):
+    def reset(self) -> None: ...
+    def now(self) -> float: ...
+    def wait_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Seconds since ``reset``, on the wall clock; waiting sleeps."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._start = time.perf_counter()
 
     def now(self) -> float:
-        """Seconds since the run started."""
         return time.perf_counter() - self._start
 
     def wait_until(self, t: float) -> None:
         time.sleep(max(0.0, t - self.now()))
 
-    def reset_clock(self) -> None:
-        self._start = time.perf_counter()
+
+class ModelRunner:
+    """Executes a scheduled batch on the model: the block copies, one forward pass over every
+    scheduled token as a single ragged row through the paged cache, then sampling."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
+        self.model, self.cache = model, cache
+        self.max_seq_len, self.vocab_size = model.config.max_seq_len, model.config.vocab_size
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        self.cache.copy_blocks(batch.copies)
+        runs = [(r.request_id, r.num_computed, n) for r, n in batch.scheduled]
+        tokens = [t for r, n in batch.scheduled for t in r.tokens[r.num_computed:r.num_computed + n]]
+        logits = step_logits(self.model, self.cache, runs, tokens, batch.sampled)
+        return sample(logits, [batch.scheduled[i][0] for i in batch.sampled])
+
+
+class EngineCore:
+    """The serving loop: a ``Scheduler`` over a ``BlockAllocator``, a ``Runner`` that executes each
+    scheduled batch, and a clock. ``run`` serves a list of requests (arriving over time), ``step``
+    runs one step. ``Engine`` runs it on a model, ``labkit.simulate.SimulatedEngine`` on a cost model."""
+
+    def __init__(self, runner: Runner, allocator: BlockAllocator, config: SchedulerConfig, clock: Clock,
+                 eos_id: int | None = None) -> None:
+        self.runner, self.allocator, self.clock, self.eos_id = runner, allocator, clock, eos_id
+        self.scheduler = Scheduler(allocator, config)
+        self.log: list[StepRecord] = []
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return self.clock.now()
 
     def add(self, request: Request) -> None:
         """Queue a request now, which is then its arrival time (``run`` adds each as it arrives);
@@ -338,7 +399,7 @@ class Engine:
         """A clear error for a request this engine could never serve, one that has run before, or
         one whose id it is serving."""
         self.scheduler.check_id(request)
-        check_fits(request, self.vocab_size, self.max_seq_len)
+        check_fits(request, self.runner.vocab_size, self.runner.max_seq_len)
         need, size = blocks_for(request.max_tokens, self.allocator.block_size), self.allocator.block_size
         if need > self.allocator.num_blocks:
             raise ValueError(f"request {request.request_id!r} needs {need} blocks of {size} tokens but the pool "
@@ -360,7 +421,7 @@ class Engine:
         for request in requests:
             self.validate(request)
         pending = deque(sorted(requests, key=lambda r: r.arrival_time))
-        self.reset_clock()
+        self.clock.reset()
         self.log = []
         while pending or self.scheduler.has_work:
             while pending and pending[0].arrival_time <= self.now():
@@ -368,190 +429,34 @@ class Engine:
             if self.scheduler.has_work:
                 self.step()
             else:
-                self.wait_until(pending[0].arrival_time)
+                self.clock.wait_until(pending[0].arrival_time)
         return requests
 
     def step(self) -> list[Request]:
-        """Schedule, run one forward pass over every scheduled token, sample, finish; returns
-        the requests that finished in this step."""
+        """Schedule, execute (one forward pass over every scheduled token, and sampling), then
+        record what the step computed; returns the requests that finished in this step."""
         if not self.scheduler.has_work:
             raise RuntimeError("nothing to run: no request is waiting or running (add one first)")
         start = self.now()
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-        rows = [i for i, (r, n) in enumerate(plan.scheduled) if n == r.to_compute]  # their last token runs
-        done = [plan.scheduled[i][0] for i in rows]  # so they get a new one
-        batch = [(r.request_id, n, _kind(r, n)) for r, n in plan.scheduled]
-        seeded = [(r, r._generator.get_state()) for r in done if r._generator is not None]
-        try:
-            tokens = self.execute(plan, rows)
-        except BaseException:  # failed or interrupted (Ctrl-C): what the step ran counts as not run, and runs again
-            for request, _ in plan.scheduled:
-                self.allocator.uncompute(request.request_id, request.num_computed)
-            for request, state in seeded:  # and a seeded draw it made is drawn again
-                request._generator.set_state(state)
-            raise
-        end, finished = self.now(), []
-        for request, n in plan.scheduled:
-            request.num_computed += n
-        for request, token in zip(done, tokens):
-            request.output.append(token)
-            request.token_times.append(end)
-            if _is_done(request, self.eos_id):
-                self.scheduler.finish(request)
-                request.finish_time = end
-                finished.append(request)
-        self.log.append(StepRecord(start, end, batch, [r.request_id for r in plan.preempted]))
+        slots = [(r.request_id, n, _kind(r, n)) for r, n in batch.scheduled]
+        tokens = self.runner.execute(batch)
+        end = self.now()
+        finished = self.scheduler.postprocess(batch, tokens, end, self.eos_id)
+        self.log.append(StepRecord(start, end, slots, [r.request_id for r in batch.preempted]))
         return finished
 
-    def execute(self, plan: StepPlan, rows: Sequence[int]) -> list[int]:
-        """One forward pass over the plan's tokens as a ragged batch; the next token of each
-        request at ``rows`` of the plan (those whose last token runs in this step)."""
-        self.cache.copy_blocks(plan.copies)
-        device = self.cache.k.device
-        tokens = [t for r, n in plan.scheduled for t in r.tokens[r.num_computed:r.num_computed + n]]
-        positions = [p for r, n in plan.scheduled for p in range(r.num_computed, r.num_computed + n)]
-        self.cache.seq_ids = [r.request_id for r, _ in plan.scheduled]
-        self.cache.query_lens = [n for _, n in plan.scheduled]
-        last = torch.tensor(self.cache.query_lens, device=device).cumsum(0) - 1
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
-                                self.cache, logits_at=last[list(rows)])[0]
-        return sample(logits, [plan.scheduled[i][0] for i in rows])
 
+class Engine(EngineCore):
+    """Continuous batching of a model over a paged KV cache (see ``EngineCore``). ``decode_kernel``:
+    see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended)."""
 
-def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
-               eos_id: int | None = None) -> tuple[list[Request], list[StepRecord]]:
-    """Static batching, the baseline: up to ``batch_size`` requests that have arrived form a
-    batch, their prompts left-padded to the longest; the batch decodes, every row every step,
-    until its last member finishes, and only then do its requests complete and the next batch
-    start. Returns the requests (in the order given) and the step log."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be at least 1")
-    requests = list(requests)
-    check_unique_ids(requests)
-    for request in requests:
-        check_fits(request, model.config.vocab_size, model.config.max_seq_len)
-    pending, log, start = deque(sorted(requests, key=lambda r: r.arrival_time)), [], time.perf_counter()
-    now: Callable[[], float] = lambda: time.perf_counter() - start  # noqa: E731
-    while pending:
-        time.sleep(max(0.0, pending[0].arrival_time - now()))
-        batch = []
-        while pending and len(batch) < batch_size and pending[0].arrival_time <= now():
-            batch.append(pending.popleft())
-        _run_batch(model, batch, eos_id, now, log)
-    return requests, log
-
-
-def padded_prompts(batch: Sequence[Request], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Prompts left-padded to the longest: token ids (0 at padding) and positions (-1 there)."""
-    width = max(len(r.prompt) for r in batch)
-    tokens = [[0] * (width - len(r.prompt)) + r.prompt for r in batch]
-    positions = [[-1] * (width - len(r.prompt)) + list(range(len(r.prompt))) for r in batch]
-    return torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
-
-
-def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now: Callable[[], float],
-               log: list[StepRecord]) -> None:
-    weight = next(model.parameters())
-    steps = max(r.params.max_new_tokens for r in batch)
-    fed, positions = padded_prompts(batch, weight.device)
-    cache = ContiguousKVCache(model.config, len(batch), fed.shape[1] + steps, weight.dtype, weight.device)
-    for r in batch:
-        r.status = RUNNING
-    active = list(batch)
-    with torch.inference_mode():
-        for step in range(steps):
-            begin = now()
-            logits = model(fed, positions, cache, logits_at=-1)[:, -1]  # only the last column is used
-            rows = [i for i, r in enumerate(batch) if r in active]
-            new = sample(logits[rows], active)
-            end = now()
-            log.append(StepRecord(begin, end, [(r.request_id, len(r.prompt) if step == 0 else 1,
-                                                ("prefill" if step == 0 else "decode") if r in active else "idle")
-                                               for r in batch]))
-            for request, token in zip(list(active), new):
-                request.output.append(token)
-                request.token_times.append(end)
-                if _is_done(request, eos_id):
-                    active.remove(request)
-            if not active:
-                break
-            # a finished row still runs (its slot is held), as padding: nothing of it is stored
-            fed = torch.tensor([[r.output[-1]] for r in batch], device=weight.device)
-            positions = torch.tensor([[len(r.prompt) + step if r in active else -1] for r in batch], device=weight.device)
-    end = now()
-    for request in batch:
-        request.status, request.finish_time, request.num_computed = FINISHED, end, len(request.tokens) - 1
-
-
-def request_metrics(arrival: float, token_times: Sequence[float], finish: float | None = None) -> dict:
-    """TTFT, TPOT, the inter-token latencies and the end-to-end latency of one request, in
-    seconds, from when it arrived, when each output token came, and when it completed (the
-    last token, unless given). TPOT is None for a single-token output."""
-    if not token_times:
-        raise ValueError("a request with no output tokens has no latencies")
-    finish = token_times[-1] if finish is None else finish
-    ttft, e2e = token_times[0] - arrival, finish - arrival
-    tpot = (e2e - ttft) / (len(token_times) - 1) if len(token_times) > 1 else None
-    return {"ttft": ttft, "tpot": tpot, "itl": [b - a for a, b in zip(token_times, token_times[1:])], "e2e": e2e}
-
-
-def summarize(requests: Sequence[Request]) -> dict[str, float]:
-    """A run's figures as vLLM's benchmark reports them: duration (the clock starts at 0),
-    request and token throughputs, and the mean, median and p99 of TTFT, TPOT, ITL and E2E in ms."""
-    if any(r.finish_time is None for r in requests) or not requests:
-        raise ValueError("summarize a run whose requests have all finished")
-    duration = max(r.finish_time for r in requests)
-    out_tokens = sum(len(r.output) for r in requests)
-    figures = {"requests": len(requests), "duration_s": duration,
-               "request_throughput": len(requests) / duration, "output_throughput": out_tokens / duration,
-               "total_token_throughput": (out_tokens + sum(len(r.prompt) for r in requests)) / duration}
-    per_request = [request_metrics(r.arrival_time, r.token_times, r.finish_time) for r in requests]
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        values = [v for m in per_request for v in (m[name] if name == "itl" else [m[name]]) if v is not None]
-        data = torch.tensor(values or [math.nan], dtype=torch.float64) * 1e3
-        figures.update({f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(data.quantile(0.5)),
-                        f"p99_{name}_ms": float(data.quantile(0.99))})
-    return figures
-
-
-LengthDistribution = Callable[[int, torch.Generator], list[int]]
-
-
-def uniform(low: int, high: int) -> LengthDistribution:
-    """Token counts uniform in [low, high]."""
-    check_ints(low=low, high=high)
-    if not 1 <= low <= high:
-        raise ValueError(f"uniform({low}, {high}): need 1 <= low <= high")
-    return lambda n, generator: torch.randint(low, high + 1, (n,), generator=generator).tolist()
-
-
-def lognormal(median: float, sigma: float, low: int, high: int) -> LengthDistribution:
-    """Token counts lognormal around ``median`` (spread ``sigma``), clipped to [low, high]: most
-    short, a few long, as in real chat traffic."""
-    lognormal_lengths(0, median, sigma, low, high, 0)  # refuses bad parameters now, not at the first draw
-    return lambda n, generator: lognormal_lengths(n, median, sigma, low, high, generator)
-
-
-def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: LengthDistribution, *,
-                  rate: float | None = None, vocab_size: int = 4096, prefix: Sequence[int] = (),
-                  temperature: float = 0.0, seed: int = 0, id_prefix: str = "req") -> list[Request]:
-    """``n`` requests with random prompt tokens (after a shared ``prefix``, if given) and
-    lengths drawn from the distributions; each generates exactly its drawn output length (EOS
-    ignored, as serving benchmarks do). Offline (``rate`` None): all arrive at 0; online: Poisson
-    arrivals at ``rate`` requests per second. Seeded: the same arguments give the same requests."""
-    check_ints(n=n, vocab_size=vocab_size)
-    if n < 1 or vocab_size < 1 or (rate is not None and not rate > 0):
-        raise ValueError(f"n={n} and vocab_size={vocab_size} must be >= 1, and rate={rate} None (offline) or > 0")
-    generator = torch.Generator().manual_seed(seed)
-    prompts, outputs = prompt_lengths(n, generator), output_lengths(n, generator)
-    tokens = [torch.randint(vocab_size, (p,), generator=generator).tolist() for p in prompts]
-    # drawn last, so that the same seed gives the same prompts offline and online
-    gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator) if rate else torch.zeros(n)
-    arrivals = (gaps.cumsum(0) - gaps[0]).tolist()  # the first arrives at 0
-    return [Request(f"{id_prefix}{i}", list(prefix) + t,
-                    SamplingParams(max_new_tokens=o, temperature=temperature, stop_at_eos=False, seed=seed + i),
-                    arrival_time=a)
-            for i, (t, o, a) in enumerate(zip(tokens, outputs, arrivals))]
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
+                 config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
+                 eos_id: int | None = None, decode_kernel: DecodeKernel | None = None) -> None:
+        allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
+        self.model = model
+        self.cache = PagedKVCache(model.config, allocator, model.dtype, model.device, decode_kernel)
+        super().__init__(ModelRunner(model, self.cache), allocator, config, WallClock(), eos_id)

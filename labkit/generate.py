@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from labkit.model import ContiguousKVCache, KVCache, Transformer, check_ints, token_ids
+from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer
+from labkit.validate import as_token_ids, check_ints
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
 
@@ -65,11 +66,12 @@ class CountingModel(nn.Module):
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model, self.config = model, model.config
+        self.device, self.dtype = model.device, model.dtype
         self.calls: list[int] = []
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:
         self.calls.append(tokens.shape[1])
-        return self.model(tokens, positions, cache)
+        return self.model(tokens, positions, plan)
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -98,16 +100,27 @@ def next_token(logits: Tensor, params: SamplingParams, generator: torch.Generato
 
 
 def seeded_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """One generator for a whole seeded run (None without a seed)."""
     if params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def token_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """The generator that draws the ``index``-th new token of a seeded generation (None without a
+    seed), seeded from (seed, index) alone: a token is drawn the same way whatever ran before it
+    and however often its step runs (a step interrupted and run again, a preempted request
+    recomputed), so a seeded request gets the same tokens alone, in a batch, or in an engine."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed((params.seed * 1_000_003 + index) % 2**64)
 
 
 def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingParams) -> int:
     """The tokens a generation from ``prompt`` keeps in the cache at most (the last new token is
     never fed back); a ValueError if the prompt is empty, holds anything but token ids of the model's
     vocabulary, or that exceeds the model's context."""
-    token_ids(prompt, model.config.vocab_size)
+    as_token_ids(prompt, model.config.vocab_size)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt) + params.max_new_tokens - 1
@@ -117,49 +130,52 @@ def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingP
     return total
 
 
+def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: int, cache: RowCache | None) -> Tensor:
+    """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1,
+    ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,
+    attending among themselves. The one forward call of every loop over a single sequence:
+    prefill, decode, drafting, verification, perplexity."""
+    ids = torch.as_tensor(tokens, device=model.device)[None]
+    positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]
+    with torch.inference_mode():  # only around the model: a caller's code between steps runs as usual
+        return (model(ids, positions) if cache is None else model(ids, plan=cache.plan(positions)))[0]
+
+
 def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
-           use_cache: bool = True, cache: KVCache | None = None, eos_id: int | None = None,
+           use_cache: bool = True, cache: RowCache | None = None, eos_id: int | None = None,
            counters: Counters | None = None) -> Iterator[int]:
     """Yield new token ids one at a time. With ``use_cache`` (default) the prompt is prefilled
     into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
     total = sequence_length(model, prompt, params)
-    device = next(model.parameters()).device
     counters = counters if counters is not None else Counters()
-    generator = seeded_generator(params, device)
     if use_cache and cache is None:
-        cache = ContiguousKVCache(model.config, 1, total, dtype=next(model.parameters()).dtype, device=device)
-    fed = torch.tensor([list(prompt)], device=device)  # what the next forward call runs
-    length = len(prompt)  # tokens in the sequence so far
-    for _ in range(params.max_new_tokens):
-        with torch.inference_mode():  # only around the model: the caller's code between tokens runs as usual
-            positions = torch.arange(length - fed.shape[1], length, device=device)[None]
-            token = next_token(model(fed, positions, cache if use_cache else None)[:, -1], params, generator)
-        counters.tokens_processed += fed.shape[1]
+        cache = ContiguousKVCache(model.config, 1, total, model.dtype, model.device)
+    fed, start = list(prompt), 0  # what the next forward call runs, from which position
+    for index in range(params.max_new_tokens):
+        logits = forward_tokens(model, fed, start, cache if use_cache else None)
+        token = int(next_token(logits[-1:], params, token_generator(params, index, model.device)))
+        counters.tokens_processed += len(fed)
         counters.forward_calls += 1
-        yield int(token)
-        if params.stop_at_eos and eos_id is not None and int(token) == eos_id:
+        yield token
+        if params.stop_at_eos and token == eos_id:
             return
-        length += 1
-        fed = token[:, None] if use_cache else torch.cat([fed, token[:, None]], dim=1)
+        start, fed = (start + len(fed), [token]) if use_cache else (0, fed + [token])
 
 
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:
     """One cached forward call of ``tokens`` new tokens (1: a decode step; more: what speculative
     decoding's verification runs) after ``context`` cached ones, as a callable to time that returns
-    the logits: each call forgets its own tokens, so every call does the same work."""
-    weight = next(model.parameters())
-    device = weight.device
-    cache = ContiguousKVCache(model.config, 1, context + tokens, dtype=weight.dtype, device=device)
-    with torch.inference_mode():
-        model(torch.zeros(1, context, dtype=torch.long, device=device), None, cache)
-    fed = torch.zeros(1, tokens, dtype=torch.long, device=device)
-    positions = torch.arange(context, context + tokens, device=device)[None]
+    the logits ``[1, tokens, vocab]``: every call writes the same slots, so every call does the
+    same work, planning the step included."""
+    cache = ContiguousKVCache(model.config, 1, context + tokens, model.dtype, model.device)
+    if context:
+        forward_tokens(model, [0] * context, 0, cache)
+    fed = torch.zeros(1, tokens, dtype=torch.long, device=model.device)
+    positions = torch.arange(context, context + tokens, device=model.device)[None]
 
     def step() -> Tensor:
         with torch.inference_mode():
-            logits = model(fed, positions, cache)
-        cache.truncate([context])
-        return logits
+            return model(fed, plan=cache.plan(positions))
     return step
 
 

@@ -18,18 +18,21 @@
   at most scale / 2 off per element, in (head_dim + 4) / (4 * head_dim) of the fp32 bytes
   (about a quarter; (head_dim + 4) / (2 * head_dim), about a half, of fp16).
 
-Both are caches with the model's ``KVCache`` interface: the model does not change.
+Both are caches with the model's ``KVCache`` interface (a plan per step, then ``attend``): the
+model does not change.
 ``cached_perplexity`` measures what each costs in quality.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.model import ContiguousKVCache, KVCache, ModelConfig, Transformer
+from labkit.generate import forward_tokens
+from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention
 
 INT8_MAX = 127
 
@@ -41,9 +44,19 @@ def sink_window_mask(query_positions: Tensor, key_positions: Tensor, sinks: int,
     return (k <= q) & ((k < sinks) | (k > q - window))
 
 
+@dataclass(frozen=True, eq=False)
+class SinkPlan(AttentionPlan):
+    """A step through a ``SinkCache``: what each query sees of the held keys followed by the new
+    ones, ``mask`` ``[B, 1, T, held + T]``, and which of them every layer keeps, and at which positions."""
+
+    mask: Tensor
+    keep: Tensor
+    kept_positions: Tensor
+
+
 class SinkCache:
     """Attention sinks plus a sliding window: per layer, the first ``sinks`` tokens and the last
-    ``window`` ones, ``[batch, n_kv_heads, <= sinks + window, head_dim]``.
+    ``window`` ones, ``[batch, n_kv_heads, <= sinks + window, head_dim]``, and their positions.
 
     Keys keep the rotary angles of their absolute positions (the model rotates them before they
     reach the cache). That is exact here, as a labkit model is never run past its context. The
@@ -62,23 +75,27 @@ class SinkCache:
             raise ValueError(f"window={window} must be at least 1: a query always sees its own token")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
-        self.sinks, self.window, self.batch_size = sinks, window, batch_size
+        self.sinks, self.window, self.batch_size, self.max_seq_len = sinks, window, batch_size, config.max_seq_len
         empty = torch.zeros(batch_size, config.n_kv_heads, 0, config.head_dim, dtype=dtype, device=device)
         self.k = [empty] * config.n_layers
         self.v = [empty] * config.n_layers
-        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # of the tokens held, in order
+        self.held = [torch.zeros(0, dtype=torch.long, device=device)] * config.n_layers  # positions, in order
 
-    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer == 0:  # what to keep and the mask are the same for every layer of one forward
-            self._step = self._plan(positions)
-        keep, mask = self._step
-        keys = torch.cat([self.k[layer], k.to(self.k[layer].dtype)], dim=2)
-        values = torch.cat([self.v[layer], v.to(self.v[layer].dtype)], dim=2)
-        self.k[layer], self.v[layer] = keys[:, :, keep], values[:, :, keep]
-        return keys, values, mask
+    @property
+    def positions(self) -> Tensor:
+        """The positions of the tokens held (every layer holds the same ones)."""
+        return self.held[0]
 
-    def _plan(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def plan(self, positions: Tensor) -> SinkPlan:
         """The mask over the held keys followed by the new ones, and which of them to keep."""
+        self._check(positions)
+        query = positions[0]
+        keys = torch.cat([self.positions, query])
+        mask = sink_window_mask(query, keys, self.sinks, self.window)
+        keep = (keys < self.sinks) | (keys > int(query.max()) - self.window)  # what later queries can see
+        return SinkPlan(self, positions, mask[None, None].expand(self.batch_size, 1, -1, -1), keep, keys[keep])
+
+    def _check(self, positions: Tensor) -> None:
         if positions.shape[0] != self.batch_size:
             raise ValueError(f"positions has {positions.shape[0]} rows; this cache holds batch_size={self.batch_size}")
         if (positions < 0).any():
@@ -88,15 +105,19 @@ class SinkCache:
         if differs.any():
             raise ValueError(f"SinkCache needs every row of the batch at the same positions, but row "
                              f"{int(differs.nonzero()[0])} differs from row 0: use one cache per sequence")
-        query = positions[0]
-        if self.positions.numel() and int(query.min()) <= int(self.positions.max()):
-            raise ValueError(f"position {int(query.min())} is not after the last one held "
+        first, last = int(positions[0].min()), int(positions[0].max())
+        if self.positions.numel() and first <= int(self.positions.max()):
+            raise ValueError(f"position {first} is not after the last one held "
                              f"({int(self.positions.max())}): a SinkCache only appends")
-        keys = torch.cat([self.positions, query])
-        mask = sink_window_mask(query, keys, self.sinks, self.window)
-        keep = (keys < self.sinks) | (keys > int(query.max()) - self.window)  # what later queries can see
-        self.positions = keys[keep]
-        return keep, mask[None, None].expand(self.batch_size, 1, -1, -1)
+        if last >= self.max_seq_len:
+            raise ValueError(f"position {last} is past the context limit max_seq_len={self.max_seq_len}")
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, plan: SinkPlan) -> Tensor:
+        keys = torch.cat([self.k[layer], k.to(self.k[layer].dtype)], dim=2)
+        values = torch.cat([self.v[layer], v.to(self.v[layer].dtype)], dim=2)
+        self.k[layer], self.v[layer] = keys[:, :, plan.keep], values[:, :, plan.keep]
+        self.held[layer] = plan.kept_positions
+        return attention(q, keys, values, plan.mask)
 
     @property
     def max_tokens(self) -> int:
@@ -129,8 +150,8 @@ class Int8KVCache(ContiguousKVCache):
     """The contiguous cache with int8 keys and values, ``[layers, batch, n_kv_heads, max_len,
     head_dim]``, and an fp32 scale per vector, ``[layers, batch, n_kv_heads, max_len, 1]``.
 
-    It keeps the contiguous cache's ``update`` and changes only how a slot is written (quantized)
-    and read back (dequantized, in the dtype of the new keys and values).
+    It keeps the contiguous cache's plan and ``attend``, and changes only how a slot is written
+    (quantized) and read back (dequantized, in the dtype of the queries).
     Dequantizing the whole cache at every step costs time: this saves memory, not time, unless
     a kernel reads int8 directly.
     """
@@ -157,12 +178,11 @@ class Int8KVCache(ContiguousKVCache):
         return super().nbytes + self.k_scale.nbytes + self.v_scale.nbytes
 
 
-def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: KVCache, chunk: int = 32) -> float:
+def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: RowCache, chunk: int = 32) -> float:
     """exp(mean negative log-likelihood) of each token given those before it, the sequence fed
     through ``cache`` (fresh, batch size 1) ``chunk`` tokens per forward call at positions 0, 1, ...:
     the model's perplexity when its attention reads only what the cache gives back."""
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(tokens, device=device).long()
+    ids = torch.as_tensor(tokens, device=model.device).long()
     if ids.dim() != 1:
         raise ValueError(f"tokens must be one sequence (1-D), got shape {tuple(ids.shape)}")
     n = len(ids)
@@ -173,10 +193,8 @@ def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: KVC
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be at least 1")
     nll = 0.0
-    with torch.inference_mode():
-        for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
-            end = min(start + chunk, n - 1)
-            positions = torch.arange(start, end, device=device)[None]
-            logits = model(ids[None, start:end], positions, cache)[0]
-            nll += F.cross_entropy(logits.float(), ids[start + 1:end + 1], reduction="sum").item()
+    for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
+        end = min(start + chunk, n - 1)
+        logits = forward_tokens(model, ids[start:end], start, cache)
+        nll += F.cross_entropy(logits.float(), ids[start + 1:end + 1], reduction="sum").item()
     return math.exp(nll / (n - 1))

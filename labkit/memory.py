@@ -13,11 +13,15 @@ token and layer, ``kv_lora_rank + qk_rope_head_dim`` elements, shared by all hea
 What fits on a GPU with ``memory`` bytes used up to a fraction ``utilization``:
 
     largest batch = floor((utilization x memory - weight bytes) / KV bytes of one sequence)
+
+A paged cache (notebook 03) holds a sequence of L tokens in ceil(L / block_size) blocks, where a
+contiguous one reserves the whole context for it; ``fragmentation`` compares the two.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from labkit.hardware import Hardware
 from labkit.model import ModelConfig
@@ -113,3 +117,27 @@ def max_context(model: ModelShape, gpu: Hardware, batch: int = 1, weight_dtype: 
         raise ValueError(f"batch={batch} must be at least 1")
     free = _free_for_kv(model, gpu, weight_dtype, utilization)
     return min(model.max_context, math.floor(free / (batch * kv_bytes_per_token(model, kv_dtype))))
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that ``n_tokens`` tokens occupy: ceil(n_tokens / block_size)."""
+    return -(-n_tokens // block_size)
+
+
+def num_blocks_for_memory(model: ModelShape, memory_bytes: float, block_size: int, dtype: str = "fp16") -> int:
+    """How many blocks of a paged cache a memory budget holds, at ``kv_bytes_per_token``."""
+    if memory_bytes < 0 or block_size < 1:
+        raise ValueError(f"memory_bytes={memory_bytes} must be >= 0 and block_size={block_size} >= 1")
+    return math.floor(memory_bytes / (kv_bytes_per_token(model, dtype) * block_size))
+
+
+def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict[str, float]:
+    """Memory, in token slots, for sequences of ``lengths`` tokens: reserved by contiguous
+    allocation of ``context`` slots each, held by paged blocks, and the share of each not used."""
+    if not lengths or min(lengths) < 1 or max(lengths) > context:
+        raise ValueError(f"lengths must be a non-empty list of 1..context={context} tokens")
+    used = sum(lengths)
+    reserved = len(lengths) * context
+    held = sum(blocks_for(n, block_size) for n in lengths) * block_size
+    return {"used": used, "contiguous_reserved": reserved, "paged_held": held,
+            "contiguous_waste": 1 - used / reserved, "paged_waste": 1 - used / held}

@@ -13,17 +13,17 @@
   shared by a group of n_heads / n_kv_heads query heads. MHA when the two are equal, MQA when
   there is one KV head, GQA in between.
 
-The model knows nothing of how keys and values are stored. ``forward`` takes token ids, their
-positions and, optionally, a cache object with the ``KVCache`` interface: the contiguous cache
-here, or the paged cache of a later lab. Without a cache it attends causally among the tokens
-it is given. Position -1 marks padding in a batch of sequences of different lengths.
+The model knows nothing of how keys and values are stored. ``forward`` takes token ids and
+either their positions (no cache: the tokens attend causally among themselves) or a cache's
+plan for the step (``KVCache``: the contiguous cache here; the int8, sink and paged caches of
+later labs), which carries the positions; each layer then hands its attention to the cache in
+one call. Position -1 marks padding in a batch of sequences of different lengths.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,44 +68,45 @@ class ModelConfig:
 
 
 class KVCache(Protocol):
-    """Where attention keeps keys and values between forward calls."""
+    """Where attention keeps keys and values between forward passes.
 
-    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Store new keys and values ``[B, n_kv_heads, T, head_dim]`` at ``positions`` ``[B, T]``
-        (-1: padding, not stored). Return what the new queries may attend to: keys and values
-        ``[B, n_kv_heads, S, head_dim]`` and a boolean mask ``[B, 1, T, S]``, True where allowed
-        (or None when every query may see every key)."""
+    A forward pass through a cache is one step, in two parts:
+
+    1. Before it, the caller asks the cache for the step's plan, once: ``plan = cache.plan(...)``,
+       with the cache's own arguments (the positions of a batch of rows; for the paged cache, the
+       sequences and how many new tokens each runs). The plan says where each new token's key and
+       value go and what each query may see, and carries the tokens' positions. It is the same
+       for every layer, and it is where the cache checks that the step fits.
+    2. The model runs with it, ``model(tokens, plan=plan)``, and each layer's attention is one
+       call, ``cache.attend(layer, q, k, v, plan)``: store the layer's new keys and values
+       ``[B, n_kv_heads, T, head_dim]`` where the plan says, and return the attention output of
+       the queries ``[B, n_heads, T, head_dim]``.
+
+    ``attend`` writes keys and values and nothing else. What the step computed (which tokens a
+    sequence now has in the cache, which blocks later prompts may share) is recorded by the
+    caller once the step is done.
+    """
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
         ...
 
-    # A cache may also take over attention itself, ``attend(layer, q, k, v, positions)`` returning
-    # the output ``[B, n_heads, T, head_dim]``: the paged cache does, to run a ragged batch (each
-    # sequence with its own number of new tokens) without padding every sequence to the longest.
+
+class RowCache(KVCache, Protocol):
+    """A cache of a batch of rows, one sequence each (contiguous, int8, sinks): its plan is made
+    from the step's positions ``[B, T]`` alone."""
+
+    def plan(self, positions: Tensor) -> AttentionPlan:
+        ...
 
 
-def is_int(value: object) -> bool:
-    """An int, or an integer scalar of numpy's; not a bool, though Python counts it as one."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """One step's plan, made by a cache before the forward pass (see ``KVCache``): the cache, and
+    the positions ``[B, T]`` of the step's tokens (-1: padding), which the rotary embeddings read.
+    A cache that needs nothing more uses it as it is; the others add what their ``attend`` reads."""
 
-
-def check_ints(**values: object) -> None:
-    """ValueError naming the first of ``values`` that is not an int."""
-    for name, value in values.items():
-        if not is_int(value):
-            raise ValueError(f"{name}={value!r} must be an int")
-
-
-def token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]:
-    """``tokens`` as a list of ints; a ValueError naming the problem where they are not token ids
-    (of a vocabulary of ``vocab_size``, if given)."""
-    if isinstance(tokens, Tensor):
-        raise ValueError("token ids must be a list of ints, not a tensor (tensor.tolist() makes one)")
-    ids = list(tokens)
-    for t in ids:
-        if not is_int(t) or t < 0:
-            raise ValueError(f"token ids must be non-negative ints: got {t!r}")
-        if vocab_size is not None and t >= vocab_size:
-            raise ValueError(f"token {t} is outside the vocabulary of {vocab_size}")
-    return ids
+    cache: KVCache
+    positions: Tensor
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -136,8 +137,25 @@ def causal_mask(query_positions: Tensor, key_positions: Tensor) -> Tensor:
     return ((k <= q) & (k >= 0)) | (q < 0)
 
 
+@dataclass(frozen=True, eq=False)
+class ContiguousPlan(AttentionPlan):
+    """Where a step's tokens go in a ``ContiguousKVCache``: the (row, column) of each real token in
+    the batch and its slot, how many slots attention reads, and what each query sees (None: all)."""
+
+    rows: Tensor | int
+    cols: Tensor | slice
+    slots: Tensor | slice
+    length: int
+    mask: Tensor | None
+
+
 class ContiguousKVCache:
     """One preallocated buffer per layer and sequence: ``[layers, batch, n_kv_heads, max_len, head_dim]``.
+
+    Slot p of a row holds the key and value of the token at position p. So the cache keeps no
+    lengths of its own: a step's positions say where its tokens go, and a query at position p
+    reads slots 0..p. To roll a sequence back (speculative decoding), run its next step from
+    the earlier position: the slots after it are written again before anything reads them.
 
     Simple and fast, but every sequence reserves ``max_len`` slots up front, used or not: the
     waste that the paged cache removes.
@@ -146,26 +164,43 @@ class ContiguousKVCache:
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.max_len = config.max_seq_len if max_len is None else max_len
-        if self.max_len < 1:
-            raise ValueError(f"max_len={self.max_len} must be at least 1 (None: the model's max_seq_len)")
+        if not 1 <= self.max_len <= config.max_seq_len:
+            raise ValueError(f"max_len={self.max_len} must be in 1..max_seq_len={config.max_seq_len} "
+                             "(None: the model's max_seq_len)")
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.filled = [0] * batch_size  # tokens held per sequence, kept on the host
 
-    @property
-    def lengths(self) -> Tensor:
-        """Tokens held per sequence, ``[batch]``: a new CPU tensor at each call (the cache keeps
-        them as a list on the host; ``truncate`` changes them)."""
-        return torch.tensor(self.filled)
+    def plan(self, positions: Tensor) -> ContiguousPlan:
+        """The plan of a step whose tokens are at ``positions`` ``[batch, T]`` (-1: padding): where
+        they go, how many slots attention reads, and what each token may attend to. One copy of
+        the positions to the host. One sequence at consecutive positions (prefill, decode) is
+        written as one slice, with no index tensors, and its one new token (a decode step) sees
+        every slot it reads: no mask at all."""
+        table = positions.tolist()
+        if len(table) != self.k.shape[1]:
+            raise ValueError(f"a batch of {len(table)} sequences for a cache of {self.k.shape[1]}")
+        real = [p for row in table for p in row if p != -1]
+        if not real:
+            raise ValueError("every position is padding (-1): the step runs no token")
+        if (bad := next((p for p in real if not 0 <= p < self.max_len), None)) is not None:
+            raise ValueError(f"position {bad} does not fit a cache of max_len={self.max_len} (positions count "
+                             "from 0; -1 marks padding)")
+        length = max(real) + 1
+        run = table[0] if len(table) == 1 else []
+        if run and run[0] >= 0 and run == list(range(run[0], run[0] + len(run))):
+            rows, cols, slots = 0, slice(None), slice(run[0], run[-1] + 1)
+            if len(run) == 1:
+                return ContiguousPlan(self, positions, rows, cols, slots, length, None)
+        else:
+            rows, cols = (positions >= 0).nonzero(as_tuple=True)
+            slots = positions[rows, cols]
+        mask = causal_mask(positions, torch.arange(length, device=positions.device)[None])
+        return ContiguousPlan(self, positions, rows, cols, slots, length, mask)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer == 0:  # the slots and the mask are the same for every layer of one forward
-            self._step = self._plan(positions)
-        rows, cols, slots, length, mask = self._step
-        self._write(layer, rows, slots, k[rows, :, cols], v[rows, :, cols])
-        keys, values = self._read(layer, length, k.dtype)
-        return keys, values, mask
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, plan: ContiguousPlan) -> Tensor:
+        self._write(layer, plan.rows, plan.slots, k[plan.rows, :, plan.cols], v[plan.rows, :, plan.cols])
+        return attention(q, *self._read(layer, plan.length, q.dtype), plan.mask)
 
     def _write(self, layer: int, rows: Tensor | int, slots: Tensor | slice, k: Tensor, v: Tensor) -> None:
         """Store the new keys and values at (row, slot): ``[tokens, n_kv_heads, head_dim]`` for index
@@ -176,37 +211,6 @@ class ContiguousKVCache:
     def _read(self, layer: int, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The first ``length`` slots of a layer, as stored (attention casts them to its dtype)."""
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
-
-    def _plan(self, positions: Tensor) -> tuple[Tensor | int, Tensor | slice, Tensor | slice, int, Tensor | None]:
-        """Where this forward's tokens go, how many slots attention reads, and what each token may
-        attend to. Slot s holds position s, so a query at position p sees slots 0..p: causality
-        alone hides the slots past the end of a shorter sequence in the batch. One sequence at
-        consecutive positions (prefill, decode) is written as one slice, with no index tensors,
-        and its one new token at the end (a decode step) sees every slot: no mask at all."""
-        table = positions.tolist()  # one copy to the host: the new lengths and how many slots to read
-        if len(table) != len(self.filled):
-            raise ValueError(f"a batch of {len(table)} sequences for a cache of {len(self.filled)}")
-        filled = [max([held, *(p + 1 for p in row if p >= 0)]) for held, row in zip(self.filled, table)]
-        longest = max(filled)
-        if longest > self.max_len:
-            raise ValueError(f"position {longest - 1} does not fit a cache of max_len={self.max_len}")
-        self.filled = filled
-        run = table[0] if len(table) == 1 else []
-        if run and run[0] >= 0 and run == list(range(run[0], run[0] + len(run))):
-            rows, cols, slots = 0, slice(None), slice(run[0], run[-1] + 1)
-            if run == [longest - 1]:
-                return rows, cols, slots, longest, None
-        else:
-            rows, cols = (positions >= 0).nonzero(as_tuple=True)
-            slots = positions[rows, cols]
-        key_positions = torch.arange(longest, device=positions.device)[None]
-        return rows, cols, slots, longest, causal_mask(positions, key_positions)
-
-    def truncate(self, lengths: Tensor | list[int]) -> None:
-        """Forget everything past ``lengths`` tokens per sequence (speculative decoding's rollback)."""
-        if len(lengths) != len(self.filled):
-            raise ValueError(f"{len(lengths)} lengths given for a cache of {len(self.filled)} sequences")
-        self.filled = [min(held, int(keep)) for held, keep in zip(self.filled, lengths)]
 
     @property
     def nbytes(self) -> int:
@@ -266,19 +270,17 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.d_model, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim, bias=False)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], plan: AttentionPlan | None) -> Tensor:
         c = self.config
         batch, length, _ = x.shape
         heads = self.wqkv(x).view(batch, length, -1, c.head_dim).transpose(1, 2)
         qk = apply_rope(heads[:, :c.n_heads + c.n_kv_heads], *rope)
         q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
         v = heads[:, c.n_heads + c.n_kv_heads:]
-        if cache is None:
+        if plan is None:  # no cache: the tokens attend causally among themselves
             out = attention(q, k, v, causal_mask(positions, positions))
-        elif hasattr(cache, "attend"):
-            out = cache.attend(self.layer, q, k, v, positions)
         else:
-            out = attention(q, *cache.update(self.layer, k, v, positions))
+            out = plan.cache.attend(self.layer, q, k, v, plan)
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
 
 
@@ -301,8 +303,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, rope, cache)
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], plan: AttentionPlan | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, plan)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -338,32 +340,58 @@ class Transformer(nn.Module):
                 scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("wo.weight", "down.weight")) else 1
                 nn.init.normal_(p, std=std * scale)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None,
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (the final norm's weight: every model has one, quantized or not)."""
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (the final norm's weight)."""
+        return self.norm.weight.dtype
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, plan: AttentionPlan | None = None,
                 logits_at: Tensor | None = None) -> Tensor:
-        """Logits ``[B, T, vocab]`` for token ids ``[B, T]`` at ``positions`` ``[B, T]``
-        (default 0..T-1; -1 for padding), reading and extending ``cache`` if one is given. With
-        ``logits_at``, indices along T, only those tokens' logits, ``[B, len(logits_at), vocab]``:
-        every token still runs through the layers and the cache, but a prompt's tokens before
-        its last skip the LM head, which for a 4096-token vocabulary is a tenth of the work."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        if positions.shape != tokens.shape:
-            raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
-        if tokens.numel():
-            lowest, highest = torch.stack(positions.aminmax()).tolist()  # one copy to the host
-            if highest >= self.config.max_seq_len:
-                raise ValueError(f"position {highest} is past the context limit max_seq_len={self.config.max_seq_len}")
-            if lowest < -1:
-                raise ValueError(f"position {lowest} is negative: positions count from 0, and -1 marks padding")
+        """Logits ``[B, T, vocab]`` for token ids ``[B, T]``. Through a cache, ``plan`` is the plan
+        the cache made for these tokens (``KVCache``), which carries their positions. Without one,
+        the tokens attend causally among themselves, at ``positions`` ``[B, T]`` (default 0..T-1;
+        -1 for padding). With ``logits_at``, indices along T, only those tokens' logits,
+        ``[B, len(logits_at), vocab]``: every token still runs through the layers and the cache,
+        but a prompt's tokens before its last skip the LM head, which for a 4096-token vocabulary
+        is a tenth of the work."""
+        positions = self._positions(tokens, positions, plan)
         rope = self.rotary(positions)
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, positions, rope, cache)
+            x = block(x, positions, rope, plan)
         if logits_at is not None:
             x = x[:, torch.as_tensor(logits_at, device=x.device).reshape(-1)]
         return self.lm_head(self.norm(x))
+
+    def _positions(self, tokens: Tensor, positions: Tensor | None, plan: AttentionPlan | None) -> Tensor:
+        """The tokens' positions, checked where a caller hands them in: a plan's were checked by its
+        cache; others are read once on the host, as a call without a cache is no hot path."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
+        if plan is not None and not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be the plan a cache made for these tokens, e.g. cache.plan(positions), "
+                            f"not a {type(plan).__name__}")
+        if plan is not None and positions is not None:
+            raise ValueError("a plan carries its positions: model(tokens, plan=cache.plan(positions))")
+        if plan is not None:
+            positions = plan.positions
+        elif positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        elif tokens.numel():
+            lowest, highest = torch.stack(positions.aminmax()).tolist()  # one copy to the host
+            if lowest < -1 or highest >= self.config.max_seq_len:
+                raise ValueError(f"positions {lowest}..{highest} must be in 0..max_seq_len - 1 = "
+                                 f"{self.config.max_seq_len - 1} (-1 marks padding)")
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"{tokens.shape[1]} tokens are past the context limit max_seq_len={self.config.max_seq_len}")
+        return positions
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding, -1, indexes

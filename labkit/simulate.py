@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from labkit.cost import attention_flops
-from labkit.engine import Engine, Scheduler, SchedulerConfig, StepPlan
+from labkit.engine import EngineCore, ScheduledBatch, SchedulerConfig
 from labkit.hardware import Hardware
-from labkit.memory import ModelShape, check_utilization, kv_bytes_per_token, weight_bytes
-from labkit.paged import BlockAllocator, num_blocks_for_memory
+from labkit.memory import ModelShape, check_utilization, kv_bytes_per_token, num_blocks_for_memory, weight_bytes
+from labkit.paged import BlockAllocator
 
 
 @dataclass(frozen=True)
@@ -68,37 +68,41 @@ class CostModel:
         return num_blocks_for_memory(self.model, free, block_size, self.kv_dtype)
 
 
-class SimulatedEngine(Engine):
-    """The engine's scheduler and bookkeeping on a simulated clock: a step takes the cost
-    model's time, and waiting for an arrival takes none."""
+class SimulatedClock:
+    """Simulated seconds: a step takes the cost model's time, and waiting for an arrival takes none."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def reset(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class CostRunner:
+    """Executes a scheduled batch on the cost model: the clock moves on by the step's predicted
+    time, and every sampled request gets a placeholder token."""
+
+    def __init__(self, cost: CostModel, clock: SimulatedClock) -> None:
+        self.cost, self.clock = cost, clock
+        self.max_seq_len, self.vocab_size = cost.model.max_context, 2**31
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        self.clock.t += self.cost.step_time([(n, r.num_computed) for r, n in batch.scheduled])
+        return [0] * len(batch.sampled)
+
+
+class SimulatedEngine(EngineCore):
+    """The engine's scheduler and bookkeeping on a simulated clock (``EngineCore`` with a
+    ``CostRunner``): by default, as many blocks as the GPUs' memory leaves for the KV cache."""
 
     def __init__(self, cost: CostModel, num_blocks: int | None = None, block_size: int = 16,
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True) -> None:
-        self.cost, self.eos_id = cost, None
-        self.allocator = BlockAllocator(cost.kv_blocks(block_size) if num_blocks is None else num_blocks, block_size,
-                                        prefix_caching)
-        self.scheduler = Scheduler(self.allocator, config)
-        self.log, self.clock = [], 0.0
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.cost.model.max_context
-
-    @property
-    def vocab_size(self) -> int:
-        return 2**31
-
-    def now(self) -> float:
-        return self.clock
-
-    def wait_until(self, t: float) -> None:
-        self.clock = max(self.clock, t)
-
-    def reset_clock(self) -> None:
-        self.clock = 0.0
-
-    def execute(self, plan: StepPlan, rows: Sequence[int]) -> list[int]:
-        self.clock += self.cost.step_time([(n, r.num_computed) for r, n in plan.scheduled])
-        for request, n in plan.scheduled:  # what the paged cache does after a forward pass
-            self.allocator.mark_computed(request.request_id, request.num_computed + n)
-        return [0] * len(rows)
+        blocks = cost.kv_blocks(block_size) if num_blocks is None else num_blocks
+        clock = SimulatedClock()
+        super().__init__(CostRunner(cost, clock), BlockAllocator(blocks, block_size, prefix_caching), config, clock)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from labkit.corpus import functions
 from labkit.device import synchronize
-from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
+from labkit.generate import SamplingParams, forward_tokens, sampling_probs, seeded_generator, sequence_length
 from labkit.model import ContiguousKVCache, Transformer
 
 
@@ -120,17 +120,16 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """A small model with the target's vocabulary drafts k tokens, one forward call each, keeping
-    its own KV cache; after verification the cache is cut back to what the target accepted."""
+    its own KV cache; after verification it drafts on from the last token the target accepted
+    (the cache's later slots are written again)."""
 
     def __init__(self, model: Transformer) -> None:
         self.model, self.vocab_size = model, model.config.vocab_size
-        weight = next(model.parameters())
-        self.dtype, self.device = weight.dtype, weight.device
         self.cache: ContiguousKVCache | None = None
         self.length = 0  # tokens of the sequence in the cache
 
     def start(self, capacity: int) -> None:
-        self.cache = ContiguousKVCache(self.model.config, 1, capacity, dtype=self.dtype, device=self.device)
+        self.cache = ContiguousKVCache(self.model.config, 1, capacity, self.model.dtype, self.model.device)
         self.length = 0
 
     def propose(self, sequence: list[int], k: int, params: SamplingParams,
@@ -138,7 +137,7 @@ class ModelDrafter:
         tokens, probs = [], []
         fed = sequence[self.length:]  # what the cache has not seen: the last token or two, or the prompt
         for _ in range(k):
-            logits = _run(self.model, fed, self.length, self.cache)[-1]
+            logits = forward_tokens(self.model, fed, self.length, self.cache)[-1]
             self.length += len(fed)
             if params.temperature == 0:
                 tokens.append(int(logits.argmax()))
@@ -150,7 +149,6 @@ class ModelDrafter:
 
     def rollback(self, length: int) -> None:
         self.length = min(self.length, length)
-        self.cache.truncate([self.length])
 
 
 class PromptLookupDrafter:
@@ -274,28 +272,26 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
     if drafter.vocab_size != target.config.vocab_size:
         raise ValueError(f"the drafter has a vocabulary of {drafter.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}: they must share one tokenizer")
-    weight = next(target.parameters())
     stats = stats if stats is not None else SpeculationStats(k)
     if stats.k != k:
         raise ValueError(f"stats count rounds of k={stats.k} drafts, but this run drafts k={k}: SpeculationStats(k)")
-    generator = seeded_generator(params, weight.device)
-    cache = ContiguousKVCache(target.config, 1, capacity, dtype=weight.dtype, device=weight.device)
+    generator = seeded_generator(params, target.device)
+    cache = ContiguousKVCache(target.config, 1, capacity, target.dtype, target.device)
     drafter.start(capacity)
     sequence, cached, start = list(prompt), 0, time.perf_counter()
     while len(sequence) - len(prompt) < params.max_new_tokens:
         room = min(k, params.max_new_tokens - (len(sequence) - len(prompt)) - 1)  # drafts that could be emitted
-        proposal = _timed(stats, "draft_s", weight.device,
+        proposal = _timed(stats, "draft_s", target.device,
                           lambda: drafter.propose(sequence, room, params, generator) if room else Proposal([]))
         fed = sequence[cached:] + proposal.tokens
-        logits = _timed(stats, "target_s", weight.device, lambda: _run(target, fed, cached, cache))
+        logits = _timed(stats, "target_s", target.device, lambda: forward_tokens(target, fed, cached, cache))
         logits = logits[-len(proposal.tokens) - 1:]
         if params.temperature == 0:
             accepted, token = verify_greedy(proposal.tokens, logits)
         else:
             accepted, token = verify_sampled(proposal.tokens, proposal.probs, sampling_probs(logits, params), generator)
         stats.rounds.append(Round(tuple(proposal.tokens), len(accepted), token))
-        cached = len(sequence) + len(accepted)
-        cache.truncate([cached])
+        cached = len(sequence) + len(accepted)  # the next round runs from here: rejected slots are written again
         drafter.rollback(cached)
         stats.wall_s = time.perf_counter() - start
         for new in [*accepted, token]:
@@ -303,14 +299,6 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
             yield new
             if params.stop_at_eos and new == eos_id:
                 return
-
-
-def _run(model: Transformer, tokens: list[int], start: int, cache: ContiguousKVCache) -> Tensor:
-    """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1, ..."""
-    device = cache.k.device
-    positions = torch.arange(start, start + len(tokens), device=device)[None]
-    with torch.inference_mode():
-        return model(torch.tensor([tokens], device=device), positions, cache)[0]
 
 
 T = TypeVar("T")

@@ -36,7 +36,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams
 from labkit.load import CHECKPOINTS, TOKENIZER, load_checkpoint, save_checkpoint
 from labkit.model import ModelConfig, Transformer
-from labkit.paged import blocks_for
+from labkit.memory import blocks_for
 from labkit.speculative import continuation_prompts
 
 
@@ -106,7 +106,7 @@ def window_losses(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max
     model.eval()
     count = min(max_windows, (len(ids) - 1) // seq_len)
     stride = (len(ids) - 1 - seq_len) // max(count - 1, 1)
-    device = next(model.parameters()).device
+    device = model.device
     losses = []
     for first in range(0, count, batch_size):
         starts = [i * stride for i in range(first, min(first + batch_size, count))]
@@ -191,7 +191,7 @@ def distill(student: Transformer, teacher: Transformer, prompts: list[list[int]]
     against continuation tokens seen. The teacher's log-probabilities are computed once and kept:
     positions x vocabulary x 4 bytes (512 MiB for the draft preset)."""
     teacher.eval()
-    device = next(student.parameters()).device
+    device = student.device
     batches = teacher_batches(teacher, prompts, spec, device)
     with torch.no_grad():
         targets = [teacher(x)[mask].float().log_softmax(-1) for x, mask in batches]
@@ -295,7 +295,7 @@ def check_teacher(spec: Distillation, config: ModelConfig) -> Path:
 def train_on_corpus(model: Transformer, preset: Preset, train_ids: torch.Tensor, val_ids: torch.Tensor,
                     seed: int, label: str) -> dict[str, list[tuple[int, float]]]:
     """Next-token prediction on random windows of ``train_ids``; the train and validation loss curves."""
-    device = next(model.parameters()).device
+    device = model.device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps = corpus_steps(preset)
@@ -323,7 +323,7 @@ def distill_stage(model: Transformer, spec: Distillation, folder: Path, tokenize
     """``distill`` from the teacher checkpoint in ``folder`` (``check_teacher``'s) on training-split
     prompts; the loss curve, and for the card: the teacher's weights' digest, the validation loss
     before this stage, and the agreement on validation functions before and after."""
-    device = next(model.parameters()).device
+    device = model.device
     teacher = load_checkpoint(folder, device)
     held_out = continuation_prompts(tokenizer, spec.held_out, seed, split="validation")
     check = teacher_batches(teacher, held_out, spec, device)

@@ -50,10 +50,11 @@ def test_forward_flops_match_the_flop_counter_and_the_mask(model, tokens, cached
     cache = ContiguousKVCache(c, 1, tokens + cached)
     with torch.no_grad():
         if cached:
-            model(torch.zeros(1, cached, dtype=torch.long), None, cache)
+            model(torch.zeros(1, cached, dtype=torch.long), plan=cache.plan(torch.arange(cached)[None]))
         positions = torch.arange(cached, cached + tokens)[None]
+        plan = cache.plan(positions)
         # torch counts the projections' matmuls (not the fused attention kernel) ...
-        matmuls = _matmul_flops(lambda: model(torch.ones(1, tokens, dtype=torch.long), positions, cache))
+        matmuls = _matmul_flops(lambda: model(torch.ones(1, tokens, dtype=torch.long), plan=plan))
     # ... and the attention is 4 FLOPs per (query, visible key) pair per head dimension and layer
     pairs = int(causal_mask(positions, torch.arange(cached + tokens)[None]).sum())
     attention = 4 * c.n_layers * c.n_heads * c.head_dim * pairs

@@ -18,14 +18,17 @@ from hypothesis import strategies as st
 
 from labkit import presets
 from labkit.engine import (FINISHED, RUNNING, WAITING, Engine, Request, Scheduler, SchedulerConfig, StepRecord, admit,
-                           lognormal, make_workload, preempt_newest, request_metrics, run_static, summarize, uniform)
+                           preempt_newest)
 from labkit.generate import SamplingParams, stream
 from labkit.hardware import Hardware
 from labkit.kernels.paged_decode_cpu import paged_decode_cpu
-from labkit.memory import ModelShape
+from labkit.memory import ModelShape, blocks_for
+from labkit.metrics import request_metrics, summarize
 from labkit.model import ModelConfig, Transformer
-from labkit.paged import BlockAllocator, PagedKVCache, blocks_for
+from labkit.paged import BlockAllocator, PagedKVCache, step_logits
 from labkit.simulate import CostModel, SimulatedEngine
+from labkit.static_batching import run_static
+from labkit.workload import lognormal, make_workload, uniform
 from labkit.viz import plot_batch_timeline
 
 VOCAB = 64
@@ -94,9 +97,10 @@ def check_finished(engine: Engine, requests: list[Request], done: list[Request])
         assert r.token_times == sorted(r.token_times) and r.token_times[0] >= r.arrival_time
     assert not engine.scheduler.running and not engine.scheduler.waiting
     allocator = engine.allocator
-    assert allocator.tables == {} and allocator.tokens == {} and allocator.computed == {}
+    assert allocator.tables == {} and allocator.lengths == {} and allocator.names == {}
     allocator.check()
-    assert allocator.num_free == allocator.num_blocks and not any(allocator.ref_count)
+    assert allocator.num_free == allocator.num_blocks  # every block free, or held by the prefix cache alone
+    assert set(allocator.block_states()) <= {"free", "cached"}
 
 
 def replay(engine: Engine, requests: list[Request], config: SchedulerConfig, exact: bool) -> Counter:
@@ -477,17 +481,17 @@ def test_without_chunked_prefill_a_prompt_larger_than_the_budget_left_waits():
 def test_a_prompt_refused_for_the_budget_leaves_the_prefix_cache_alone():
     allocator = BlockAllocator(4, 2)
     allocator.add_sequence("old", [1, 2, 3, 4, 5])
-    allocator.mark_computed("old", 5)
+    allocator.mark_computed("old", [1, 2, 3, 4, 5])
     allocator.free("old")  # [1 2] and [3 4] stay cached
     scheduler = Scheduler(allocator, SchedulerConfig(max_num_batched_tokens=4, chunked_prefill=False))
     decoding = Request("decoding", [9], params(5))
     scheduler.add(decoding)
     advance(scheduler.schedule())
-    allocator.mark_computed("decoding", 1)
+    allocator.mark_computed("decoding", [9])
     scheduler.add(Request("too long", [7, 7, 7, 7], params(1)))  # 4 tokens, 3 left in the budget: it waits
-    before = (allocator.block_states(), dict(allocator.cached))
+    before = (allocator.block_states(), dict(allocator.prefix.blocks))
     assert scheduled(scheduler.schedule()) == [("decoding", 1)]
-    assert (allocator.block_states(), dict(allocator.cached)) == before
+    assert (allocator.block_states(), dict(allocator.prefix.blocks)) == before
 
 
 def test_admit_respects_the_budget_the_cap_and_the_blocks():
@@ -525,7 +529,7 @@ def test_headroom_counts_the_cached_blocks_a_prompt_revives_but_not_those_a_runn
         allocator = BlockAllocator(num_blocks, 4)
         holder = Request("holder", system + [1], params(4))
         allocator.add_sequence("holder", holder.prompt)
-        allocator.mark_computed("holder", 9)  # system's two blocks are cached
+        allocator.mark_computed("holder", holder.prompt)  # system's two blocks are cached
         if holder_runs:
             return allocator, [holder]
         allocator.free("holder")  # cached, but free: a prompt that reuses them takes them back
@@ -699,8 +703,9 @@ def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
 
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
 def test_a_step_interrupted_after_the_forward_pass_runs_again(monkeypatch, interruption):
-    """Ctrl-C (or an error) while sampling, after the cache marked the step's tokens computed: the
-    step counts as not run, and the engine goes on, every request getting its own output."""
+    """Ctrl-C (or an error) while sampling, after the forward pass wrote the step's keys and values
+    and a seeded request drew its token: nothing was recorded, so the step runs again, and every
+    request gets its own output (the seeded draw is the same the second time)."""
     import labkit.engine
     real, calls = labkit.engine.sample, [0]
 
@@ -888,55 +893,52 @@ def test_lognormal_lengths_are_clipped_around_the_median():
        st.sampled_from([1, 2, 4, 16]), st.integers(0, 2**16))
 def test_a_ragged_row_gives_each_sequence_the_logits_it_gets_alone(shape, block_size, seed):
     """Sequences with h tokens already cached and q new ones each (decodes when q = 1, chunks or
-    whole prompts otherwise) run in one row: the logits equal a full forward of each alone."""
+    whole prompts otherwise) run in one row: each one's logits equal a full forward of it alone."""
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(VOCAB, (h + q,), generator=generator).tolist() for h, q in shape]
     cache = PagedKVCache(MODEL.config, BlockAllocator(96, block_size, prefix_caching=False), torch.float64)
+    for i, ((h, _), tokens) in enumerate(zip(shape, sequences)):
+        if h:
+            cache.allocator.add_sequence(i, tokens[:h])
+            step_logits(MODEL, cache, [(i, 0, h)], tokens[:h])
+    for i, ((h, _), tokens) in enumerate(zip(shape, sequences)):
+        if h:
+            cache.append(i, len(tokens) - h)
+        else:
+            cache.allocator.add_sequence(i, tokens)
+    row = [t for (h, _), tokens in zip(shape, sequences) for t in tokens[h:]]
+    plan = cache.plan([(i, h, q) for i, (h, q) in enumerate(shape)])
     with torch.no_grad():
-        for i, ((h, _), tokens) in enumerate(zip(shape, sequences)):
-            if h:
-                cache.allocator.add_sequence(i, tokens[:h])
-                cache.seq_ids, cache.query_lens = [i], None
-                MODEL(torch.tensor([tokens[:h]]), None, cache)
-        for i, ((h, q), tokens) in enumerate(zip(shape, sequences)):
-            if h:
-                cache.append(i, tokens[h:])
-            else:
-                cache.allocator.add_sequence(i, tokens)
-        cache.seq_ids, cache.query_lens = list(range(len(shape))), [q for _, q in shape]
-        row = [t for (h, _), tokens in zip(shape, sequences) for t in tokens[h:]]
-        positions = [p for h, q in shape for p in range(h, h + q)]
-        logits = MODEL(torch.tensor([row]), torch.tensor([positions]), cache)[0]
+        logits = MODEL(torch.tensor([row]), plan=plan)[0]
         expected = torch.cat([MODEL(torch.tensor([tokens]))[0, h:] for (h, _), tokens in zip(shape, sequences)])
     torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
-    assert all(cache.allocator.computed[i] == h + q for i, (h, q) in enumerate(shape))
+    assert plan.last.tolist() == [sum(q for _, q in shape[:i + 1]) - 1 for i in range(len(shape))]
     cache.allocator.check()
 
 
-def test_bad_query_lens_are_refused():
+def test_bad_runs_are_refused_before_the_forward_pass():
     cache = PagedKVCache(MODEL.config, BlockAllocator(16, 4), torch.float64)
     cache.allocator.add_sequence("a", [1, 2, 3])
     cache.allocator.add_sequence("b", [4, 5])
-    cache.seq_ids = ["a", "b"]
-    tokens = torch.tensor([[1, 2, 3, 4, 5]])
-    positions = torch.tensor([[0, 1, 2, 0, 1]])
-    for lens, t, p in [([3, 3], tokens, positions),  # 6 tokens for a row of 5
-                       ([5, 0], tokens, positions),  # a sequence without tokens
-                       ([3], tokens, positions),  # one length for two sequences
-                       ([3, 2], tokens.view(5, 1), positions.view(5, 1))]:  # five rows, not one
-        cache.query_lens = lens
-        with pytest.raises(ValueError, match="a ragged batch is one row of sum\\(query_lens\\) tokens"):
-            MODEL(t, p, cache)
-    assert cache.allocator.computed == {"a": 0, "b": 0}  # nothing was written
-    cache.query_lens = [3, 2]
-    MODEL(tokens, positions, cache)
-    assert cache.allocator.computed == {"a": 3, "b": 2}
+    for runs, key in [([("a", 0, 3), ("b", 0, 3)], "'b': positions 0..2"),  # past b's slots
+                      ([("a", 0, 3), ("b", 0, 0)], "'b': positions 0..-1"),  # a run without tokens
+                      ([], "at least one sequence")]:
+        with pytest.raises(ValueError, match=key):
+            cache.plan(runs)
+    with pytest.raises(KeyError, match="no sequence 'c'"):
+        cache.plan([("c", 0, 1)])
+    plan = cache.plan([("a", 0, 3), ("b", 0, 2)])
+    with pytest.raises(ValueError, match="positions .1, 5. must match tokens .1, 4."):  # the plan is for 5 tokens
+        MODEL(torch.tensor([[1, 2, 3, 4]]), plan=plan)
+    with pytest.raises(ValueError, match="a plan carries its positions"):
+        MODEL(torch.tensor([[1, 2, 3, 4, 5]]), plan.positions, plan)
+    with pytest.raises(TypeError, match="not a PagedKVCache"):
+        MODEL(torch.tensor([[1, 2, 3, 4, 5]]), None, cache)
     from dataclasses import replace
     shallow = PagedKVCache(replace(MODEL.config, n_layers=1), BlockAllocator(16, 4), torch.float64)
     shallow.allocator.add_sequence("a", [1, 2])
-    shallow.seq_ids = ["a"]
-    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0: build it from"):
-        MODEL(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), shallow)
+    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0"):
+        step_logits(MODEL, shallow, [("a", 0, 2)], [1, 2])
 
 
 # ---------------------------------------------------------------- the simulator
@@ -997,8 +999,8 @@ def test_simulated_steps_take_the_cost_models_time():
         if rec.start > previous:  # it waited, idle, for the next arrival
             assert rec.start in {r.arrival_time for r in requests}
         busy, idle, previous = busy + rec.end - rec.start, idle + rec.start - previous, rec.end
-    assert engine.clock == pytest.approx(busy + idle) and engine.clock == max(r.finish_time for r in requests)
-    assert idle > 0 and summarize(done)["duration_s"] == engine.clock
+    assert engine.now() == pytest.approx(busy + idle) and engine.now() == max(r.finish_time for r in requests)
+    assert idle > 0 and summarize(done)["duration_s"] == engine.now()
 
 
 def test_a_higher_arrival_rate_does_not_lower_throughput():

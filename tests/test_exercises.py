@@ -361,15 +361,15 @@ def test_lab03_plausible_mistakes_fail(root):
             BlockPool.fork(self, parent, child)
 
         def copy_on_write(self, seq_id, index):
-            new, = self._take(1)
+            new, = self.take(1)
             old, self.tables[seq_id][index], self.ref_count[new] = self.tables[seq_id][index], new, 1
-            self._release(old)
+            self.release(old)
             return old, new
     result = run_cases(get("ex03.3"), AlwaysCopies)
     assert result.status == FAILED and "labkit's own" not in result.message, result.message
 
     def unmasked(q, k_pool, v_pool, block_tables, lengths):  # attends to the noise past each length
-        from labkit.paged import gather_kv
+        from labkit.paged_attention import gather_kv
         longest = int(lengths.max())
         keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
@@ -405,8 +405,10 @@ def test_every_class_exercise_names_the_methods_a_student_writes(root):
 
 
 def test_lab04_plausible_mistakes_fail():
-    from labkit.engine import admit, preempt_newest, request_metrics
-    from labkit.paged import OutOfBlocks, blocks_for
+    from labkit.engine import admit, preempt_newest
+    from labkit.memory import blocks_for
+    from labkit.metrics import request_metrics
+    from labkit.paged import OutOfBlocks
 
     def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
         return admit(waiting, running, allocator, 10**9, max_num_seqs)

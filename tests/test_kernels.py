@@ -21,7 +21,8 @@ from labkit.kernels import paged_decode_cpu as paged_decode_cpu_module
 from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.kernels.tiled import naive_attention
 from labkit.model import ModelConfig, Transformer
-from labkit.paged import BlockAllocator, PagedKVCache, generate_paged, paged_attention
+from labkit.paged import BlockAllocator, PagedKVCache, generate_paged, step_logits
+from labkit.paged_attention import paged_attention
 
 DEVICE = "cpu" if kernels.interpreted() else "cuda"
 # fp32 matmuls in a compiled kernel run on TF32 tensor cores (10-bit mantissa, like fp16's)
@@ -145,17 +146,15 @@ def test_paged_decode_on_a_models_paged_cache():
     prompts = [[1, 2, 3], list(range(5, 25)), list(range(30, 43))]
     for index, prompt in enumerate(prompts):
         cache.allocator.add_sequence(index, prompt)
-    cache.seq_ids, cache.query_lens = list(range(3)), list(map(len, prompts))
-    flat = [t for p in prompts for t in p]
-    positions = torch.tensor([[i for p in prompts for i in range(len(p))]])
-    with torch.no_grad():
-        model.to(DEVICE)(torch.tensor([flat], device=DEVICE), positions.to(DEVICE), cache)
+    step_logits(model.to(DEVICE), cache, [(index, 0, len(p)) for index, p in enumerate(prompts)],
+                [t for p in prompts for t in p])
     q = torch.randn(3, config.n_heads, config.head_dim, device=DEVICE)
     lengths = torch.tensor(list(map(len, prompts)), device=DEVICE)
+    tables = cache.block_tables(range(3))
     for layer in range(config.n_layers):
         pools = cache.k[layer], cache.v[layer]
-        torch.testing.assert_close(kernels.paged_decode(q, *pools, cache.block_tables(), lengths),
-                                   paged_attention(q, *pools, cache.block_tables(), lengths), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(kernels.paged_decode(q, *pools, tables, lengths),
+                                   paged_attention(q, *pools, tables, lengths), rtol=2e-5, atol=2e-5)
 
 
 def test_the_paged_cache_attends_through_a_decode_kernel():
@@ -454,7 +453,7 @@ def test_a_cpu_without_vector_extensions_gets_its_own_correct_build(tmp_path):
     folder named after them: a machine that has none of them (here, torch told to act as one)
     builds a plain copy of its own, which computes the same attention."""
     ran = _python("import torch\nfrom labkit.kernels.paged_decode_cpu import build_directory, paged_decode_cpu\n"
-                  "from labkit.paged import paged_attention\ng = torch.Generator().manual_seed(0)\n"
+                  "from labkit.paged_attention import paged_attention\ng = torch.Generator().manual_seed(0)\n"
                   "q, k, v = torch.randn(3, 8, 48, generator=g), *torch.randn(2, 20, 16, 2, 48, generator=g)\n"
                   "tables, lengths = torch.randperm(20, generator=g)[:18].view(3, 6), torch.tensor([5, 96, 41])\n"
                   "error = (paged_decode_cpu(q, k, v, tables, lengths) - paged_attention(q, k, v, tables, lengths))\n"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, stream
 from labkit.kv_compress import Int8KVCache, SinkCache, cached_perplexity, dequantize_int8, quantize_int8
-from labkit.model import ContiguousKVCache, ModelConfig, Transformer
+from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, attention
 
 
 def _tokens(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _feed(model: Transformer, tokens: torch.Tensor, cache, chunk: int) -> torch.
     with torch.no_grad():
         for start in range(0, n, chunk):
             positions = torch.arange(start, min(start + chunk, n)).expand(batch, -1)
-            out.append(model(tokens[:, start:start + chunk], positions, cache))
+            out.append(model(tokens[:, start:start + chunk], plan=cache.plan(positions)))
     return torch.cat(out, dim=1)
 
 
@@ -36,10 +36,13 @@ class HandMaskCache:
     def __init__(self, sinks: int, window: int) -> None:
         self.sinks, self.window = sinks, window
 
-    def update(self, layer, k, v, positions):
+    def plan(self, positions):
+        return AttentionPlan(self, positions)
+
+    def attend(self, layer, q, k, v, plan):
         rows = [[[key <= p and (key < self.sinks or key > p - self.window) for key in row] for p in row]
-                for row in positions.tolist()]
-        return k, v, torch.tensor(rows)[:, None]
+                for row in plan.positions.tolist()]
+        return attention(q, k, v, torch.tensor(rows)[:, None])
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -67,7 +70,7 @@ def test_a_small_window_matches_a_hand_built_mask_in_any_chunking(sinks, window)
     model = random_model(8, 2, seed=2)
     tokens = _tokens(48, seed=2)
     with torch.no_grad():
-        reference = model(tokens, cache=HandMaskCache(sinks, window))
+        reference = model(tokens, plan=HandMaskCache(sinks, window).plan(torch.arange(48)[None]))
         full = model(tokens)
     assert not torch.allclose(reference, full, atol=1e-2)  # the window does cut something here
     cache = SinkCache(model.config, sinks=sinks, window=window)
@@ -86,11 +89,11 @@ def test_memory_stays_bounded():
     cache = SinkCache(config, batch_size=batch, sinks=4, window=32)
     with torch.no_grad():
         for start, end in [(0, 50), (50, 51), (51, 130), (130, 300)]:
-            model(_tokens(end - start, seed=start, batch=batch), torch.arange(start, end).expand(batch, -1), cache)
+            model(_tokens(end - start, seed=start, batch=batch), plan=cache.plan(torch.arange(start, end).expand(batch, -1)))
             assert all(k.shape[2] <= cache.max_tokens for k in cache.k + cache.v)
     assert cache.max_tokens == 36
     assert [k.shape for k in cache.k + cache.v] == [(batch, 2, 36, 8)] * (2 * config.n_layers)
-    assert cache.positions.tolist() == [0, 1, 2, 3] + list(range(n - 32, n))
+    assert all(held.tolist() == [0, 1, 2, 3] + list(range(n - 32, n)) for held in cache.held)
     assert cache.nbytes == 2 * config.n_layers * batch * config.n_kv_heads * 36 * config.head_dim * 4
 
 
@@ -121,19 +124,22 @@ def test_int8_cache_stays_close_to_fp32_when_generating():
     assert same >= 0.9, f"int8 picks the fp32 greedy token at only {same:.0%} of the steps"
 
 
-def test_int8_cache_returns_the_incoming_dtype_and_a_padded_mask():
+def test_int8_cache_returns_the_queries_dtype_and_a_padded_mask():
     config = random_model(4, 2, seed=4).config
     cache = Int8KVCache(config, 2, max_len=8)
     k = torch.randn(2, 2, 3, config.head_dim, dtype=torch.bfloat16)
-    keys, values, mask = cache.update(0, k, k, torch.tensor([[0, 1, 2], [0, -1, -1]]))
-    assert keys.dtype == values.dtype == torch.bfloat16 and cache.k.dtype == torch.int8
+    q = torch.randn(2, 4, 3, config.head_dim, dtype=torch.bfloat16)
+    plan = cache.plan(torch.tensor([[0, 1, 2], [0, -1, -1]]))
+    assert cache.attend(0, q, k, k, plan).dtype == torch.bfloat16 and cache.k.dtype == torch.int8
+    keys, values = cache._read(0, 3, torch.bfloat16)
+    assert keys.dtype == values.dtype == torch.bfloat16
     torch.testing.assert_close(keys[0], k[0], rtol=2e-2, atol=2e-2)
+    assert plan.mask[1, 0].tolist() == [[True, False, False], [True, True, True], [True, True, True]]
     k = torch.randn(2, 2, 1, config.head_dim)
-    keys, _, _ = cache.update(0, k, k, torch.tensor([[3], [1]]))
+    cache.attend(0, torch.randn(2, 4, 1, config.head_dim), k, k, cache.plan(torch.tensor([[3], [1]])))
+    keys, _ = cache._read(0, 4, torch.float32)
     expected = dequantize_int8(*quantize_int8(k))
-    assert keys.dtype == torch.float32
     assert torch.equal(keys[0, :, 3], expected[0, :, 0]) and torch.equal(keys[1, :, 1], expected[1, :, 0])
-    assert mask[1, 0].tolist() == [[True, False, False], [True, True, True], [True, True, True]]
 
 
 def test_int8_cache_bytes_are_values_plus_scales():
@@ -158,15 +164,17 @@ def test_sink_cache_refuses_rows_at_different_positions():
     model = random_model(4, 2, seed=0)
     tokens = _tokens(3, batch=2)
     with pytest.raises(ValueError, match="row 1 differs from row 0"):
-        model(tokens, torch.tensor([[0, 1, 2], [1, 2, 3]]), SinkCache(model.config, batch_size=2))
+        SinkCache(model.config, batch_size=2).plan(torch.tensor([[0, 1, 2], [1, 2, 3]]))
     with pytest.raises(ValueError, match="takes no padding"):
-        model(tokens, torch.tensor([[0, 1, 2], [0, 1, -1]]), SinkCache(model.config, batch_size=2))
+        SinkCache(model.config, batch_size=2).plan(torch.tensor([[0, 1, 2], [0, 1, -1]]))
     with pytest.raises(ValueError, match="positions has 2 rows; this cache holds batch_size=1"):
-        model(tokens, None, SinkCache(model.config, batch_size=1))
+        SinkCache(model.config, batch_size=1).plan(torch.arange(3).expand(2, -1))
+    with pytest.raises(ValueError, match="position 128 is past the context limit max_seq_len=128"):
+        SinkCache(model.config, batch_size=1).plan(torch.tensor([[127, 128]]))
     cache = SinkCache(model.config)
-    model(tokens[:1], None, cache)
+    model(tokens[:1], plan=cache.plan(torch.arange(3)[None]))
     with pytest.raises(ValueError, match=r"position 1 is not after the last one held \(2\)"):
-        model(tokens[:1, :1], torch.tensor([[1]]), cache)
+        cache.plan(torch.tensor([[1]]))
 
 
 def test_perplexity_input_errors():

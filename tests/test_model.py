@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from labkit.model import ContiguousKVCache, ModelConfig, Transformer, attention
+from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, attention
 
 TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
 
@@ -30,16 +30,36 @@ def test_bad_configs_name_the_problem(change, message):
         ModelConfig(**{**TINY, "n_kv_heads": 2, **change})
 
 
+def _through(model, tokens, positions, cache):
+    """A forward pass through ``cache``: its plan for ``positions`` (None: 0..T-1), then the model."""
+    if positions is None:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, plan=cache.plan(positions))
+
+
 def test_positions_past_the_context_are_refused():
     model = _model()
-    with pytest.raises(ValueError, match="past the context limit max_seq_len=64"):
+    with pytest.raises(ValueError, match="positions 63..64 must be in 0..max_seq_len - 1 = 63"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[63, 64]]))
+    with pytest.raises(ValueError, match="65 tokens are past the context limit max_seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.zeros(5, dtype=torch.long))
-    with pytest.raises(ValueError, match="max_len=0 must be at least 1"):
-        ContiguousKVCache(model.config, 1, max_len=0)
-    with pytest.raises(ValueError, match="position -2 is negative"):
+    for max_len in (0, 65):
+        with pytest.raises(ValueError, match=f"max_len={max_len} must be in 1..max_seq_len=64"):
+            ContiguousKVCache(model.config, 1, max_len=max_len)
+    with pytest.raises(ValueError, match="positions -2..0"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[-2, 0]]))
+    cache = ContiguousKVCache(model.config, 1, max_len=8)
+    for positions, key in [([[-2, 0]], "position -2 does not fit"), ([[8]], "position 8 does not fit"),
+                           ([[-1, -1]], "every position is padding")]:
+        with pytest.raises(ValueError, match=key):
+            cache.plan(torch.tensor(positions))
+    plan = cache.plan(torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="a plan carries its positions"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0, 1]]), plan)
+    with pytest.raises(TypeError, match="not a ContiguousKVCache"):
+        model(torch.zeros(1, 2, dtype=torch.long), None, cache)
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
@@ -48,11 +68,10 @@ def test_cached_decoding_matches_recomputing_everything(n_kv_heads):
     tokens = torch.randint(0, 97, (2, 12))
     full = model(tokens)
     cache = ContiguousKVCache(model.config, batch_size=2, max_len=16)
-    steps = [model(tokens[:, :5], torch.arange(5).expand(2, -1), cache)]
+    steps = [_through(model, tokens[:, :5], None, cache)]
     for t in range(5, 12):
-        steps.append(model(tokens[:, t:t + 1], torch.full((2, 1), t), cache))
+        steps.append(_through(model, tokens[:, t:t + 1], torch.full((2, 1), t), cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
-    assert cache.lengths.tolist() == [12, 12]
 
 
 def test_one_sequence_decodes_unmasked_and_a_rewritten_position_sees_only_its_past():
@@ -60,14 +79,15 @@ def test_one_sequence_decodes_unmasked_and_a_rewritten_position_sees_only_its_pa
     tokens = torch.randint(0, 97, (1, 10))
     full = model(tokens)
     cache = ContiguousKVCache(model.config, batch_size=1, max_len=12)
-    steps = [model(tokens[:, :4], None, cache)]
-    for t in range(4, 10):  # a decode step at batch 1: its query sees every slot, and no mask is built
-        steps.append(model(tokens[:, t:t + 1], torch.tensor([[t]]), cache))
-        assert cache._step[-1] is None
+    steps = [_through(model, tokens[:, :4], None, cache)]
+    for t in range(4, 10):  # a decode step at batch 1: its query sees every slot it reads, and no mask is built
+        plan = cache.plan(torch.tensor([[t]]))
+        assert plan.mask is None and plan.length == t + 1
+        steps.append(model(tokens[:, t:t + 1], plan=plan))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
     # position 5 again, without rolling back: slots 6 to 9 still hold keys it must not see
     other = torch.tensor([[(int(tokens[0, 5]) + 1) % 97]])
-    again = model(other, torch.tensor([[5]]), cache)
+    again = _through(model, other, torch.tensor([[5]]), cache)
     torch.testing.assert_close(again[0, 0], model(torch.cat([tokens[:, :5], other], 1))[0, -1], rtol=1e-4, atol=1e-4)
 
 
@@ -77,13 +97,12 @@ def test_a_padded_batch_equals_each_sequence_alone():
     tokens = torch.cat([a, torch.cat([b, torch.zeros(1, 3, dtype=torch.long)], 1)])
     positions = torch.tensor([list(range(7)), [0, 1, 2, 3, -1, -1, -1]])
     cache = ContiguousKVCache(model.config, batch_size=2, max_len=10)
-    batched = model(tokens, positions, cache)
+    batched = _through(model, tokens, positions, cache)
     torch.testing.assert_close(batched[0], model(a)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(batched[1, :4], model(b)[0], rtol=1e-4, atol=1e-4)
-    assert cache.lengths.tolist() == [7, 4]
     # decode one more token for each, at their own next positions
     nxt = torch.randint(0, 97, (2, 1))
-    step = model(nxt, torch.tensor([[7], [4]]), cache)
+    step = _through(model, nxt, torch.tensor([[7], [4]]), cache)
     torch.testing.assert_close(step[1, 0], model(torch.cat([b, nxt[1:]], 1))[0, -1], rtol=1e-4, atol=1e-4)
 
 
@@ -102,39 +121,41 @@ def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group():
     torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_truncate_rolls_the_cache_back():
+def test_rolling_back_is_running_from_an_earlier_position():
     model = _model()
     tokens = torch.randint(0, 97, (1, 8))
     cache = ContiguousKVCache(model.config, batch_size=1, max_len=8)
-    model(tokens[:, :6], None, cache)
-    cache.truncate([4])
-    again = model(tokens[:, 4:8], torch.arange(4, 8)[None], cache)
+    _through(model, (tokens[:, :6] + 1) % 97, None, cache)  # positions 4 and 5 get other tokens first
+    _through(model, tokens[:, :4], None, cache)
+    again = _through(model, tokens[:, 4:8], torch.arange(4, 8)[None], cache)
     torch.testing.assert_close(again, model(tokens)[:, 4:], rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="does not fit a cache of max_len=8"):
-        model(tokens[:, :1], torch.tensor([[8]]), cache)
 
 
 class ListCache:
     """A second cache implementation, as plain as can be: per layer, a growing list of (k, v)
-    for one sequence. The model must work with it exactly as with the contiguous cache."""
+    for one sequence, and the plain plan of the protocol. The model must work with it exactly as
+    with the contiguous cache."""
 
     def __init__(self) -> None:
         self.layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def update(self, layer, k, v, positions):
+    def plan(self, positions):
+        return AttentionPlan(self, positions)
+
+    def attend(self, layer, q, k, v, plan):
         self.layers.setdefault(layer, []).append((k, v))
         keys = torch.cat([kk for kk, _ in self.layers[layer]], dim=2)
         values = torch.cat([vv for _, vv in self.layers[layer]], dim=2)
         seen = torch.arange(keys.shape[2])[None, None, None, :]
-        return keys, values, seen <= positions[:, None, :, None]
+        return attention(q, keys, values, seen <= plan.positions[:, None, :, None])
 
 
 def test_attention_works_through_any_cache_implementation():
     model = _model()
     tokens = torch.randint(0, 97, (1, 10))
     cache = ListCache()
-    out = [model(tokens[:, :6], None, cache)] + [model(tokens[:, t:t + 1], torch.tensor([[t]]), cache)
-                                                  for t in range(6, 10)]
+    out = [_through(model, tokens[:, :6], None, cache)] + [_through(model, tokens[:, t:t + 1], torch.tensor([[t]]), cache)
+                                                           for t in range(6, 10)]
     torch.testing.assert_close(torch.cat(out, 1), model(tokens), rtol=1e-4, atol=1e-4)
 
 
@@ -175,25 +196,22 @@ def test_one_sequence_with_padding_or_gaps_is_placed_by_its_positions():
     model = _model()
     tokens = torch.randint(0, 97, (1, 6))
     cache = ContiguousKVCache(model.config, batch_size=1, max_len=8)
-    padded = model(torch.cat([tokens[:, :3], torch.zeros(1, 2, dtype=torch.long)], 1),
-                   torch.tensor([[0, 1, 2, -1, -1]]), cache)
+    padded = _through(model, torch.cat([tokens[:, :3], torch.zeros(1, 2, dtype=torch.long)], 1),
+                      torch.tensor([[0, 1, 2, -1, -1]]), cache)
     torch.testing.assert_close(padded[:, :3], model(tokens[:, :3]), rtol=1e-4, atol=1e-4)
-    assert cache.lengths.tolist() == [3]
-    shuffled = model(tokens[:, [4, 3, 5]], torch.tensor([[4, 3, 5]]), cache)  # not in order: the general path
+    shuffled = _through(model, tokens[:, [4, 3, 5]], torch.tensor([[4, 3, 5]]), cache)  # not in order: the general path
     torch.testing.assert_close(shuffled, model(tokens)[:, [4, 3, 5]], rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="2 lengths given for a cache of 1 sequences"):
-        cache.truncate([1, 1])
     with pytest.raises(ValueError, match="a batch of 2 sequences for a cache of 1"):
-        model(tokens[:, :1].expand(2, 1), torch.tensor([[6], [6]]), cache)
-    assert cache.lengths.tolist() == [6]
+        cache.plan(torch.tensor([[6], [6]]))
 
 
 def test_logits_at_gives_those_positions_and_fills_the_cache_the_same():
     model = _model()
     tokens = torch.randint(0, 97, (2, 7))
     full, caches = model(tokens), [ContiguousKVCache(model.config, 2, 8) for _ in range(2)]
-    some = model(tokens, None, caches[0], logits_at=torch.tensor([6, 2]))
+    positions = torch.arange(7).expand(2, -1)
+    some = model(tokens, plan=caches[0].plan(positions), logits_at=torch.tensor([6, 2]))
     torch.testing.assert_close(some, full[:, [6, 2]])
     torch.testing.assert_close(model(tokens, logits_at=-1), full[:, -1:])
-    model(tokens, None, caches[1])
-    assert torch.equal(caches[0].k, caches[1].k) and caches[0].lengths.tolist() == [7, 7]
+    _through(model, tokens, positions, caches[1])
+    assert torch.equal(caches[0].k, caches[1].k)

@@ -15,15 +15,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, stream
-from labkit.memory import kv_cache_bytes, shape_of
+from labkit.memory import blocks_for, fragmentation, kv_cache_bytes, num_blocks_for_memory, shape_of
 from labkit.model import ContiguousKVCache
-from labkit.paged import (BlockAllocator, BlockPool, OutOfBlocks, PagedKVCache, blocks_for, check_invariants,
-                          fragmentation, gather_kv, generate_paged, length_groups, num_blocks_for_memory,
-                          lognormal_lengths, paged_attention, sequences_that_fit, slot_mapping)
+from labkit.paged import (BlockAllocator, BlockPool, OutOfBlocks, PagedKVCache, check_invariants, generate_paged,
+                          sequences_that_fit, step_logits)
+from labkit.paged_attention import gather_kv, length_groups, paged_attention, slot_mapping
+from labkit.workload import lognormal_lengths
 
 
-def _state(allocator: BlockAllocator) -> dict:
-    return copy.deepcopy({k: v for k, v in vars(allocator).items()})
+def _state(allocator: BlockAllocator) -> tuple:
+    """Everything the allocator, its pool and its prefix cache hold."""
+    pool, prefix = allocator.pool, allocator.prefix
+    return copy.deepcopy((vars(pool), allocator.lengths, allocator.names,
+                          (prefix.blocks, prefix.keys, list(prefix.idle)) if prefix else None))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -39,11 +43,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _write(self, seq: int, start: int) -> None:
-        """What a forward pass does: write the new tokens' slots, then mark them computed."""
+        """What a step does: the forward pass writes the new tokens' slots; then they are marked computed."""
         tokens = self.expected[seq]
         for position, slot in enumerate(self.allocator.slot_mapping(seq, range(start, len(tokens))), start):
             self.slots[slot] = tokens[position]
-        self.allocator.mark_computed(seq, len(tokens))
+        self.allocator.mark_computed(seq, tokens)
 
     def _atomic(self, operation) -> bool:
         before = _state(self.allocator)
@@ -73,7 +77,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.expected)))
         start = len(self.expected[seq])
         copies: list = []
-        if self._atomic(lambda: copies.extend(self.allocator.append(seq, tokens))):
+        if self._atomic(lambda: copies.extend(self.allocator.append(seq, len(tokens)))):
             for old, new in copies:
                 size = self.allocator.block_size
                 self.slots[new * size:(new + 1) * size] = self.slots[old * size:(old + 1) * size]
@@ -106,7 +110,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_holds(self):
         self.allocator.check()
-        assert {s: self.allocator.tokens[s] for s in self.expected} == self.expected
+        assert self.allocator.lengths == {s: len(tokens) for s, tokens in self.expected.items()}
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self):
@@ -117,7 +121,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for seq in list(self.expected):
             self.allocator.free(seq)
         self.allocator.check()
-        assert self.allocator.num_free == self.allocator.num_blocks and not any(self.allocator.ref_count)
+        assert self.allocator.num_free == self.allocator.num_blocks
+        assert set(self.allocator.block_states()) <= {"free", "cached"}
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
@@ -156,7 +161,7 @@ def test_check_invariants_names_what_is_wrong():
 def _add(allocator: BlockAllocator, seq, prompt) -> int:
     """Start a sequence and mark its prompt computed, as a forward pass through the cache would."""
     cached = allocator.add_sequence(seq, prompt)
-    allocator.mark_computed(seq, len(prompt))
+    allocator.mark_computed(seq, prompt)
     return cached
 
 
@@ -210,21 +215,22 @@ def test_a_rolled_back_block_is_no_longer_offered():
     allocator = BlockAllocator(num_blocks=8, block_size=2)
     _add(allocator, "a", [1, 2, 3, 4, 5])
     allocator.truncate("a", 3)  # [3 4] becomes [3 .], to be overwritten
-    allocator.append("a", [9])
-    allocator.mark_computed("a", 4)
+    allocator.append("a", 1)
+    allocator.mark_computed("a", [1, 2, 3, 9])
     assert _add(allocator, "b", [1, 2, 3, 4, 0]) == 2
     assert _add(allocator, "c", [1, 2, 3, 9, 0]) == 4
     allocator.check()
 
 
 def test_a_hash_collision_is_caught_by_the_tokens_and_the_parent_block(monkeypatch):
+    import labkit.prefix_cache
     allocator = BlockAllocator(num_blocks=8, block_size=2)
-    real = BlockAllocator._block_key
+    real = labkit.prefix_cache.block_key
 
     def colliding(parent, tokens):  # every first block hashes alike
         key = real(parent, tokens)
-        return (7, *key[1:]) if parent is None else key
-    monkeypatch.setattr(BlockAllocator, "_block_key", staticmethod(colliding))
+        return key._replace(hash=7) if parent is None else key
+    monkeypatch.setattr(labkit.prefix_cache, "block_key", colliding)
     assert _add(allocator, "x", [1, 2, 0]) == 0
     assert _add(allocator, "y", [3, 4, 5, 6, 0]) == 0  # same first hash, other tokens: not reused
     assert _add(allocator, "z", [1, 2, 5, 6, 0]) == 2  # x's [1 2], but not y's [5 6]: it followed [3 4]
@@ -239,17 +245,17 @@ def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="prompt is empty"):
         allocator.add_sequence("b", [])
     with pytest.raises(KeyError, match="no sequence 'zz'"):
-        allocator.append("zz", [1])
+        allocator.append("zz", 1)
     with pytest.raises(IndexError, match="position 1 of sequence 'a' has no slot"):
         allocator.slot_mapping("a", [1])
     with pytest.raises(ValueError, match="block_size=0"):
         BlockAllocator(4, 0)
-    with pytest.raises(ValueError, match="n_tokens=2: sequence 'a' has slots for 1"):
-        allocator.mark_computed("a", 2)
+    with pytest.raises(ValueError, match="2 tokens computed, but sequence 'a' has slots for 1"):
+        allocator.mark_computed("a", [1, 2])
     before = allocator.block_states()
+    with pytest.raises(ValueError, match="n_tokens=1.5"):
+        allocator.append("a", 1.5)
     for tokens in (torch.tensor([2, 3]), [2, 1.5]):  # a tensor's tokens would never match a cached prefix
-        with pytest.raises(ValueError, match="token ids must be"):
-            allocator.append("a", tokens)
         with pytest.raises(ValueError, match="token ids must be"):
             allocator.add_sequence("c", tokens)
     assert allocator.block_states() == before and allocator.length("a") == 1 and "c" not in allocator.tables
@@ -350,59 +356,47 @@ def test_forked_sequences_write_their_own_copies():
     cache = PagedKVCache(model.config, BlockAllocator(16, 4))
     prompt = [3, 1, 4, 1, 5, 9]  # a partly filled second block, shared after the fork
     cache.allocator.add_sequence("a", prompt)
-    cache.seq_ids = ["a"]
+    step_logits(model, cache, [("a", 0, 6)], prompt)
+    cache.allocator.fork("a", "b")
+    cache.append("a", 1)
+    cache.append("b", 1)
+    assert cache.allocator.tables["a"][1] != cache.allocator.tables["b"][1]
+    logits = step_logits(model, cache, [("a", 6, 1), ("b", 6, 1)], [2, 6])
     with torch.no_grad():
-        model(torch.tensor([prompt]), None, cache)
-        cache.allocator.fork("a", "b")
-        cache.append("a", [2])
-        cache.append("b", [6])
-        assert cache.allocator.tables["a"][1] != cache.allocator.tables["b"][1]
-        cache.seq_ids = ["a", "b"]
-        logits = model(torch.tensor([[2], [6]]), torch.tensor([[6], [6]]), cache)[:, -1]
         alone = [model(torch.tensor([prompt + [t]]))[0, -1] for t in (2, 6)]
     torch.testing.assert_close(logits, torch.stack(alone), rtol=1e-4, atol=1e-5)
 
 
-def test_a_padded_batch_prefills_like_each_prompt_alone():
+def test_prompts_in_one_row_prefill_like_each_alone():
     model = random_model(8, 2, seed=7)
     cache = PagedKVCache(model.config, BlockAllocator(16, 4))
     prompts = [[4, 8, 15, 16, 23, 42], [1, 2, 3]]
     for seq, prompt in enumerate(prompts):
         cache.allocator.add_sequence(seq, prompt)
-    cache.seq_ids = [0, 1]
-    tokens = torch.tensor([prompts[0], prompts[1] + [0, 0, 0]])
-    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])
+    plan = cache.plan([(0, 0, 6), (1, 0, 3)])
+    assert plan.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2]] and plan.last.tolist() == [5, 8]
     with torch.no_grad():
-        logits = model(tokens, positions, cache)
-        for row, prompt in enumerate(prompts):
-            torch.testing.assert_close(logits[row, :len(prompt)], model(torch.tensor([prompt]))[0], rtol=1e-4, atol=1e-5)
+        logits = model(torch.tensor([prompts[0] + prompts[1]]), plan=plan)[0]
+        torch.testing.assert_close(logits[:6], model(torch.tensor([prompts[0]]))[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(logits[6:], model(torch.tensor([prompts[1]]))[0], rtol=1e-4, atol=1e-5)
 
 
 def test_the_cache_refuses_positions_without_slots():
     model = random_model(4, 2, seed=6)
     cache = PagedKVCache(model.config, BlockAllocator(8, 4))
     cache.allocator.add_sequence(0, [1, 2])
-    cache.seq_ids = [0]
-    with pytest.raises(ValueError, match="position 2 of sequence 0 has no slot"):
-        model(torch.tensor([[1, 2, 3]]), None, cache)
-    cache.seq_ids = [0, 1]
-    with pytest.raises(ValueError, match="2 sequences"):
-        model(torch.tensor([[1, 2]]), None, cache)
-    cache.seq_ids = [0]
-    model(torch.tensor([[1, 2]]), None, cache)
-    with pytest.raises(ValueError, match="position 0 of sequence 0 is in the cache already"):
-        model(torch.tensor([[1, 2]]), None, cache)
-    with pytest.raises(TypeError, match="add_sequence"):
-        cache.allocator.allocate(1, 1)
-    with pytest.raises(ValueError, match="every position is padding"):
-        model(torch.tensor([[1]]), torch.tensor([[-1]]), cache)
+    with pytest.raises(ValueError, match="sequence 0: positions 0..2 need slots 0..2, and it has 2"):
+        cache.plan([(0, 0, 3)])
+    with pytest.raises(ValueError, match="positions -1..0"):
+        cache.plan([(0, -1, 2)])
+    assert step_logits(model, cache, [(0, 0, 2)], [1, 2]).shape == (1, model.config.vocab_size)
 
 
 def test_the_shipped_model_generates_the_same_through_both_caches():
     from labkit.load import load
     model, tokenizer = load("draft", device="cpu")
     prompts = [tokenizer.encode(text).ids for text in ["def add(a, b):\n", "import os\n\nclass Config:\n"]]
-    cache = PagedKVCache(model.config, BlockAllocator(32, 16), dtype=next(model.parameters()).dtype)
+    cache = PagedKVCache(model.config, BlockAllocator(32, 16), dtype=model.dtype)
     out, _ = generate_paged(model, cache, prompts, 16)
     assert out == [_contiguous(model, p, 16) for p in prompts]
 
@@ -414,7 +408,9 @@ def test_blocks_for_a_memory_budget_use_the_memory_labs_formula():
     assert num_blocks_for_memory(shape, budget, 16, "fp16") == 1000 // 16
     cache = PagedKVCache(model.config, BlockAllocator(1000 // 16, 16), dtype=torch.float16)
     assert cache.nbytes == kv_cache_bytes(shape, 1000 // 16 * 16, 1, "fp16")
-    assert ContiguousKVCache(model.config, 1, 992, dtype=torch.float16).nbytes == cache.nbytes
+    from dataclasses import replace
+    longer = replace(model.config, max_seq_len=992)  # a contiguous cache holds at most the model's context
+    assert ContiguousKVCache(longer, 1, 992, dtype=torch.float16).nbytes == cache.nbytes
 
 
 def test_fragmentation_counts_slots():

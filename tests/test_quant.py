@@ -164,9 +164,9 @@ def test_a_quantized_model_works_with_the_contiguous_cache_the_paged_cache_and_t
     params = SamplingParams(max_new_tokens=6, stop_at_eos=False)
     expected = [list(stream(quantized, p, params, use_cache=False)) for p in prompts]
     assert [list(stream(quantized, p, params)) for p in prompts] == expected
-    cache = ContiguousKVCache(quantized.config, 1, 16)
-    quantized(torch.tensor([prompts[0]]), cache=cache)
-    assert cache.lengths.tolist() == [4]
+    cache, tokens = ContiguousKVCache(quantized.config, 1, 16), torch.tensor([prompts[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(tokens, plan=cache.plan(torch.arange(4)[None])), quantized(tokens))
     engine = Engine(quantized, num_blocks=16, block_size=4)
     served = engine.run([Request(str(i), p, params) for i, p in enumerate(prompts)])
     assert [r.output for r in sorted(served, key=lambda r: r.request_id)] == expected

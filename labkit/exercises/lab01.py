@@ -105,7 +105,8 @@ EXERCISES = [
         id="ex01.3", title="The cached generation loop", points=2, function="cached_generate",
         cases=_generate_cases, timeout_s=120,
         hint="Make a ContiguousKVCache(model.config, 1, len(prompt) + new_tokens, device=device). Prefill: run the whole "
-             "prompt at positions 0..P-1 and take the argmax of the last logits. Then feed only the newest "
-             "token at its position, new_tokens - 1 times; the last token is never fed back.",
+             "prompt at positions 0..P-1, model(tokens, plan=cache.plan(positions)), and take the argmax of the "
+             "last logits. Then feed only the newest token at its position, new_tokens - 1 times; the last "
+             "token is never fed back.",
     ),
 ]

@@ -22,7 +22,7 @@ def _running(allocator: BlockAllocator, *requests: Request) -> list[Request]:
     """Requests already admitted and computed up to their last token (decoding)."""
     for request in requests:
         allocator.add_sequence(request.request_id, request.tokens)
-        allocator.mark_computed(request.request_id, len(request.tokens) - 1)
+        allocator.mark_computed(request.request_id, request.tokens[:-1])
         request.num_computed, request.status = len(request.tokens) - 1, "running"
     return list(requests)
 

@@ -24,7 +24,8 @@ import math
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, check_heads_and_dtype, interpreted, tl, triton, unit_last_stride
+from labkit.kernels.runtime import check_device, interpreted, tl, triton, unit_last_stride
+from labkit.validate import check_heads_and_dtype
 
 LOG2E = 1.4426950408889634
 

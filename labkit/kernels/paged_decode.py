@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_device, check_paged_decode, interpreted, tl, triton, unit_last_stride
+from labkit.kernels.runtime import check_device, interpreted, tl, triton, unit_last_stride
+from labkit.validate import check_paged_decode
 from labkit.kernels.flash import log2_scale, padded, row_bytes
 
 

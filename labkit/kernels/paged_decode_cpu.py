@@ -38,7 +38,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from labkit.kernels import check_paged_decode, unit_last_stride
+from labkit.kernels.runtime import unit_last_stride
+from labkit.validate import check_paged_decode
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 FLAGS = ["-O3", "-ffast-math", "-fopenmp"]

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from labkit.bench import compare, measure
-from labkit.kernels import flash_attention, interpreted, paged_decode
+from labkit.kernels import flash_attention, paged_decode
+from labkit.kernels.runtime import interpreted
 from labkit.kernels.tiled import naive_attention
-from labkit.paged import paged_attention
+from labkit.paged_attention import paged_attention
 
 NEEDS_CUDA = "kernel timings need a CUDA GPU: on a CPU the kernels run in Triton's interpreter, for correctness only"
 

@@ -1,0 +1,82 @@
+"""Checks of what users hand labkit, made where it enters (a request, a prompt, a setting, the
+operands of an attention function or kernel), with errors that name the problem. Inside, once
+checked, values are trusted: a forward pass does not check again what admission checked."""
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def is_int(value: object) -> bool:
+    """An int, or an integer scalar of numpy's; not a bool, though Python counts it as one."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_ints(**values: object) -> None:
+    """ValueError naming the first of ``values`` that is not an int."""
+    for name, value in values.items():
+        if not is_int(value):
+            raise ValueError(f"{name}={value!r} must be an int")
+
+
+def as_token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]:
+    """``tokens`` as a list of ints; a ValueError naming the problem where they are not token ids
+    (of a vocabulary of ``vocab_size``, if given)."""
+    if isinstance(tokens, Tensor):
+        raise ValueError("token ids must be a list of ints, not a tensor (tensor.tolist() makes one)")
+    ids = list(tokens)
+    for t in ids:
+        if not is_int(t) or t < 0:
+            raise ValueError(f"token ids must be non-negative ints: got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(f"token {t} is outside the vocabulary of {vocab_size}")
+    return ids
+
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_heads_and_dtype(heads: int, kv_heads: int, *tensors: Tensor,
+                          dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    """What the attention kernels need of their operands: whole groups of query heads per KV head,
+    and one dtype of ``dtypes`` for all of them."""
+    if heads % kv_heads:
+        raise ValueError(f"n_heads={heads} is not a multiple of n_kv_heads={kv_heads}")
+    found = [t.dtype for t in tensors]
+    if len(set(found)) != 1 or found[0] not in dtypes:
+        raise ValueError(f"the inputs must share one dtype of {dtypes}, got {', '.join(map(str, found))}")
+
+
+def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+                       lengths: Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES, ranges: bool = True) -> None:
+    """What a paged decode kernel (Triton's, or the CPU's in C++) needs: q ``[B, n_heads, d]``,
+    pools ``[num_blocks, block_size, n_kv_heads, d]``, integer ``block_tables`` ``[B, max_blocks]``
+    naming blocks of the pools, and each of the ``lengths`` ``[B]`` at least 1 and within its table.
+    ``ranges=False`` leaves the block ids and the lengths, which take reading the tensors, to a kernel
+    that checks them itself."""
+    if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"expected q [B, n_heads, d] and pools [num_blocks, block_size, n_kv_heads, d], got "
+                         f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    (batch, heads, dim), (num_blocks, block_size, kv_heads, pool_dim) = q.shape, k_pool.shape
+    if min(heads, dim, num_blocks, block_size, kv_heads) < 1:
+        raise ValueError(f"q {tuple(q.shape)} and the pools {tuple(k_pool.shape)} must have no empty dimension but B")
+    if pool_dim != dim:
+        raise ValueError(f"q has head dimension {dim} but the pools hold {pool_dim}")
+    check_heads_and_dtype(heads, kv_heads, q, k_pool, v_pool, dtypes=dtypes)
+    if batch < 1 or block_tables.dim() != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"expected at least one sequence, block_tables [B={batch}, max_blocks] and lengths "
+                         f"[{batch}], got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+    if any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in (block_tables, lengths)):
+        raise ValueError(f"block_tables and lengths must hold integers, got {block_tables.dtype} and {lengths.dtype}")
+    if not ranges:
+        return
+    found = [x.long() for pair in (torch.aminmax(lengths), torch.aminmax(block_tables)) for x in pair]
+    shortest, longest, first, last = torch.stack(found).tolist()  # one read: on a GPU each read waits for it
+    if shortest < 1 or longest > block_tables.shape[1] * block_size:
+        raise ValueError(f"every length must be in [1, {block_tables.shape[1] * block_size}] (the slots the tables "
+                         f"name), got {lengths.tolist()}")
+    if first < 0 or last >= num_blocks:
+        raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
