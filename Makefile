@@ -11,6 +11,13 @@ PYTEST_ARGS ?=
 # nbval: per-cell time limit in seconds (a CPU notebook runs in under 90 s in total)
 CELL_TIMEOUT ?= 300
 NBVAL := --nbval-lax --nbval-cell-timeout=$(CELL_TIMEOUT)
+# Tests and notebooks run in WORKERS processes (pytest-xdist), a whole test file or notebook to each
+# (loadfile: a notebook's cells share one kernel, in order), each process with THREADS torch threads,
+# so that the workers share the cores instead of fighting over them. WORKERS=1 runs them one by one.
+WORKERS ?= 2
+THREADS ?= 1
+PARALLEL := $(if $(filter-out 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+SHARE_CORES := $(if $(filter-out 1,$(WORKERS)),OMP_NUM_THREADS=$(THREADS))
 
 .PHONY: install lab test test-unit test-notebooks release grade clean
 
@@ -31,16 +38,19 @@ lab: $(STAMP)
 
 test: test-unit test-notebooks
 
+# the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, after
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests --durations=10 $(PYTEST_ARGS)
+	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
 # Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
 # the student copies must run top to bottom with every exercise still a stub. The student
 # copy of 02 is left to tests/test_browser.py, which runs all of it in JupyterLab and fails
 # on any error output (CI always runs it), so it is not run twice.
 test-notebooks: $(STAMP)
-	LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PYTEST_ARGS)
-	LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks --ignore=notebooks/02_kv_memory.ipynb $(PYTEST_ARGS)
+	$(SHARE_CORES) LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PARALLEL) $(PYTEST_ARGS)
+	$(SHARE_CORES) LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks --ignore=notebooks/02_kv_memory.ipynb \
+		$(PARALLEL) $(PYTEST_ARGS)
 
 release: $(STAMP)
 	$(BIN)/python -m labkit.release

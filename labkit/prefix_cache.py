@@ -5,7 +5,7 @@ A full block's name chains its parent's, h_i = hash(h_(i-1), tokens of block i),
 mean equal text from the start of the sequence. A hash can collide, so a hit must match the
 whole ``BlockKey``: the tokens, and the block that holds the text before them.
 
-The cache is one more owner of each block it caches: it holds a reference in the ``BlockPool``'s
+The cache is one more owner of each block it caches: it holds a reference in the block pool's
 counts, beside the sequences' tables. So a cached block outlives the sequences that computed it;
 one the cache alone holds is idle, kept until a prompt revives it or the pool needs the block,
 least recently used first. The contract:
@@ -21,12 +21,20 @@ least recently used first. The contract:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple, Sequence
-
-if TYPE_CHECKING:
-    from labkit.paged import BlockPool
+from typing import NamedTuple, Protocol, Sequence
 
 Name = tuple[int, int]  # a named block: (chained hash, the block that holds that text)
+
+
+class Owners(Protocol):
+    """What the prefix cache needs of a block pool (``labkit.paged.BlockPool``): each block's count
+    of owners, and taking or dropping one."""
+
+    ref_count: list[int]
+
+    def hold(self, block: int) -> None: ...
+
+    def release(self, block: int) -> None: ...
 
 
 class BlockKey(NamedTuple):
@@ -45,9 +53,9 @@ def block_key(parent: Name | None, tokens: Sequence[int]) -> BlockKey:
 
 
 class PrefixCache:
-    """Named full blocks of a ``BlockPool`` that later prompts may reuse; see the module docstring."""
+    """Named full blocks of a block pool that later prompts may reuse; see the module docstring."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: Owners, block_size: int) -> None:
         self.pool, self.block_size = pool, block_size
         self.blocks: dict[int, int] = {}  # chained hash -> the block caching that text
         self.keys: dict[int, BlockKey] = {}  # cached block -> its key

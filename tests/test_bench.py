@@ -65,7 +65,7 @@ def test_bad_counts_are_refused(bad):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
 def test_timing_on_a_gpu_that_is_not_there_says_so():
-    with pytest.raises(ValueError, match="cannot time on cuda: torch sees no CUDA GPU here"):
+    with pytest.raises(ValueError, match="cannot time on cuda.*no CUDA GPU"):
         measure(lambda: None, device="cuda")
 
 

@@ -286,7 +286,7 @@ def test_the_cpu_decode_kernel_changes_no_token_and_loses_no_request(workload):
 
 
 def test_a_decode_kernel_that_cannot_serve_the_cache_is_refused_when_the_engine_is_made():
-    with pytest.raises(ValueError, match=r"paged_decode_cpu cannot attend over this cache \(torch.float64"):
+    with pytest.raises(ValueError, match="paged_decode_cpu cannot attend.*float64"):
         Engine(MODEL, 8, 4, decode_kernel=paged_decode_cpu)  # the operator is fp32 only
 
 
@@ -647,11 +647,11 @@ def test_the_simulator_reuses_a_cached_prefix():  # its scheduler and allocator 
 def test_bad_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="request 'a' has an empty prompt"):
         Request("a", [])
-    with pytest.raises(ValueError, match="request 'a': token ids must be non-negative ints: got -1"):
+    with pytest.raises(ValueError, match="request 'a'.*got -1"):
         Request("a", [1, -1])
-    with pytest.raises(ValueError, match="request 'a': token ids must be non-negative ints: got 2.0"):
+    with pytest.raises(ValueError, match="request 'a'.*got 2.0"):
         Request("a", [1, 2.0])
-    with pytest.raises(ValueError, match="request 'a': token ids must be a list of ints, not a tensor"):
+    with pytest.raises(ValueError, match="request 'a'.*not a tensor"):
         Request("a", torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="arrival_time=-1"):
         Request("a", [1], arrival_time=-1)
@@ -660,13 +660,13 @@ def test_bad_requests_are_refused_by_name():
 
 
 @pytest.mark.parametrize("request_, engine_args, message", [
-    (Request("long", [1] * 120, params(10)), {}, r"'long': 120 prompt tokens \+ 10 new ones exceed max_seq_len=128"),
+    (Request("long", [1] * 120, params(10)), {}, "'long'.*max_seq_len=128"),
     (Request("oov", [1, VOCAB], params(1)), {}, "token 64 is outside the vocabulary of 64"),
     (Request("big", [1] * 9, params(1)), {"num_blocks": 2, "block_size": 4},
-     "'big' needs 3 blocks of 4 tokens but the pool has only 2: it could never finish"),
+     "'big' needs 3 blocks.*only 2"),
     (Request("chunk", [1] * 10, params(3)),
      {"config": SchedulerConfig(max_num_batched_tokens=11, chunked_prefill=False)},
-     "12 tokens may need recomputing in one step, more than max_num_batched_tokens=11"),
+     "12 tokens.*max_num_batched_tokens=11"),
 ])
 def test_the_engine_refuses_a_request_it_could_never_serve(request_, engine_args, message):
     fine = Request("fine", [1, 2], params(2))
@@ -680,7 +680,7 @@ def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
     engine = Engine(MODEL, 16, 4)
     served = engine.run([Request("x", [1, 2], params(2))])
     for again in (lambda: engine.run(served), lambda: run_static(MODEL, served, 2)):
-        with pytest.raises(ValueError, match=r"request 'x' has run before \(finished, 2 tokens out\): serve a new"):
+        with pytest.raises(ValueError, match="request 'x' has run before"):
             again()
     assert served[0].output == alone(served[0])  # and its output is as it was
     added = Request("y", [3], params(3))
@@ -688,16 +688,16 @@ def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
     assert 0 < added.arrival_time <= engine.now()  # it arrived when it was added: its TTFT counts from then
     with pytest.raises(ValueError, match="request 'later' arrives at 50.0 s"):
         engine.add(Request("later", [1], params(1), arrival_time=50.0))
-    with pytest.raises(ValueError, match="a request with id 'y' is already queued or running"):
+    with pytest.raises(ValueError, match="id 'y' is already queued"):
         engine.add(Request("y", [4], params(1)))
     with pytest.raises(ValueError, match="token 64 is outside the vocabulary"):
         engine.add(Request("oov", [VOCAB], params(1)))
     while engine.scheduler.has_work:
         engine.step()
-    with pytest.raises(RuntimeError, match="nothing to run: no request is waiting or running"):
+    with pytest.raises(RuntimeError, match="nothing to run: no request"):
         engine.step()
     engine.add(Request("y", [4], params(1)))  # its id is free again
-    with pytest.raises(RuntimeError, match="the engine still serves 1 requests .added with add"):
+    with pytest.raises(RuntimeError, match="still serves 1 requests"):
         engine.run([Request("z", [5], params(1))])  # its clock would restart under y
 
 
@@ -753,7 +753,7 @@ def test_other_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match=r"lognormal\(10, -1, 1, 5\)"):
         lognormal(10, -1, 1, 5)
     for n, vocab, rate in [(0, 10, None), (3, 10, 0.0), (3, 10, -2.0), (3, 0, None)]:
-        with pytest.raises(ValueError, match=f"n={n} and vocab_size={vocab} must be >= 1, and rate={rate}"):
+        with pytest.raises(ValueError, match=f"n={n} and vocab_size={vocab} .*rate={rate}"):
             make_workload(n, uniform(1, 2), uniform(1, 2), rate=rate, vocab_size=vocab)
     for bad, call in [("low=1.5", lambda: uniform(1.5, 3)), ("n=2.0", lambda: make_workload(2.0, uniform(1, 2),
                                                                                           uniform(1, 2))),
@@ -765,7 +765,7 @@ def test_other_bad_arguments_are_refused_by_name():
             SchedulerConfig(**{field: value})
     with pytest.raises(ValueError, match="chunked_prefill=1 must be True or False"):
         SchedulerConfig(chunked_prefill=1)
-    with pytest.raises(ValueError, match=r"request 'a': params must be a SamplingParams, got 5 \(for a length"):
+    with pytest.raises(ValueError, match="request 'a': params .*got 5"):
         Request("a", [1], 5)
     twice = Request("t", [1], params(1))
     for system in (lambda r: run_static(MODEL, r, 2), lambda r: Engine(MODEL, 8, 4).run(r)):
@@ -774,7 +774,7 @@ def test_other_bad_arguments_are_refused_by_name():
         assert twice.status == WAITING and not twice.output
     with pytest.raises(ValueError, match="batch_size=0 must be at least 1"):
         run_static(MODEL, [Request("x", [1], params(1))], 0)
-    with pytest.raises(ValueError, match=r"'y': 100 prompt tokens \+ 30 new ones exceed max_seq_len=128"):
+    with pytest.raises(ValueError, match="'y'.*max_seq_len=128"):
         run_static(MODEL, [Request("y", [1] * 100, params(30))], 1)
     unfinished = Request("u", [1], params(1))
     with pytest.raises(ValueError, match="requests have all finished"):
@@ -937,7 +937,7 @@ def test_bad_runs_are_refused_before_the_forward_pass():
     from dataclasses import replace
     shallow = PagedKVCache(replace(MODEL.config, n_layers=1), BlockAllocator(16, 4), torch.float64)
     shallow.allocator.add_sequence("a", [1, 2])
-    with pytest.raises(ValueError, match=r"the model runs layer 1, but this cache has layers 0..0"):
+    with pytest.raises(ValueError, match="layer 1, but this cache has layers 0..0"):
         step_logits(MODEL, shallow, [("a", 0, 2)], [1, 2])
 
 
@@ -968,12 +968,12 @@ def test_step_time_by_hand():
 def test_kv_blocks_fill_the_memory_the_weights_leave():
     cost = CostModel(TOY, TOY_GPU)  # 0.9 x 10 GB - 2 GB of weights = 7 GB of 128-byte tokens
     assert cost.kv_blocks(16) == math.floor(7e9 / (128 * 16))
-    with pytest.raises(ValueError, match="Llama-3.1-70B's weights do not fit 90% of 1 x L4 24GB: use more GPUs"):
+    with pytest.raises(ValueError, match="Llama-3.1-70B's weights do not fit .*L4"):
         CostModel(presets.model("Llama-3.1-70B"), presets.gpu("L4")).kv_blocks()
     assert CostModel(presets.model("Llama-3.1-70B"), presets.gpu("H100-SXM"), n_gpus=2).kv_blocks() > 0
     with pytest.raises(ValueError, match="n_gpus=0"):
         CostModel(TOY, TOY_GPU, n_gpus=0)
-    with pytest.raises(ValueError, match=r"utilization=90 must be in \(0, 1\] \(a share of the memory"):
+    with pytest.raises(ValueError, match=r"utilization=90 must be in \(0, 1\]"):
         cost.kv_blocks(16, utilization=90)
 
 

@@ -214,15 +214,15 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
-    with pytest.raises(AssertionError, match=r"expected a list of 3 items, got 3 \(of type int\)"):
+    with pytest.raises(AssertionError, match=r"list of 3 items, got 3 \(of type int\)"):
         assert_matches(3, [1, 2, 3], 0, 0)
     with pytest.raises(AssertionError, match=r"expected 3 items, got 2: \(1, 2\)"):
         assert_matches((1, 2), [1, 2, 3], 0, 0)
     slots = torch.tensor([[0, 1, 2, 3]])
-    with pytest.raises(AssertionError, match=r"expected shape \[1, 4\] of int64, got shape \[1, 4\] of float32"):
+    with pytest.raises(AssertionError, match=r"of int64, got .* of float32"):
         assert_matches(slots.float(), slots, 0, 0)
-    with pytest.raises(AssertionError, match=r"at index \[0, 2\] expected 2, got 8 \(2 of 4 values differ\)\n"
-                                             r"    expected \[\[0, 1, 2, 3\]\]\n    got      \[\[0, 1, 8, 9\]\]"):
+    with pytest.raises(AssertionError, match=r"index \[0, 2\] expected 2, got 8 \(2 of 4 .*\n"
+                                             r".*\[\[0, 1, 2, 3\]\]\n.*\[\[0, 1, 8, 9\]\]"):
         assert_matches(torch.tensor([[0, 1, 8, 9]]), slots, 0, 0)
 
 

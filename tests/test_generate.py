@@ -77,7 +77,7 @@ def test_prompts_that_are_not_token_ids_of_the_model_are_refused(model):
     vocab = model.config.vocab_size
     for prompt, message in [([1, vocab], f"token {vocab} is outside the vocabulary of {vocab}"),
                             ([1, -2], "non-negative ints: got -2"), ([1, 2.5], "got 2.5"),
-                            (torch.tensor([1, 2]), r"not a tensor \(tensor.tolist\(\) makes one\)")]:
+                            (torch.tensor([1, 2]), "not a tensor")]:
         with pytest.raises(ValueError, match=message):
             next(stream(model, prompt, SamplingParams(max_new_tokens=2)))
 

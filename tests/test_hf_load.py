@@ -142,7 +142,7 @@ def test_weights_of_layers_the_config_lacks_are_refused(tmp_path):
                                             max_seq_len=16)), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_layers": 1}))
-    with pytest.raises(ValueError, match=r"weights its config has no place for, e.g. \['blocks.1."):
+    with pytest.raises(ValueError, match=r"no place for, e.g. \['blocks.1."):
         load_checkpoint(tmp_path, device=torch.device("cpu"))
 
 
@@ -164,8 +164,7 @@ def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
         torch.testing.assert_close(by_name(tokens), model(tokens))
     save_checkpoint(Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
                                             max_seq_len=16)), tmp_path / "other")
-    with pytest.raises(ValueError, match=f"a vocabulary of 40 tokens, but its tokenizer .the lab's: the folder has no "
-                                         f"tokenizer.json. has {vocab}"):
+    with pytest.raises(ValueError, match=f"vocabulary of 40 tokens.*tokenizer.*has {vocab}"):
         load(str(tmp_path / "other"), device="cpu")
     config = json.loads((tmp_path / "other/config.json").read_text())  # a Hugging Face config lacking model_type
     (tmp_path / "other/config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))

@@ -373,11 +373,11 @@ def test_cpu_paged_decode_refuses_bad_input():
     q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
     with pytest.raises(ValueError, match=r"one dtype of \(torch.float32,\)"):
         paged_decode_cpu(q.half(), k_pool.half(), v_pool.half(), tables, lengths)
-    with pytest.raises(ValueError, match=r"every length must be in \[1, 32\].*sequence 0 has length 0"):
+    with pytest.raises(ValueError, match=r"\[1, 32\].*sequence 0 has length 0"):
         paged_decode_cpu(q, k_pool, v_pool, tables, torch.tensor([0, 20]))
-    with pytest.raises(ValueError, match=r"every length must be in \[1, 32\].*sequence 1 has length 33"):
+    with pytest.raises(ValueError, match=r"\[1, 32\].*sequence 1 has length 33"):
         paged_decode_cpu(q, k_pool, v_pool, tables, torch.tensor([5, 33]))
-    with pytest.raises(ValueError, match="sequence 0 reads block 38, but the pools hold blocks 0..23"):
+    with pytest.raises(ValueError, match="sequence 0 reads block 38.*0..23"):
         paged_decode_cpu(q, k_pool, v_pool, tables + 24, lengths)
     with pytest.raises(ValueError, match="head dimension 48 but the pools hold 40"):
         paged_decode_cpu(q, k_pool[..., :40], v_pool[..., :40], tables, lengths)
@@ -385,11 +385,11 @@ def test_cpu_paged_decode_refuses_bad_input():
 
 def test_cpu_paged_decode_refuses_what_its_checks_would_miss():
     q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [5, 20], device="cpu")
-    with pytest.raises(ValueError, match="must hold integers, got torch.int64 and torch.bool"):
+    with pytest.raises(ValueError, match="integers, got torch.int64 and torch.bool"):
         paged_decode_cpu(q, k_pool, v_pool, tables, lengths > 0)
     with pytest.raises(ValueError, match="no empty dimension"):
         paged_decode_cpu(q[:, :0], k_pool[:, :, :0], v_pool[:, :, :0], tables, lengths)
-    with pytest.raises(ValueError, match=r"runs on the CPU, got tensors on \['cpu', 'meta'\]"):
+    with pytest.raises(ValueError, match=r"tensors on \['cpu', 'meta'\]"):
         paged_decode_cpu(q, k_pool, v_pool, tables, lengths.to("meta"))
 
 
@@ -410,7 +410,7 @@ def test_the_registered_operator_checks_the_ranges_it_reads_by_itself():
     op = torch.ops.labkit.paged_decode
     wrong = tables.clone()
     wrong[1, 1] = 40
-    with pytest.raises(ValueError, match="sequence 1 reads block 40, but the pools hold blocks 0..23"):
+    with pytest.raises(ValueError, match="sequence 1 reads block 40.*0..23"):
         op(q, k_pool, v_pool, wrong, lengths, 1.0)
     with pytest.raises(ValueError, match="sequence 0 has length 0"):
         op(q, k_pool, v_pool, tables, torch.tensor([0, 20]), 1.0)

@@ -151,7 +151,7 @@ def test_int8_cache_bytes_are_values_plus_scales():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(sinks=-1), r"sinks=-1 must be 0 \(a plain sliding window\) or more"),
+    (dict(sinks=-1), "sinks=-1"),
     (dict(window=0), "window=0 must be at least 1"),
     (dict(batch_size=0), "batch_size=0 must be at least 1"),
 ])
@@ -167,9 +167,9 @@ def test_sink_cache_refuses_rows_at_different_positions():
         SinkCache(model.config, batch_size=2).plan(torch.tensor([[0, 1, 2], [1, 2, 3]]))
     with pytest.raises(ValueError, match="takes no padding"):
         SinkCache(model.config, batch_size=2).plan(torch.tensor([[0, 1, 2], [0, 1, -1]]))
-    with pytest.raises(ValueError, match="positions has 2 rows; this cache holds batch_size=1"):
+    with pytest.raises(ValueError, match="2 rows.*batch_size=1"):
         SinkCache(model.config, batch_size=1).plan(torch.arange(3).expand(2, -1))
-    with pytest.raises(ValueError, match="position 128 is past the context limit max_seq_len=128"):
+    with pytest.raises(ValueError, match="position 128 .*max_seq_len=128"):
         SinkCache(model.config, batch_size=1).plan(torch.tensor([[127, 128]]))
     cache = SinkCache(model.config)
     model(tokens[:1], plan=cache.plan(torch.arange(3)[None]))
@@ -181,7 +181,7 @@ def test_perplexity_input_errors():
     model = random_model(4, 2, seed=0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         cached_perplexity(model, [5], ContiguousKVCache(model.config, 1))
-    with pytest.raises(ValueError, match="129 tokens do not fit the context limit max_seq_len=128"):
+    with pytest.raises(ValueError, match="129 tokens .*max_seq_len=128"):
         cached_perplexity(model, [5] * 129, ContiguousKVCache(model.config, 1))
     with pytest.raises(ValueError, match=r"one sequence \(1-D\)"):
         cached_perplexity(model, _tokens(5, batch=2), ContiguousKVCache(model.config, 2))

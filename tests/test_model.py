@@ -39,9 +39,9 @@ def _through(model, tokens, positions, cache):
 
 def test_positions_past_the_context_are_refused():
     model = _model()
-    with pytest.raises(ValueError, match="positions 63..64 must be in 0..max_seq_len - 1 = 63"):
+    with pytest.raises(ValueError, match="positions 63..64 .*max_seq_len"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[63, 64]]))
-    with pytest.raises(ValueError, match="65 tokens are past the context limit max_seq_len=64"):
+    with pytest.raises(ValueError, match="65 tokens .*max_seq_len=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.zeros(5, dtype=torch.long))

@@ -250,7 +250,7 @@ def test_bad_requests_are_refused_by_name():
         allocator.slot_mapping("a", [1])
     with pytest.raises(ValueError, match="block_size=0"):
         BlockAllocator(4, 0)
-    with pytest.raises(ValueError, match="2 tokens computed, but sequence 'a' has slots for 1"):
+    with pytest.raises(ValueError, match="2 tokens computed.*'a' has slots for 1"):
         allocator.mark_computed("a", [1, 2])
     before = allocator.block_states()
     with pytest.raises(ValueError, match="n_tokens=1.5"):
@@ -299,8 +299,8 @@ def test_paged_attention_matches_attention_over_contiguous_keys():
     for b in range(2):
         expected = F.scaled_dot_product_attention(q[b, :, None], keys[b], values[b], enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[b], expected)
-    for bad_tables, bad_lengths, message in [(tables[:1], torch.tensor(lengths), r"block_tables \[B=2"),
-                                             (tables, torch.tensor(lengths[:1]), r"lengths \[2\]"),
+    for bad_tables, bad_lengths, message in [(tables[:1], torch.tensor(lengths), r"got \(1, 3\) and \(2,\)"),
+                                             (tables, torch.tensor(lengths[:1]), r"got \(2, 3\) and \(1,\)"),
                                              (tables, torch.tensor([5, 13]), r"every length must be in \[1, 12\]")]:
         with pytest.raises(ValueError, match=message):  # not broadcast, nor read past the table
             paged_attention(q, k_pool, v_pool, bad_tables, bad_lengths)
@@ -385,7 +385,7 @@ def test_the_cache_refuses_positions_without_slots():
     model = random_model(4, 2, seed=6)
     cache = PagedKVCache(model.config, BlockAllocator(8, 4))
     cache.allocator.add_sequence(0, [1, 2])
-    with pytest.raises(ValueError, match="sequence 0: positions 0..2 need slots 0..2, and it has 2"):
+    with pytest.raises(ValueError, match="sequence 0: positions 0..2 .*has 2"):
         cache.plan([(0, 0, 3)])
     with pytest.raises(ValueError, match="positions -1..0"):
         cache.plan([(0, -1, 2)])
@@ -418,7 +418,7 @@ def test_fragmentation_counts_slots():
     assert (stats["used"], stats["paged_held"], stats["contiguous_reserved"]) == (34, 64, 96)
     assert stats["paged_waste"] == pytest.approx(30 / 64) and stats["contiguous_waste"] == pytest.approx(62 / 96)
     assert sequences_that_fit([1, 16, 17, 5], memory_slots=48, block_size=16) == 2
-    with pytest.raises(ValueError, match="memory_slots=8 is less than one block of block_size=16"):
+    with pytest.raises(ValueError, match="memory_slots=8 .*block_size=16"):
         sequences_that_fit([1], memory_slots=8, block_size=16)
     with pytest.raises(ValueError, match=r"lognormal\(64, 1, 9, 5\): need"):
         lognormal_lengths(3, 64, 1, 9, 5, seed=0)

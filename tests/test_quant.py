@@ -69,7 +69,7 @@ def test_the_error_is_at_most_half_a_step_and_zero_stays_zero(bits, size, symmet
 
 
 def test_group_sizes_that_do_not_tile_a_row_are_refused():
-    with pytest.raises(ValueError, match="in_features=96 is not a multiple of group_size=64.*32"):
+    with pytest.raises(ValueError, match="in_features=96 .*group_size=64.*32"):
         quantize(torch.randn(4, 96), Scheme(4, 64))
     with pytest.raises(ValueError, match="bits=9"):
         Scheme(9)

@@ -118,9 +118,9 @@ def test_bad_arguments_are_named(shipped):
         PromptLookupDrafter(10, max_ngram=1, min_ngram=2)
     with pytest.raises(ValueError, match="vocabulary of 97 tokens"):
         list(speculative_stream(target, ModelDrafter(random_model(4, 2, 0)), [1], SamplingParams()))
-    with pytest.raises(ValueError, match=r"stats count rounds of k=2 drafts, but this run drafts k=4"):
+    with pytest.raises(ValueError, match="rounds of k=2 drafts.*k=4"):
         list(speculative_stream(target, ModelDrafter(draft), [1], SamplingParams(), k=4, stats=SpeculationStats(2)))
-    with pytest.raises(ValueError, match=r"a=70 is an acceptance rate: it must be in \[0, 1\] \(not a percentage\)"):
+    with pytest.raises(ValueError, match=r"a=70 .*\[0, 1\]"):
         speculation_gain(70, 4, 0.1)
     with pytest.raises(ValueError, match="c=-0.1 must be >= 0 and v=1.0 > 0"):
         speculation_gain(0.7, 4, -0.1)

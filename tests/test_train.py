@@ -127,7 +127,7 @@ def test_distill_fits_the_teachers_distribution_at_the_continuation_positions_on
 def test_distillation_refuses_bad_settings_and_a_missing_or_mismatched_teacher():
     with pytest.raises(ValueError, match="counts of at least 1"):
         Distillation("target", new_tokens=0)
-    with pytest.raises(ValueError, match="train it first with python -m labkit.train --preset nothing_here"):
+    with pytest.raises(ValueError, match="labkit.train --preset nothing_here"):
         check_teacher(Distillation("nothing_here"), PRESETS["draft"].config)
     with pytest.raises(ValueError, match="vocabulary of 4096, the student 97"):
         check_teacher(Distillation("target"), random_model(4, 2, seed=0).config)
