@@ -26,7 +26,8 @@ A step is three calls, each with one job:
     tokens = runner.execute(batch)                      # the forward pass and sampling, nothing else
     scheduler.postprocess(batch, tokens, now, eos_id)   # what was computed, new tokens, who finished
 
-so a step interrupted before its last call has changed no request: it simply runs again.
+so a step interrupted before its last call has recorded nothing as computed and handed out no
+token: it simply runs again (a seeded draw, from ``token_generator``, comes out the same).
 ``labkit.metrics`` measures a run, ``labkit.static_batching`` is the baseline it is compared
 with, and ``labkit.simulate`` runs the same scheduler on a cost model's clock.
 """
@@ -237,6 +238,7 @@ class Scheduler:
         """Record a step once it has run: each scheduled request has its tokens computed (their full
         blocks named for the prefix cache); those sampled get their new token at ``now``, and finish
         at EOS or at their length. Returns the requests that finished."""
+        assert len(tokens) == len(batch.sampled), f"{len(tokens)} tokens for {len(batch.sampled)} sampled requests"
         for request, n in batch.scheduled:
             request.num_computed += n
             self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
@@ -441,11 +443,11 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-        slots = [(r.request_id, n, _kind(r, n)) for r, n in batch.scheduled]
+        entries = [(r.request_id, n, _kind(r, n)) for r, n in batch.scheduled]
         tokens = self.runner.execute(batch)
         end = self.now()
         finished = self.scheduler.postprocess(batch, tokens, end, self.eos_id)
-        self.log.append(StepRecord(start, end, slots, [r.request_id for r in batch.preempted]))
+        self.log.append(StepRecord(start, end, entries, [r.request_id for r in batch.preempted]))
         return finished
 
 

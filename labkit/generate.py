@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer
+from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
 from labkit.validate import as_token_ids, check_ints
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
@@ -128,17 +128,6 @@ def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingP
         raise ValueError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones exceed the "
                          f"context limit max_seq_len={model.config.max_seq_len}")
     return total
-
-
-def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: int, cache: RowCache | None) -> Tensor:
-    """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1,
-    ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,
-    attending among themselves. The one forward call of every loop over a single sequence:
-    prefill, decode, drafting, verification, perplexity."""
-    ids = torch.as_tensor(tokens, device=model.device)[None]
-    positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]
-    with torch.inference_mode():  # only around the model: a caller's code between steps runs as usual
-        return (model(ids, positions) if cache is None else model(ids, plan=cache.plan(positions)))[0]
 
 
 def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,

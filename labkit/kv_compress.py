@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.generate import forward_tokens
-from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention
+from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention, forward_tokens
 
 INT8_MAX = 127
 

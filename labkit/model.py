@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,8 @@ class ContiguousKVCache:
         the positions to the host. One sequence at consecutive positions (prefill, decode) is
         written as one slice, with no index tensors, and its one new token (a decode step) sees
         every slot it reads: no mask at all."""
+        if not isinstance(positions, Tensor) or positions.dim() != 2:
+            raise TypeError(f"plan takes the step's positions as a [batch, T] tensor, got {positions!r:.80}")
         table = positions.tolist()
         if len(table) != self.k.shape[1]:
             raise ValueError(f"a batch of {len(table)} sequences for a cache of {self.k.shape[1]}")
@@ -369,18 +371,16 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def _positions(self, tokens: Tensor, positions: Tensor | None, plan: AttentionPlan | None) -> Tensor:
-        """The tokens' positions, checked where a caller hands them in: a plan's were checked by its
-        cache; others are read once on the host, as a call without a cache is no hot path."""
+        """The tokens' positions, checked where a caller hands them in: a plan's were checked by the
+        cache that made it; others are read once on the host, as a call without a cache is no hot path."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
-        if plan is not None and not isinstance(plan, AttentionPlan):
-            raise TypeError(f"plan must be the plan a cache made for these tokens, e.g. cache.plan(positions), "
-                            f"not a {type(plan).__name__}")
-        if plan is not None and positions is not None:
-            raise ValueError("a plan carries its positions: model(tokens, plan=cache.plan(positions))")
         if plan is not None:
-            positions = plan.positions
+            positions = self._plan_positions(positions, plan)
         elif positions is None:
+            if tokens.shape[1] > self.config.max_seq_len:
+                raise ValueError(f"{tokens.shape[1]} tokens are past the context limit "
+                                 f"max_seq_len={self.config.max_seq_len}")
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         elif tokens.numel():
             lowest, highest = torch.stack(positions.aminmax()).tolist()  # one copy to the host
@@ -389,9 +389,16 @@ class Transformer(nn.Module):
                                  f"{self.config.max_seq_len - 1} (-1 marks padding)")
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"{tokens.shape[1]} tokens are past the context limit max_seq_len={self.config.max_seq_len}")
         return positions
+
+    @staticmethod
+    def _plan_positions(positions: Tensor | None, plan: AttentionPlan) -> Tensor:
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be the plan a cache made for these tokens, e.g. cache.plan(positions), "
+                            f"not a {type(plan).__name__}")
+        if positions is not None:
+            raise ValueError("a plan carries its positions: model(tokens, plan=cache.plan(positions))")
+        return plan.positions
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin ``[B, 1, T, head_dim]`` for ``positions`` ``[B, T]`` (padding, -1, indexes
@@ -403,3 +410,14 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: int, cache: RowCache | None) -> Tensor:
+    """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1,
+    ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,
+    attending among themselves. The one forward call of every loop over a single sequence:
+    prefill, decode, drafting, verification, perplexity."""
+    ids = torch.as_tensor(tokens, device=model.device)[None]
+    positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]
+    with torch.inference_mode():  # only around the model: a caller's code between steps runs as usual
+        return (model(ids, positions) if cache is None else model(ids, plan=cache.plan(positions)))[0]

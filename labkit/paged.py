@@ -39,7 +39,12 @@ from labkit.paged_attention import DecodeKernel, attend_blocks, length_groups, s
 from labkit.prefix_cache import Name, PrefixCache
 from labkit.validate import as_token_ids, check_ints
 
-Run = tuple[Hashable, int, int]  # a step's work for one sequence: (sequence id, first position, new tokens)
+class Run(NamedTuple):
+    """A step's work for one sequence: its tokens at positions start .. start + count - 1."""
+
+    seq_id: Hashable
+    start: int
+    count: int
 
 
 class OutOfBlocks(RuntimeError):
@@ -192,7 +197,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now: the free ones, and the cached ones nobody else holds."""
-        return self.pool.num_free + (len(self.prefix.idle) if self.prefix else 0)
+        return self.pool.num_free + (self.prefix.num_idle if self.prefix else 0)
 
     def table(self, seq_id: Hashable) -> list[int]:
         return self.pool.table(seq_id)
@@ -246,17 +251,19 @@ class BlockAllocator:
         return copies
 
     def mark_computed(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """``tokens``, the first tokens of ``seq_id``, now have their keys and values in the cache:
-        name the full blocks among them, so that, with prefix caching, later prompts may reuse them."""
+        """``tokens``, the first tokens of ``seq_id``, now have their keys and values in the cache
+        (the steps so far wrote them: not a token just sampled, which the next step writes): name
+        the full blocks among them, so that, with prefix caching, later prompts may reuse them."""
         if len(tokens) > self.length(seq_id):
             raise ValueError(f"{len(tokens)} tokens computed, but sequence {seq_id!r} has slots for "
                              f"{self.length(seq_id)}")
         if self.prefix is None:
             return
         names, table, size = self.names[seq_id], self.pool.tables[seq_id], self.block_size
-        for index in range(len(names), len(tokens) // size):
-            block_tokens = tokens[index * size:(index + 1) * size]
-            names.append(self.prefix.insert(names[-1] if names else None, block_tokens, table[index]))
+        first = len(names)  # the first full block not named yet
+        new = as_token_ids(tokens[first * size:len(tokens) // size * size])  # hashed: a tensor's would never match
+        for i in range(len(new) // size):
+            names.append(self.prefix.insert(names[-1] if names else None, new[i * size:(i + 1) * size], table[first + i]))
 
     def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
         """Keep only the first ``n_tokens`` tokens of ``seq_id`` (a rollback, as speculative decoding
@@ -268,9 +275,8 @@ class BlockAllocator:
         self.lengths[seq_id] = n_tokens
         if self.prefix is not None:
             del self.names[seq_id][n_tokens // self.block_size:]
-            tail = self.pool.tables[seq_id][-1]
-            if n_tokens % self.block_size and tail in self.prefix and self.pool.ref_count[tail] == 2:
-                self.prefix.forget(tail)  # only this sequence and the cache hold it
+            if n_tokens % self.block_size:  # the last kept block is written again from n_tokens on
+                self.prefix.before_rewrite(self.pool.tables[seq_id][-1])
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """As ``BlockPool.fork``; fork after the parent's forward pass, so the shared blocks hold
@@ -324,7 +330,7 @@ class BlockAllocator:
         return self.prefix.match(prompt)[:(len(prompt) - 1) // self.block_size]
 
     def _blocks_taken(self, prompt: Sequence[int], hits: list[Name]) -> int:
-        reviving = sum(block in self.prefix.idle for _, block in hits)
+        reviving = sum(self.prefix.is_idle(block) for _, block in hits)
         return blocks_for(len(prompt), self.block_size) - len(hits) + reviving
 
     def _ensure_free(self, n: int) -> None:
@@ -418,7 +424,7 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", decode_kernel: DecodeKernel | None = None) -> None:
-        self.allocator, self.decode_kernel = allocator, decode_kernel
+        self.allocator, self.decode_kernel, self.max_seq_len = allocator, decode_kernel, config.max_seq_len
         shape = (config.n_layers, allocator.num_blocks, allocator.block_size, config.n_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -475,14 +481,19 @@ class PagedKVCache:
         return PagedPlan(self, positions[None], slots, decodes, chunks, last)
 
     def _check(self, runs: Sequence[Run]) -> None:
-        """A clear error for a run that is empty or reaches past the slots its sequence reserved."""
-        if not runs:
-            raise ValueError("a step runs at least one sequence")
+        """A clear error for runs given as anything but (sequence id, start, count) triples, a run
+        that is empty, that reaches past the slots its sequence reserved or past the context."""
+        if isinstance(runs, Tensor) or not runs:
+            raise TypeError(f"plan takes the step's runs, [(sequence id, first position, new tokens), ...], "
+                            f"at least one, not {runs!r:.60}")
         for seq_id, start, n in runs:
             if n < 1 or start < 0 or start + n > self.allocator.length(seq_id):
                 raise ValueError(f"sequence {seq_id!r}: positions {start}..{start + n - 1} need slots 0..{start + n - 1}, "
                                  f"and it has {self.allocator.length(seq_id)} (reserve them with add_sequence or "
                                  "append first); a run has at least one token")
+            if start + n > self.max_seq_len:
+                raise ValueError(f"sequence {seq_id!r}: position {start + n - 1} is past the context limit "
+                                 f"max_seq_len={self.max_seq_len}")
 
     def _decode_groups(self, members: list[int], tokens: list[int], lengths: list[int],
                        tables: Tensor) -> list[DecodeGroup]:

@@ -16,7 +16,7 @@ least recently used first. The contract:
 - ``release(block)``: an owner let go of the block; if the cache alone holds it now, it is idle;
 - ``revive(block)``: a prompt takes a cached block: it is not idle any more;
 - ``evict()``: forget the least recently used idle block and give it back to the pool;
-- ``forget(block)``: forget a block about to be written again.
+- ``before_rewrite(block)``, ``forget(block)``: forget a block whose text is about to change.
 """
 from __future__ import annotations
 
@@ -64,6 +64,14 @@ class PrefixCache:
     def __contains__(self, block: int) -> bool:
         return block in self.keys
 
+    @property
+    def num_idle(self) -> int:
+        """Cached blocks the cache alone holds: free to evict."""
+        return len(self.idle)
+
+    def is_idle(self, block: int) -> bool:
+        return block in self.idle
+
     def match(self, tokens: Sequence[int]) -> list[Name]:
         """The name of each cached block that continues ``tokens`` from its start."""
         hits: list[Name] = []
@@ -99,6 +107,13 @@ class PrefixCache:
         """A prompt takes ``block`` again (call it before the prompt holds it)."""
         self.idle.pop(block, None)
 
+    def before_rewrite(self, block: int) -> None:
+        """One sequence is about to write into ``block`` again (after a rollback): if the block is
+        cached and that sequence is its only other owner, forget it, as its text will change. A
+        block others hold too stays cached: the writer gets a copy of its own first."""
+        if block in self.keys and self.pool.ref_count[block] == 2:
+            self.forget(block)
+
     def evict(self) -> None:
         """Forget the least recently used idle block; the pool gets it back, free."""
         block, _ = self.idle.popitem(last=False)
@@ -113,6 +128,8 @@ class PrefixCache:
     def check(self) -> None:
         """Assert the cache's own invariants: each cached block under its key's hash, and the idle
         ones held by the cache alone."""
+        if len(self.blocks) != len(self.keys):
+            raise AssertionError(f"{len(self.blocks)} hashes name {len(self.keys)} cached blocks")
         for h, block in self.blocks.items():
             if self.keys[block].hash != h:
                 raise AssertionError(f"block {block} is cached under a hash it does not carry")

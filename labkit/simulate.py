@@ -83,6 +83,9 @@ class SimulatedClock:
     def wait_until(self, t: float) -> None:
         self.t = max(self.t, t)
 
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
 
 class CostRunner:
     """Executes a scheduled batch on the cost model: the clock moves on by the step's predicted
@@ -93,7 +96,7 @@ class CostRunner:
         self.max_seq_len, self.vocab_size = cost.model.max_context, 2**31
 
     def execute(self, batch: ScheduledBatch) -> list[int]:
-        self.clock.t += self.cost.step_time([(n, r.num_computed) for r, n in batch.scheduled])
+        self.clock.advance(self.cost.step_time([(n, r.num_computed) for r, n in batch.scheduled]))
         return [0] * len(batch.sampled)
 
 

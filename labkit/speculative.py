@@ -41,8 +41,8 @@ from torch import Tensor
 
 from labkit.corpus import functions
 from labkit.device import synchronize
-from labkit.generate import SamplingParams, forward_tokens, sampling_probs, seeded_generator, sequence_length
-from labkit.model import ContiguousKVCache, Transformer
+from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
+from labkit.model import ContiguousKVCache, Transformer, forward_tokens
 
 
 def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:

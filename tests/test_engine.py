@@ -921,9 +921,11 @@ def test_bad_runs_are_refused_before_the_forward_pass():
     cache.allocator.add_sequence("a", [1, 2, 3])
     cache.allocator.add_sequence("b", [4, 5])
     for runs, key in [([("a", 0, 3), ("b", 0, 3)], "'b': positions 0..2"),  # past b's slots
-                      ([("a", 0, 3), ("b", 0, 0)], "'b': positions 0..-1"),  # a run without tokens
-                      ([], "at least one sequence")]:
+                      ([("a", 0, 3), ("b", 0, 0)], "'b': positions 0..-1")]:  # a run without tokens
         with pytest.raises(ValueError, match=key):
+            cache.plan(runs)
+    for runs in ([], torch.tensor([[0, 1, 2]])):  # no run; positions, as a contiguous cache's plan takes
+        with pytest.raises(TypeError, match="plan takes the step's runs"):
             cache.plan(runs)
     with pytest.raises(KeyError, match="no sequence 'c'"):
         cache.plan([("c", 0, 1)])
@@ -939,6 +941,19 @@ def test_bad_runs_are_refused_before_the_forward_pass():
     shallow.allocator.add_sequence("a", [1, 2])
     with pytest.raises(ValueError, match="layer 1, but this cache has layers 0..0"):
         step_logits(MODEL, shallow, [("a", 0, 2)], [1, 2])
+
+
+def test_a_step_may_run_more_tokens_than_the_context_but_no_position_past_it():
+    """The context limit is per sequence: a step's row of many requests' tokens may be longer."""
+    requests = [Request(i, [(5 * i + j) % VOCAB for j in range(100)], params(4)) for i in range(3)]
+    engine = Engine(MODEL, 128, 4, SchedulerConfig(max_num_batched_tokens=512))
+    run_engine(engine, requests)
+    assert max(sum(n for _, n, _ in record.batch) for record in engine.log) == 300 > MODEL.config.max_seq_len
+    assert [r.output for r in requests] == [alone(r) for r in requests]
+    cache = PagedKVCache(MODEL.config, BlockAllocator(40, 4), torch.float64)
+    cache.allocator.add_sequence("long", [1] * 129)  # slots past the context: the plan refuses them
+    with pytest.raises(ValueError, match="'long': position 128 is past the context limit max_seq_len=128"):
+        cache.plan([("long", 0, 129)])
 
 
 # ---------------------------------------------------------------- the simulator

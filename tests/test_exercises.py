@@ -271,6 +271,24 @@ def test_lab01_plausible_mistakes_fail():
     result = run_cases(get("ex01.3"), naive)
     assert result.status == FAILED and "cached generation runs" in result.message
 
+    from labkit.model import ContiguousKVCache
+
+    def through(call):  # the solution's loop, with the forward call written another way
+        def cached_generate(model, prompt, new_tokens):
+            cache, generated = ContiguousKVCache(model.config, 1, len(prompt) + new_tokens), []
+            tokens, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+            with torch.no_grad():
+                for step in range(new_tokens):
+                    generated.append(int(call(model, tokens, positions, cache)[0, -1].argmax()))
+                    tokens, positions = torch.tensor([[generated[-1]]]), torch.tensor([[len(prompt) + step]])
+            return generated
+        return cached_generate
+    assert run_cases(get("ex01.3"), through(lambda m, t, p, c: m(t, plan=c.plan(p)))).status == PASSED
+    for call, says in [(lambda m, t, p, c: m(t, p, c), "cache.plan(positions), not a ContiguousKVCache"),
+                       (lambda m, t, p, c: m(t, p, c.plan(p)), "a plan carries its positions")]:
+        result = run_cases(get("ex01.3"), through(call))
+        assert result.status == FAILED and says in result.message, result.message
+
 
 def test_lab02_plausible_mistakes_fail():
     import math

@@ -55,6 +55,8 @@ def test_positions_past_the_context_are_refused():
                            ([[-1, -1]], "every position is padding")]:
         with pytest.raises(ValueError, match=key):
             cache.plan(torch.tensor(positions))
+    with pytest.raises(TypeError, match="a .batch, T. tensor"):
+        cache.plan([[0, 1]])
     plan = cache.plan(torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="a plan carries its positions"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[0, 1]]), plan)
