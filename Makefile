@@ -19,7 +19,7 @@ THREADS ?= 1
 PARALLEL := $(if $(filter-out 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 SHARE_CORES := $(if $(filter-out 1,$(WORKERS)),OMP_NUM_THREADS=$(THREADS))
 
-.PHONY: install lab test test-unit test-notebooks release grade clean
+.PHONY: install lab test test-unit test-notebooks test-browser release grade clean
 
 install: $(STAMP)
 
@@ -36,11 +36,13 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
-test: test-unit test-notebooks
+test: test-unit test-notebooks test-browser
 
-# the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, after
 test-unit: $(STAMP)
 	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
+
+# the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, last
+test-browser: $(STAMP)
 	$(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
 # Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;

@@ -11,7 +11,7 @@ Each is timed on its own, call after call (``labkit.bench.measure``), two ways:
 - every layer: one call per layer of the model, each with its own pools, as in an engine step,
   so that each layer's keys and values have left the nearest caches by the time they are read
   again.
-The gather path is ``labkit.paged.paged_attention`` (each sequence's blocks copied out, padded to
+The gather path is ``labkit.paged_attention.paged_attention`` (each sequence's blocks copied out, padded to
 the longest, then SDPA); the kernel is ``labkit.kernels.paged_decode_cpu``, checked against it
 first. The kernel's build folder names the vector instructions it was compiled for.
 """

@@ -66,8 +66,15 @@ class CountingModel(nn.Module):
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model, self.config = model, model.config
-        self.device, self.dtype = model.device, model.dtype
         self.calls: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:
         self.calls.append(tokens.shape[1])
@@ -137,12 +144,13 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
     into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
     total = sequence_length(model, prompt, params)
     counters = counters if counters is not None else Counters()
+    device = model.device
     if use_cache and cache is None:
-        cache = ContiguousKVCache(model.config, 1, total, model.dtype, model.device)
+        cache = ContiguousKVCache(model.config, 1, total, model.dtype, device)
     fed, start = list(prompt), 0  # what the next forward call runs, from which position
     for index in range(params.max_new_tokens):
         logits = forward_tokens(model, fed, start, cache if use_cache else None)
-        token = int(next_token(logits[-1:], params, token_generator(params, index, model.device)))
+        token = int(next_token(logits[-1:], params, token_generator(params, index, device)))
         counters.tokens_processed += len(fed)
         counters.forward_calls += 1
         yield token

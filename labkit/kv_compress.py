@@ -95,6 +95,8 @@ class SinkCache:
         return SinkPlan(self, positions, mask[None, None].expand(self.batch_size, 1, -1, -1), keep, keys[keep])
 
     def _check(self, positions: Tensor) -> None:
+        if not isinstance(positions, Tensor) or positions.dim() != 2:
+            raise TypeError(f"plan takes the step's positions as a [batch, T] tensor, got {positions!r:.80}")
         if positions.shape[0] != self.batch_size:
             raise ValueError(f"positions has {positions.shape[0]} rows; this cache holds batch_size={self.batch_size}")
         if (positions < 0).any():

@@ -417,7 +417,8 @@ def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: in
     ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,
     attending among themselves. The one forward call of every loop over a single sequence:
     prefill, decode, drafting, verification, perplexity."""
-    ids = torch.as_tensor(tokens, device=model.device)[None]
-    positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]
+    device = model.device
+    ids = torch.as_tensor(tokens, device=device)[None]
+    positions = torch.arange(start, start + ids.shape[1], device=device)[None]
     with torch.inference_mode():  # only around the model: a caller's code between steps runs as usual
         return (model(ids, positions) if cache is None else model(ids, plan=cache.plan(positions)))[0]

@@ -254,14 +254,15 @@ class BlockAllocator:
         """``tokens``, the first tokens of ``seq_id``, now have their keys and values in the cache
         (the steps so far wrote them: not a token just sampled, which the next step writes): name
         the full blocks among them, so that, with prefix caching, later prompts may reuse them."""
-        if len(tokens) > self.length(seq_id):
-            raise ValueError(f"{len(tokens)} tokens computed, but sequence {seq_id!r} has slots for "
-                             f"{self.length(seq_id)}")
+        if isinstance(tokens, Tensor) or len(tokens) > self.length(seq_id):
+            raise ValueError(f"{len(tokens)} tokens computed for sequence {seq_id!r}, which has slots for "
+                             f"{self.length(seq_id)}; token ids as a list, not a tensor (its blocks' names "
+                             "would never match a prompt's)")
         if self.prefix is None:
             return
         names, table, size = self.names[seq_id], self.pool.tables[seq_id], self.block_size
         first = len(names)  # the first full block not named yet
-        new = as_token_ids(tokens[first * size:len(tokens) // size * size])  # hashed: a tensor's would never match
+        new = as_token_ids(tokens[first * size:len(tokens) // size * size])  # checked where they are hashed
         for i in range(len(new) // size):
             names.append(self.prefix.insert(names[-1] if names else None, new[i * size:(i + 1) * size], table[first + i]))
 
@@ -483,9 +484,11 @@ class PagedKVCache:
     def _check(self, runs: Sequence[Run]) -> None:
         """A clear error for runs given as anything but (sequence id, start, count) triples, a run
         that is empty, that reaches past the slots its sequence reserved or past the context."""
-        if isinstance(runs, Tensor) or not runs:
+        if isinstance(runs, Tensor):
             raise TypeError(f"plan takes the step's runs, [(sequence id, first position, new tokens), ...], "
-                            f"at least one, not {runs!r:.60}")
+                            f"not positions: {runs!r:.60}")
+        if not runs:
+            raise ValueError("a step runs at least one sequence: give plan one run or more")
         for seq_id, start, n in runs:
             if n < 1 or start < 0 or start + n > self.allocator.length(seq_id):
                 raise ValueError(f"sequence {seq_id!r}: positions {start}..{start + n - 1} need slots 0..{start + n - 1}, "

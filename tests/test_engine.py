@@ -924,9 +924,10 @@ def test_bad_runs_are_refused_before_the_forward_pass():
                       ([("a", 0, 3), ("b", 0, 0)], "'b': positions 0..-1")]:  # a run without tokens
         with pytest.raises(ValueError, match=key):
             cache.plan(runs)
-    for runs in ([], torch.tensor([[0, 1, 2]])):  # no run; positions, as a contiguous cache's plan takes
-        with pytest.raises(TypeError, match="plan takes the step's runs"):
-            cache.plan(runs)
+    with pytest.raises(TypeError, match="not positions"):  # as a contiguous cache's plan takes
+        cache.plan(torch.tensor([[0, 1, 2]]))
+    with pytest.raises(ValueError, match="at least one sequence"):
+        cache.plan([])
     with pytest.raises(KeyError, match="no sequence 'c'"):
         cache.plan([("c", 0, 1)])
     plan = cache.plan([("a", 0, 3), ("b", 0, 2)])

@@ -171,6 +171,8 @@ def test_sink_cache_refuses_rows_at_different_positions():
         SinkCache(model.config, batch_size=1).plan(torch.arange(3).expand(2, -1))
     with pytest.raises(ValueError, match="position 128 .*max_seq_len=128"):
         SinkCache(model.config, batch_size=1).plan(torch.tensor([[127, 128]]))
+    with pytest.raises(TypeError, match=r"a \[batch, T\] tensor"):
+        SinkCache(model.config).plan([[0, 1]])
     cache = SinkCache(model.config)
     model(tokens[:1], plan=cache.plan(torch.arange(3)[None]))
     with pytest.raises(ValueError, match=r"position 1 is not after the last one held \(2\)"):

@@ -250,15 +250,16 @@ def test_bad_requests_are_refused_by_name():
         allocator.slot_mapping("a", [1])
     with pytest.raises(ValueError, match="block_size=0"):
         BlockAllocator(4, 0)
-    with pytest.raises(ValueError, match="2 tokens computed.*'a' has slots for 1"):
+    with pytest.raises(ValueError, match="2 tokens computed for sequence 'a', which has slots for 1"):
         allocator.mark_computed("a", [1, 2])
     before = allocator.block_states()
     with pytest.raises(ValueError, match="n_tokens=1.5"):
         allocator.append("a", 1.5)
-    wide = BlockAllocator(num_blocks=4, block_size=1)
-    wide.add_sequence("w", [1, 2])
-    with pytest.raises(ValueError, match="not a tensor"):  # its names would never match a prompt's
-        wide.mark_computed("w", torch.tensor([1, 2]))
+    for caching in (True, False):
+        wide = BlockAllocator(num_blocks=4, block_size=1, prefix_caching=caching)
+        wide.add_sequence("w", [1, 2])
+        with pytest.raises(ValueError, match="not a tensor"):  # its names would never match a prompt's
+            wide.mark_computed("w", torch.tensor([1, 2]))
     for tokens in (torch.tensor([2, 3]), [2, 1.5]):  # a tensor's tokens would never match a cached prefix
         with pytest.raises(ValueError, match="token ids must be"):
             allocator.add_sequence("c", tokens)
