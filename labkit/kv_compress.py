@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention, forward_tokens
+from labkit.validate import check_positions
 
 INT8_MAX = 127
 
@@ -95,8 +96,7 @@ class SinkCache:
         return SinkPlan(self, positions, mask[None, None].expand(self.batch_size, 1, -1, -1), keep, keys[keep])
 
     def _check(self, positions: Tensor) -> None:
-        if not isinstance(positions, Tensor) or positions.dim() != 2:
-            raise TypeError(f"plan takes the step's positions as a [batch, T] tensor, got {positions!r:.80}")
+        check_positions(positions)
         if positions.shape[0] != self.batch_size:
             raise ValueError(f"positions has {positions.shape[0]} rows; this cache holds batch_size={self.batch_size}")
         if (positions < 0).any():

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from labkit.validate import check_positions
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -177,8 +179,7 @@ class ContiguousKVCache:
         the positions to the host. One sequence at consecutive positions (prefill, decode) is
         written as one slice, with no index tensors, and its one new token (a decode step) sees
         every slot it reads: no mask at all."""
-        if not isinstance(positions, Tensor) or positions.dim() != 2:
-            raise TypeError(f"plan takes the step's positions as a [batch, T] tensor, got {positions!r:.80}")
+        check_positions(positions)
         table = positions.tolist()
         if len(table) != self.k.shape[1]:
             raise ValueError(f"a batch of {len(table)} sequences for a cache of {self.k.shape[1]}")

@@ -51,6 +51,12 @@ class OutOfBlocks(RuntimeError):
     """Too few free blocks for the request; raised before anything changed."""
 
 
+def ensure_free(n: int, free: int, total: int) -> None:
+    """OutOfBlocks, before anything changes, unless ``n`` of the ``free`` blocks (of ``total``) are asked for."""
+    if n > free:
+        raise OutOfBlocks(f"need {n} free blocks but only {free} of {total} are free")
+
+
 def check_invariants(free_blocks: Iterable[int], ref_count: Sequence[int],
                      tables: Mapping[Hashable, Sequence[int]]) -> None:
     """Raise AssertionError naming the first broken rule: every block is free or owned, never
@@ -91,8 +97,7 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         """``n`` blocks off the free list (their counts are the caller's to set), or OutOfBlocks
         with nothing taken."""
-        if n > self.num_free:
-            raise OutOfBlocks(f"need {n} free blocks but only {self.num_free} of {self.num_blocks} are free")
+        ensure_free(n, self.num_free, self.num_blocks)
         return [self.free_blocks.pop() for _ in range(n)]
 
     def hold(self, block: int) -> None:
@@ -217,7 +222,7 @@ class BlockAllocator:
         if not prompt:
             raise ValueError("the prompt is empty: a sequence starts with at least one token")
         hits = self._reusable_prefix(prompt)
-        self._ensure_free(self._blocks_taken(prompt, hits))
+        ensure_free(self._blocks_taken(prompt, hits), self.num_free, self.num_blocks)
         for _, block in hits:
             self.prefix.revive(block)
         self.pool.share(seq_id, [block for _, block in hits])
@@ -254,10 +259,11 @@ class BlockAllocator:
         """``tokens``, the first tokens of ``seq_id``, now have their keys and values in the cache
         (the steps so far wrote them: not a token just sampled, which the next step writes): name
         the full blocks among them, so that, with prefix caching, later prompts may reuse them."""
-        if isinstance(tokens, Tensor) or len(tokens) > self.length(seq_id):
+        if isinstance(tokens, Tensor):  # its blocks' names would never match a prompt's
+            raise ValueError(f"sequence {seq_id!r}: the computed tokens must be a list of ints, not a tensor")
+        if len(tokens) > self.length(seq_id):
             raise ValueError(f"{len(tokens)} tokens computed for sequence {seq_id!r}, which has slots for "
-                             f"{self.length(seq_id)}; token ids as a list, not a tensor (its blocks' names "
-                             "would never match a prompt's)")
+                             f"{self.length(seq_id)}")
         if self.prefix is None:
             return
         names, table, size = self.names[seq_id], self.pool.tables[seq_id], self.block_size
@@ -334,15 +340,10 @@ class BlockAllocator:
         reviving = sum(self.prefix.is_idle(block) for _, block in hits)
         return blocks_for(len(prompt), self.block_size) - len(hits) + reviving
 
-    def _ensure_free(self, n: int) -> None:
-        """OutOfBlocks, before anything changes, unless ``n`` blocks can be handed out."""
-        if n > self.num_free:
-            raise OutOfBlocks(f"need {n} free blocks but only {self.num_free} of {self.num_blocks} are free")
-
     def _make_room(self, n: int) -> None:
         """``n`` blocks on the pool's free list: uncached ones first, then cached ones that nobody
         else holds, evicted least recently used first (OutOfBlocks, nothing changed, if too few)."""
-        self._ensure_free(n)
+        ensure_free(n, self.num_free, self.num_blocks)
         while self.pool.num_free < n:
             self.prefix.evict()
 

@@ -22,6 +22,12 @@ def check_ints(**values: object) -> None:
             raise ValueError(f"{name}={value!r} must be an int")
 
 
+def check_positions(positions: Tensor) -> None:
+    """TypeError unless ``positions`` is a ``[batch, T]`` tensor, what a cache of rows plans a step from."""
+    if not isinstance(positions, Tensor) or positions.dim() != 2:
+        raise TypeError(f"plan takes the step's positions as a [batch, T] tensor, got {positions!r:.80}")
+
+
 def as_token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[int]:
     """``tokens`` as a list of ints; a ValueError naming the problem where they are not token ids
     (of a vocabulary of ``vocab_size``, if given)."""
