@@ -1,0 +1,78 @@
+"""Exercises of notebook 03: plausible mistakes fail, with a hint that helps."""
+from __future__ import annotations
+
+import torch
+
+from labkit.check import FAILED, run_cases
+from labkit.exercises import get
+
+from exercise_cells import cells, define
+
+
+def test_lab03_plausible_mistakes_fail(root):
+    from labkit.paged import BlockPool, OutOfBlocks
+    solution = define(cells("solutions", root)["ex03.2"], "SimplePool")  # each mistake is in one method only
+
+    def no_padding(block_tables, positions, block_size):  # -1 becomes a real slot
+        return block_tables.gather(1, positions.clamp(min=0) // block_size) * block_size + positions % block_size
+    assert run_cases(get("ex03.1"), no_padding).status == FAILED
+
+    class Leaky(solution):  # frees the table but never returns blocks to the free list
+        def free(self, seq_id):
+            for block in self.tables.pop(seq_id):
+                self.ref_count[block] -= 1
+    result = run_cases(get("ex03.2"), Leaky)
+    assert result.status == FAILED and "leaked" in result.message, result.message
+
+    class Greedy(solution):  # takes what it can, then raises: the pool is changed
+        def allocate(self, seq_id, n_blocks):
+            blocks = [self.free_blocks.pop() for _ in range(min(n_blocks, len(self.free_blocks)))]
+            for block in blocks:
+                self.ref_count[block] = 1
+            self.tables.setdefault(seq_id, []).extend(blocks)
+            if len(blocks) < n_blocks:
+                raise OutOfBlocks("too few")
+            return blocks
+    result = run_cases(get("ex03.2"), Greedy)
+    assert result.status == FAILED and "changed the pool first" in result.message, result.message
+
+    class IgnoresCounts(solution):  # every block back to the free list, whoever else holds it
+        def free(self, seq_id):
+            for block in self.tables.pop(seq_id):
+                self.ref_count[block] = 0
+                self.free_blocks.append(block)
+    result = run_cases(get("ex03.2"), IgnoresCounts)
+    assert result.status == FAILED and "two tables hold" in result.message, result.message
+
+    class SlicesFromTheEnd(solution):  # free_blocks[-0:] is all of them
+        def allocate(self, seq_id, n_blocks):
+            if n_blocks > len(self.free_blocks):
+                raise OutOfBlocks("too few")
+            blocks = self.free_blocks[-n_blocks:]
+            del self.free_blocks[-n_blocks:]
+            for block in blocks:
+                self.ref_count[block] = 1
+            self.tables.setdefault(seq_id, []).extend(blocks)
+            return blocks
+    result = run_cases(get("ex03.2"), SlicesFromTheEnd)
+    assert result.status == FAILED and "allocate 0 blocks" in result.message, result.message
+
+    class AlwaysCopies(BlockPool):  # copies even an exclusive block
+        def fork(self, parent, child):
+            BlockPool.fork(self, parent, child)
+
+        def copy_on_write(self, seq_id, index):
+            new, = self.take(1)
+            old, self.tables[seq_id][index], self.ref_count[new] = self.tables[seq_id][index], new, 1
+            self.release(old)
+            return old, new
+    result = run_cases(get("ex03.3"), AlwaysCopies)
+    assert result.status == FAILED and "labkit's own" not in result.message, result.message
+
+    def unmasked(q, k_pool, v_pool, block_tables, lengths):  # attends to the noise past each length
+        from labkit.paged_attention import gather_kv
+        longest = int(lengths.max())
+        keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
+    result = run_cases(get("ex03.4"), unmasked)
+    assert result.status == FAILED and 0 < result.passed < result.total

@@ -1,0 +1,92 @@
+"""Exercises of notebook 04: plausible mistakes fail, with a hint that helps."""
+from __future__ import annotations
+
+from labkit.check import FAILED, PASSED, run_cases
+from labkit.exercises import get
+
+
+def test_lab04_plausible_mistakes_fail():
+    from labkit.engine import admit, preempt_newest
+    from labkit.memory import blocks_for
+    from labkit.metrics import request_metrics
+    from labkit.paged import OutOfBlocks
+
+    def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
+        return admit(waiting, running, allocator, 10**9, max_num_seqs)
+    assert run_cases(get("ex04.1"), unlimited).status == FAILED
+
+    def skips_ahead(waiting, running, allocator, budget, max_num_seqs):  # a later request jumps the queue
+        scheduled = []
+        for request in list(waiting):
+            if budget <= 0 or len(running) >= max_num_seqs:
+                break
+            try:
+                cached = allocator.add_sequence(request.request_id, request.tokens)
+            except OutOfBlocks:
+                continue
+            waiting.remove(request)
+            request.num_computed, request.status = cached, "running"
+            running.append(request)
+            scheduled.append((request, min(len(request.tokens) - cached, budget)))
+            budget -= scheduled[-1][1]
+        return scheduled
+    result = run_cases(get("ex04.1"), skips_ahead)
+    assert result.status == FAILED and 0 < result.passed < result.total
+
+    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False):
+        """admit, but reserving ``reserve(request)``, scheduling ``run(request) - cached`` tokens, trying a
+        request only if ``fits``, and (``counts_scheduled``) counting this call's admissions twice in the cap."""
+        def wrong(waiting, running, allocator, budget, max_num_seqs):
+            scheduled = []
+            while waiting and budget > 0 and len(running) + counts_scheduled * len(scheduled) < max_num_seqs:
+                request = waiting[0]
+                if not fits(allocator, request):
+                    break
+                try:
+                    cached = allocator.add_sequence(request.request_id, reserve(request))
+                except OutOfBlocks:
+                    break
+                n = min(len(run(request)) - cached, budget)
+                waiting.popleft()
+                request.num_computed, request.status = cached, "running"
+                running.append(request)
+                scheduled.append((request, n))
+                budget -= n
+            return scheduled
+        return wrong
+    tokens, prompt = (lambda r: r.tokens), (lambda r: r.prompt)
+    assert run_cases(get("ex04.1"), admit_with(tokens, tokens)).status == PASSED  # the helper itself is right
+    for label, wrong, case in [
+            ("prompt only", admit_with(prompt, prompt), "a preempted request"),
+            ("all reserved, prompt scheduled", admit_with(tokens, prompt), "a preempted request"),
+            ("counts blocks before the cache", admit_with(tokens, tokens, fits=lambda a, r: a.num_free >= blocks_for(
+                len(r.tokens), a.block_size)), "a cached prefix needs no new blocks"),
+            ("cap counts admissions twice", admit_with(tokens, tokens, counts_scheduled=True), "max_num_seqs")]:
+        result = run_cases(get("ex04.1"), wrong)
+        assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, label
+
+    def oldest(waiting, running, allocator):
+        return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
+    assert run_cases(get("ex04.2"), oldest).status == FAILED
+
+    def keeps_blocks(waiting, running, allocator):  # forgets to free: the blocks leak
+        victim = running.pop()
+        victim.num_computed, victim.status, victim.preemptions = 0, "waiting", victim.preemptions + 1
+        waiting.appendleft(victim)
+        return victim
+    assert run_cases(get("ex04.2"), keeps_blocks).status == FAILED
+
+    def forgets_output(waiting, running, allocator):  # the victim loses the tokens it generated
+        victim = preempt_newest(waiting, running, allocator)
+        victim.output = []
+        return victim
+    result = run_cases(get("ex04.2"), forgets_output)
+    assert result.status == FAILED and "preemptions, output) should be" in result.message, result.message
+
+    def tpot_over_all(arrival, token_times, finish=None):  # divides by n, not n - 1
+        metrics = request_metrics(arrival, token_times, finish)
+        if metrics["tpot"] is not None:
+            metrics["tpot"] = (metrics["e2e"] - metrics["ttft"]) / len(token_times)
+        return metrics
+    result = run_cases(get("ex04.3"), tpot_over_all)
+    assert result.status == FAILED and "'tpot': expected" in result.message, result.message  # names the key

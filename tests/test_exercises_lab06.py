@@ -1,0 +1,96 @@
+"""Exercises of notebook 06: plausible mistakes fail, with a hint that helps."""
+from __future__ import annotations
+
+import torch
+
+from labkit.check import FAILED, PASSED, run_cases
+from labkit.exercises import get
+
+
+def test_lab06_plausible_mistakes_fail():
+    from labkit.exercises.lab06 import reference_group
+    from labkit.quant import dequantize, pack_int4, unpack_int4
+
+    def fp32_scale(w, bits, symmetric):  # keeps the scale in fp32: not what an fp16 scale dequantizes to
+        codes, scale, zero, _ = reference_group(w, bits, symmetric)
+        exact = (w.abs().max() / (2 ** (bits - 1) - 1) if symmetric else
+                 (w.max().clamp(min=0) - w.min().clamp(max=0)) / (2 ** bits - 1)).item() or 1.0
+        return codes, exact, zero, (codes.float() - zero) * exact
+    assert run_cases(get("ex06.1"), fp32_scale).status == FAILED
+
+    def symmetric_over_8(w, bits, symmetric):  # divides the largest weight by 2^(bits-1), not 2^(bits-1) - 1
+        if not symmetric:
+            return reference_group(w, bits, symmetric)
+        scale = float((w.abs().max() / 2 ** (bits - 1)).half()) or 1.0
+        codes = (torch.round(w / scale) + 2 ** (bits - 1)).clamp(0, 2 ** bits - 1).to(torch.uint8)
+        return codes, scale, float(2 ** (bits - 1)), (codes.float() - 2 ** (bits - 1)) * scale
+    assert run_cases(get("ex06.1"), symmetric_over_8).status == FAILED
+
+    def grid(w, bits, symmetric, hi=lambda w: w.max().clamp(min=0), top=lambda w: w.abs().max(), exact_zero=False,
+             clamp=True):
+        """ex06.1 as the spec says, but for the part a keyword replaces (each call below makes one slip)."""
+        if symmetric:
+            exact = top(w) / (2 ** (bits - 1) - 1)
+        else:
+            lo = w.min().clamp(max=0)
+            exact = (hi(w) - lo) / (2 ** bits - 1)
+        scale = exact.half().float() if exact > 0 else torch.tensor(1.0)
+        zero = torch.tensor(2.0 ** (bits - 1)) if symmetric else torch.round(-lo / (exact if exact_zero and exact > 0
+                                                                                   else scale))
+        codes = torch.round(w / scale) + zero
+        codes = (codes.clamp(0, 2 ** bits - 1) if clamp else codes).to(torch.uint8)
+        return codes, scale.item(), zero.item(), (codes.float() - zero) * scale
+    assert run_cases(get("ex06.1"), grid).status == PASSED  # the helper itself is right
+    for slip, case in [(dict(hi=lambda w: w.max()), "all negative"),
+                       (dict(top=lambda w: w.max()), "the largest weight is negative"),
+                       (dict(clamp=False), "the top code is clamped"),
+                       (dict(exact_zero=True), "the zero point comes from the fp16 scale")]:
+        result = run_cases(get("ex06.1"), lambda w, bits, symmetric, slip=slip: grid(w, bits, symmetric, **slip))
+        assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, case
+
+    class Swapped:  # the odd code in the low nibble
+        pack = staticmethod(lambda codes: pack_int4(codes.flip(-1)).flip(-1) if codes.shape[-1] % 2 == 0
+                            else pack_int4(codes))
+        unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
+    assert run_cases(get("ex06.2"), Swapped).status == FAILED
+
+    class Unchecked:  # packs whatever it is given
+        pack = staticmethod(lambda codes: codes[..., 0::2] | (codes[..., 1::2] << 4))
+        unpack = staticmethod(unpack_int4)
+    assert run_cases(get("ex06.2"), Unchecked).status == FAILED
+
+    def checked(codes):
+        if codes.numel() % 2 or int(codes.max()) > 15:  # an odd count over the whole tensor, not each row
+            raise ValueError("does not fit")
+        return codes[..., 0::2] | (codes[..., 1::2] << 4)  # rows of 3 broadcast to rows of 2
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(checked),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p))}))
+    assert result.status == FAILED and "rows of 3 codes" in result.message, result.message
+
+    def shifts_in_place(codes):  # the odd codes shifted in the caller's tensor
+        pack_int4(codes)  # its checks
+        high = codes[..., 1::2]
+        high <<= 4
+        return codes[..., 0::2] | high
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(shifts_in_place),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p))}))
+    assert result.status == FAILED and "must leave its input as it was" in result.message, result.message
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(lambda c: pack_int4(c)),
+                                                               "unpack": staticmethod(lambda p: unpack_int4(p).flatten())}))
+    assert result.status == FAILED and "expected shape [5, 64] of uint8, got shape [320]" in result.message, result.message
+
+    def forgets_zeros(layer, x):  # treats every grid as symmetric around 0
+        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        return torch.nn.functional.linear(x, dequantize(codes, layer.scales, torch.zeros_like(layer.scales)))
+    assert run_cases(get("ex06.3"), forgets_zeros).status == FAILED
+
+    def always_fp32(layer, x):  # the output in fp32 whatever x is
+        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
+        return torch.nn.functional.linear(x.float(), dequantize(codes, layer.scales, zeros))
+    result = run_cases(get("ex06.3"), always_fp32)
+    assert result.status == FAILED and result.passed == result.total - 1 and "bfloat16" in result.message
+
+    def calls_the_layer(layer, x):  # the layer's own forward is sealed in the exercise
+        return layer(x)
+    assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED
