@@ -8,17 +8,29 @@ return before the work is done; on the CPU ``time.perf_counter`` is exact enough
 ``compare`` times two callables side by side, alternating A B A B, so that drift in the
 machine (turbo, thermal, other processes) hits both alike; quote the ratio of medians.
 ``alternate`` does the same for any number of callables.
+
+A busy machine (a browser, an editor, a video call) only ever makes a run slower, so a timing
+reports its minimum beside its median, and says in plain words when its spread is too large to
+trust (``Timing.warning``). ``choose_threads`` picks the CPU thread count by measuring the step a
+notebook is about to time; ``trust`` checks a result against what physics allows and says "rerun"
+instead of drawing a conclusion from an impossible figure. ``busy_cpus`` makes a machine busy on
+purpose, to see all of this happen.
+
 ``peak_memory`` measures the most tensor memory a callable holds at once.
 ``nonnegative_polyfit`` fits a cost model to timings without letting noise make a cost negative.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
+import subprocess
+import sys
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +38,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from labkit.device import device_name, get_device, synchronize
+
+
+# a spread (IQR) above this fraction of the median is too large to read the median as "the" time:
+# on a quiet machine a repeated step of these labs varies by a few percent
+NOISY_SPREAD = 0.25
 
 
 @dataclass(frozen=True)
@@ -41,20 +58,43 @@ class Timing:
         return statistics.median(self.times_s)
 
     @property
+    def quartiles_s(self) -> tuple[float, float]:
+        """The 25th and 75th percentiles of the repeats."""
+        if len(self.times_s) < 2:
+            return self.times_s[0], self.times_s[0]
+        q1, _, q3 = statistics.quantiles(self.times_s, n=4, method="inclusive")
+        return q1, q3
+
+    @property
     def spread_s(self) -> float:
         """Interquartile range (75th minus 25th percentile) of the repeats."""
-        if len(self.times_s) < 2:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(self.times_s, n=4, method="inclusive")
+        q1, q3 = self.quartiles_s
         return q3 - q1
 
     @property
     def min_s(self) -> float:
+        """The least disturbed run: other programs only ever add time, so on a busy machine the
+        minimum is closer to what the code costs than the median."""
         return min(self.times_s)
 
+    @property
+    def noisy(self) -> bool:
+        """Whether the spread is too large for the median to be read as the time."""
+        return self.spread_s > NOISY_SPREAD * self.median_s
+
+    @property
+    def warning(self) -> str:
+        """What a noisy timing means and what to do, in plain words; empty when it is steady."""
+        if not self.noisy:
+            return ""
+        return (f"{self.label}: the spread is large (IQR {self.spread_s / self.median_s:.0%} of the median), so the "
+                "median is not a reliable time: other programs were probably using the CPU. Close what you can "
+                "and rerun; meanwhile the minimum, the least disturbed run, is the better estimate.")
+
     def __str__(self) -> str:
-        return (f"{self.label}: median {format_seconds(self.median_s)} "
-                f"(IQR {format_seconds(self.spread_s)}, n={len(self.times_s)}) on {self.device}")
+        line = (f"{self.label}: median {format_seconds(self.median_s)} (min {format_seconds(self.min_s)}, "
+                f"IQR {format_seconds(self.spread_s)}, n={len(self.times_s)}) on {self.device}")
+        return line + (f"\n  warning: {self.warning}" if self.noisy else "")
 
 
 @dataclass(frozen=True)
@@ -68,8 +108,38 @@ class Comparison:
     def speedup(self) -> float:
         return self.a.median_s / self.b.median_s
 
+    @property
+    def speedup_of_minima(self) -> float:
+        """The speedup of the least disturbed runs: the one to believe when either timing is noisy."""
+        return self.a.min_s / self.b.min_s
+
     def __str__(self) -> str:
-        return f"{self.a}\n{self.b}\n{self.b.label} is {self.speedup:.2f}x as fast as {self.a.label}"
+        return (f"{self.a}\n{self.b}\n{self.b.label} is {self.speedup:.2f}x as fast as {self.a.label} "
+                f"({self.speedup_of_minima:.2f}x by the minima)")
+
+
+def quartile_errors(timings: Sequence[Timing], scale: float = 1.0) -> np.ndarray:
+    """Error bars from the median down to the 25th and up to the 75th percentile, shaped
+    [2, len(timings)] as matplotlib's ``yerr`` takes them; ``scale`` converts seconds (1e3: ms)."""
+    medians = np.array([t.median_s for t in timings])
+    quartiles = np.array([t.quartiles_s for t in timings]).reshape(len(timings), 2)
+    return np.stack([medians - quartiles[:, 0], quartiles[:, 1] - medians]) * scale
+
+
+def trust(expectations: Mapping[str, bool], timings: Sequence[Timing] = ()) -> bool:
+    """Check a measured result against what must hold (``{"a cached step is no slower than a naive
+    one": cached <= naive}``). When something fails, say that the measurement is not
+    trustworthy and should be rerun, and what failed; return whether everything held, so that a
+    notebook draws its conclusion only from a result that makes physical sense."""
+    failed = [claim for claim, holds in expectations.items() if not holds]
+    if not failed:
+        return True
+    noisy = [t.label for t in timings if t.noisy]
+    busy = (f" The timings of {', '.join(noisy)} spread widely: the machine was busy." if noisy else "")
+    print("WARNING: this measurement is not trustworthy: rerun it (close other programs first)." + busy)
+    for claim in failed:
+        print(f"  should hold, but the measurement says otherwise: {claim}")
+    return False
 
 
 def format_seconds(seconds: float) -> str:
@@ -150,6 +220,74 @@ def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[s
         raise ValueError(f"the two labels must differ, not both {labels[0]!r}")
     timings = alternate(dict(zip(labels, (fn_a, fn_b))), warmup=warmup, repeats=repeats, device=device)
     return Comparison(*timings.values())
+
+
+# the threads torch would use by itself (one per core, or OMP_NUM_THREADS), before any choice
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
+def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.device | str | None = None,
+                   verbose: bool = True) -> int:
+    """Measure ``step`` (a small-model decode step, say) at 1, 2, 4 ... threads up to torch's
+    default, alternately, and keep the thread count whose 75th percentile is lowest: the time the
+    step keeps to three runs in four, fast and steady at once. On a laptop whose cores other
+    programs share, one thread is often both faster and steadier for a small model, because
+    every thread must wait for the slowest at each operation; on an idle many-core machine more
+    threads win. Sets torch's thread count and returns it; on a GPU it changes nothing."""
+    device = torch.device(device) if device is not None else get_device()
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    counts = sorted({min(2 ** i, _DEFAULT_THREADS) for i in range(_DEFAULT_THREADS.bit_length())})
+    if len(counts) == 1:
+        torch.set_num_threads(counts[0])
+        if verbose:
+            print(f"torch may use {counts[0]} thread here (OMP_NUM_THREADS or the core count): nothing to choose")
+        return counts[0]
+    labels = {n: f"{n} thread{'s' * (n > 1)}" for n in counts}
+    timings = alternate({labels[n]: _with_threads(n, step) for n in counts}, warmup=1, repeats=repeats, device=device)
+    best = min(counts, key=lambda n: timings[labels[n]].quartiles_s[1])
+    torch.set_num_threads(best)
+    if verbose:
+        rows = "; ".join(f"{label} median {format_seconds(t.median_s)}, 75th percentile "
+                         f"{format_seconds(t.quartiles_s[1])}" for label, t in timings.items())
+        print(f"CPU threads, measured on this step: {rows}. Using {best} (the lowest 75th percentile).")
+    return best
+
+
+def _with_threads(count: int, step: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        torch.set_num_threads(count)
+        return step()
+    return run
+
+
+# one busy core: spins until its time is up or its parent is gone (a kernel killed by a restart
+# leaves no spinning orphan); plain Python, so it starts at once and imports nothing of labkit's
+_SPIN = """
+import os, sys, time
+parent, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end and os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
+@contextmanager
+def busy_cpus(count: int, max_seconds: float = 600.0) -> Iterator[None]:
+    """Run ``count`` processes that each keep a core busy, as a browser or a video call would,
+    for as long as the ``with`` block lasts (and never beyond ``max_seconds``)."""
+    if not 1 <= count <= 64:
+        raise ValueError(f"count={count}: give between 1 and 64 busy processes")
+    hogs: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            hogs.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(os.getpid()), str(max_seconds)]))
+        time.sleep(0.2)  # let them start spinning
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 class _LiveTensors(TorchDispatchMode):

@@ -1,7 +1,8 @@
 """Check an exercise inline: ``labkit.check("ex00.1", matmul_intensity)``.
 
 The check runs the exercise's cases (from ``labkit.exercises``) and prints a verdict with
-the first failure and a hint; ``run_cases`` returns the same verdict as a ``Result``. Points
+the first failure and that case's hint; when the same case fails again in a later check, the
+exercise's recipe too. ``run_cases`` returns the same verdict as a ``Result``. Points
 are all or nothing: every case must pass. An exercise is "not attempted" while every case
 stops at a stub (a ``raise NotImplementedError`` line), which the verdict names. With
 ``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises ``ExerciseFailed``;
@@ -17,11 +18,13 @@ import site
 import sysconfig
 import threading
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from labkit.exercises import Exercise, get
+from labkit.exercises.spec import Case, Scenario
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 _LABKIT = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -48,6 +51,7 @@ class Result:
     total: int = 0
     message: str = ""
     notebook: str = ""  # the file the grader graded
+    failed_case: str = ""  # the label of the first case that failed
 
     def verdict(self) -> str:
         mark = _MARK.get(self.status, "FAIL")
@@ -66,11 +70,11 @@ def _describe_error(error: BaseException) -> str:
 
 
 def _name_item(message: str, exercise: Exercise) -> str:
-    """``item 1: ...`` of a tuple the exercise names the items of, as ``residual (item 1): ...``."""
-    match = re.match(r"item (\d+): ", message)
+    """``at index 1: ...`` of a returned tuple whose items the exercise names, as ``residual: ...``."""
+    match = re.match(r"at index (\d+): ", message)
     if match is None or int(match[1]) >= len(exercise.returns):
         return message
-    return f"{exercise.returns[int(match[1])]} ({message[:match.end() - 2]}){message[match.end() - 2:]}"
+    return f"{exercise.returns[int(match[1])]}: {message[match.end():]}"
 
 
 def _where(error: BaseException) -> str:
@@ -96,8 +100,10 @@ def _is_students(frame: traceback.FrameSummary) -> bool:
                 or frame.filename.startswith("<frozen "))
 
 
-def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
-    """Run every case of ``exercise`` on ``fn``; all must pass for the points."""
+def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping[str, int] | None = None) -> Result:
+    """Run every case of ``exercise`` on ``fn``; all must pass for the points. ``failed_before``
+    counts, by case label, the earlier checks that failed first on that case: the recipe is shown
+    when the case that fails now has failed before."""
     if not callable(fn):
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
@@ -105,7 +111,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
     if borrowed:
         return Result(exercise.id, FAILED, 0, exercise.points, message=borrowed)
     cases = exercise.cases()
-    first_failure, passed, stubs = "", 0, []
+    first_failure, first_case, passed, stubs = "", None, 0, []
     for number, case in enumerate(cases, 1):
         try:
             case.run(fn)
@@ -114,7 +120,8 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
             stub = _stub_name(fn, exercise.function, error)
             stubs += [stub] if stub else []
             what = f"{stub} still raises NotImplementedError" if stub else _name_item(_describe_error(error), exercise)
-            first_failure = first_failure or f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
+            if first_case is None:
+                first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub
@@ -122,8 +129,18 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any]) -> Result:
         return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
                       f"{names} still raise{'s' * (' and ' not in names)} NotImplementedError: replace the stub "
                       "with your code")
+    hints = _hints(exercise, first_case, (failed_before or {}).get(first_case.label, 0))
     return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
-                  f"first failure, {first_failure}\n    hint: {exercise.hint}")
+                  f"first failure, {first_failure}\n    {hints}", failed_case=first_case.label)
+
+
+def _hints(exercise: Exercise, case: Case | Scenario, failed_before: int) -> str:
+    """The failing case's own hint; the exercise's recipe as well once that case has failed before."""
+    if not case.hint:
+        return f"hint: {exercise.recipe}"
+    if failed_before:
+        return f"hint: {case.hint}\n    recipe (this case failed before): {exercise.recipe}"
+    return f"hint: {case.hint}\n    (should this case fail again, the check will show the whole recipe)"
 
 
 def _labkit_code(exercise: Exercise, fn: Any) -> str | None:
@@ -187,16 +204,23 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+# exercise id -> how many checks in this kernel failed first on each case (by label)
+_FAILED_CASES: dict[str, Counter[str]] = {}
+
+
 def check(exercise_id: str, fn: Callable[..., Any]) -> None:
     """Run an exercise's cases on ``fn`` and print the verdict. The cases get the time the
     grader gives them, so an endless loop stops here too."""
     exercise = get(exercise_id)
+    failed = _FAILED_CASES.setdefault(exercise.id, Counter())
     try:
         with time_limit(exercise.timeout_s):
-            result = run_cases(exercise, fn)
+            result = run_cases(exercise, fn, failed)
     except Overtime as stopped:
         result = Result(exercise.id, FAILED, 0, exercise.points,
                         message=f"{stopped}: an endless loop, or far too slow (the grader stops it too)")
+    if result.failed_case:
+        failed[result.failed_case] += 1
     print(f"{exercise.title} -- {result.verdict()}")
     if strict() and result.status != PASSED:
         raise ExerciseFailed(result.verdict())

@@ -65,7 +65,8 @@ def device_name(device: torch.device | str) -> str:
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     if device.type == "mps":
         return f"mps ({platform.machine()} {platform.system()})"
-    return f"cpu ({_cpu_model()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({_cpu_model()}, {threads} thread{'s' * (threads != 1)})"
 
 
 @lru_cache(maxsize=1)

@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -243,11 +244,38 @@ def _an_empty_student(folder: Path) -> bool:
 
 
 def this_notebook(name: str) -> Path:
-    """The notebook this kernel was started for, as Jupyter tells its kernels (``JPY_SESSION_NAME``),
-    so that a renamed copy (``00_welcome-Copy1.ipynb``) grades itself; where Jupyter does not say,
-    or names no notebook on disk, ``name`` in the working directory."""
-    started_for = Path(os.environ.get("JPY_SESSION_NAME", ""))
-    return started_for if started_for.suffix == ".ipynb" and started_for.is_file() else Path(name)
+    """The notebook this kernel runs, so that a renamed copy (``00_welcome-Copy1.ipynb``) grades
+    itself: the one Jupyter started the kernel for (``JPY_SESSION_NAME``), or VS Code's
+    (``__vsc_ipynb_file__``). Where neither says (nbconvert, papermill), the notebooks of ``name``'s
+    lab in the working directory: the only one, or the one saved last, said on stderr; ``name``
+    where there is none."""
+    for told in (os.environ.get("JPY_SESSION_NAME", ""), _vscode_notebook()):
+        if told.endswith(".ipynb") and Path(told).is_file():
+            return Path(told)
+    lab = name[:2]
+    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if p.name[:2] == lab), key=lambda p: p.stat().st_mtime)
+    if len(candidates) > 1:
+        print(f"Jupyter did not say which notebook is running (nbconvert does not), and {len(candidates)} notebooks "
+              f"of lab {lab} are here: {', '.join(p.name for p in candidates)}. Graded the one saved last, "
+              f"{candidates[-1].name}; to grade another, run python -m labkit.grade THAT_FILE.ipynb", file=sys.stderr)
+    return candidates[-1] if candidates else Path(name)
+
+
+def _vscode_notebook() -> str:
+    """The notebook VS Code runs this kernel for, which it puts in the kernel's namespace."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return str(shell.user_ns.get("__vsc_ipynb_file__", "")) if shell is not None else ""
+
+
+def grade_this(name: str) -> None:
+    """The grade cell of notebook ``name``: find the file this kernel runs, say which file that is
+    and when it was saved (the grader reads the file, not the cells on screen), grade it and print
+    the table."""
+    path = this_notebook(name)
+    saved = (f", saved at {time.strftime('%H:%M:%S', time.localtime(path.stat().st_mtime))}"
+             if path.is_file() else "")
+    print(f"grading {path.resolve()}{saved} (the file on disk: save first, Ctrl+S)")
+    print(table(grade([path])))
 
 
 @contextmanager

@@ -1,12 +1,14 @@
 """labkit.bench: warm-up and repeat counts, alternation, and the statistics it reports."""
 from __future__ import annotations
 
+import os
 import statistics
 
 import numpy as np
 import pytest
 import torch
 
+from labkit import bench
 from labkit.bench import (Comparison, Timing, alternate, compare, format_seconds, measure, nonnegative_polyfit,
                           peak_memory)
 
@@ -140,3 +142,70 @@ def test_nonnegative_polyfit_is_exact_on_a_pure_power():
 def test_nonnegative_polyfit_refuses_what_it_cannot_fit(x, y, degree, says):
     with pytest.raises(ValueError, match=says):
         nonnegative_polyfit(x, y, degree)
+
+
+def test_a_timing_reports_its_minimum_and_warns_when_its_spread_is_large():
+    steady = Timing("steady", "cpu", (1.0, 1.02, 0.98, 1.01, 0.99))
+    assert not steady.noisy and steady.warning == "" and "min 980.0 ms" in str(steady) and "warning" not in str(steady)
+    busy = Timing("busy", "cpu", (1.0, 1.0, 1.6, 2.4, 1.1, 3.0))  # one-sided: a busy machine only adds time
+    assert busy.noisy and "median is not a reliable time" in busy.warning and "minimum" in busy.warning
+    assert f"warning: {busy.warning}" in str(busy)
+    assert "2.00x by the minima" in str(Comparison(Timing("a", "cpu", (2.0, 4.0, 3.0)), busy))
+
+
+def test_quartile_errors_match_numpy_percentiles():
+    timings = [Timing("a", "cpu", (0.5, 0.1, 0.3, 0.2, 0.9, 0.4)), Timing("b", "cpu", (2.0,)), Timing("c", "cpu", (1.0, 3.0))]
+    errors = bench.quartile_errors(timings, scale=1e3)
+    for i, t in enumerate(timings):
+        low, high = np.percentile(t.times_s, [25, 75])
+        median = np.median(t.times_s)
+        assert errors[:, i] == pytest.approx([(median - low) * 1e3, (high - median) * 1e3])
+
+
+def test_trust_says_rerun_and_names_what_failed(capsys):
+    assert bench.trust({"a cached step is no slower than a naive one": True})
+    assert capsys.readouterr().out == ""
+    noisy = Timing("cached", "cpu", (1.0, 1.0, 2.0, 3.0))
+    assert not bench.trust({"holds": True, "a speedup no larger than the tokens per call": False}, [noisy])
+    out = capsys.readouterr().out
+    assert "not trustworthy: rerun" in out and "a speedup no larger than the tokens per call" in out
+    assert "holds" not in out.replace("should hold", "") and "cached spread widely" in out
+
+
+def test_choose_threads_keeps_the_count_whose_75th_percentile_is_lowest(monkeypatch, capsys):
+    import time
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(bench, "_DEFAULT_THREADS", 4)
+    try:
+        best_at_two = lambda: time.sleep(0.001 + 0.003 * abs(torch.get_num_threads() - 2))
+        assert bench.choose_threads(best_at_two, repeats=3, device="cpu") == 2 == torch.get_num_threads()
+        assert "1 thread median" in capsys.readouterr().out
+        calls = []
+        steady_at_one = lambda: (calls.append(1), time.sleep(0.002 if torch.get_num_threads() == 1
+                                                              else [0.0005, 0.01][len(calls) % 2]))
+        assert bench.choose_threads(steady_at_one, repeats=8, device="cpu", verbose=False) == 1  # fast but erratic loses
+        monkeypatch.setattr(bench, "_DEFAULT_THREADS", 1)
+        assert bench.choose_threads(lambda: None, device="cpu") == 1 and "nothing to choose" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
+def test_busy_cpus_runs_its_processes_only_inside_the_block():
+    def spinning() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmd:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid() and b"getppid" in cmd.read():
+                        found.append(int(pid))
+            except (OSError, IndexError, ValueError):
+                pass
+        return found
+    with bench.busy_cpus(2, max_seconds=30):
+        assert len(spinning()) == 2
+    assert spinning() == []
+    with pytest.raises(ValueError, match="between 1 and 64"):
+        with bench.busy_cpus(0):
+            pass

@@ -11,7 +11,7 @@ import pytest
 
 from labkit import notebook
 from labkit.exercises import EXERCISES, for_lab, get
-from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, table, this_notebook,
+from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, table, this_notebook,
                           write_reports)
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
@@ -242,12 +242,34 @@ def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
 
 def test_a_notebook_grades_itself_under_any_name(tmp_path, monkeypatch):
     """Jupyter names the notebook a kernel was started for; a renamed copy grades itself."""
+    monkeypatch.chdir(tmp_path)
     copy = tmp_path / "00_welcome-Copy1.ipynb"
     copy.write_text("{}")
     monkeypatch.setenv("JPY_SESSION_NAME", str(copy))
     assert this_notebook("00_welcome.ipynb") == copy
+    copy.unlink()
     for session in (str(tmp_path / "gone.ipynb"), str(tmp_path), "console-1"):  # no such notebook: the name given
         monkeypatch.setenv("JPY_SESSION_NAME", session)
         assert this_notebook("00_welcome.ipynb").name == "00_welcome.ipynb"
     monkeypatch.delenv("JPY_SESSION_NAME")
     assert this_notebook("00_welcome.ipynb").name == "00_welcome.ipynb"
+
+
+def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_named(root, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """nbconvert names no notebook: a renamed copy beside the pristine one is graded (it was saved
+    last), the choice is said, and the grade cell prints the path it graded above the table."""
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    pristine, mine = tmp_path / "00_welcome.ipynb", tmp_path / "00_mine.ipynb"
+    pristine.write_text((root / "notebooks" / "00_welcome.ipynb").read_text())
+    mine.write_text((root / "solutions" / "00_welcome.ipynb").read_text())
+    os.utime(pristine, (1, 1))
+    assert this_notebook("00_welcome.ipynb") == mine
+    assert "Graded the one saved last, 00_mine.ipynb" in capsys.readouterr().err
+    (tmp_path / "01_kv_cache.ipynb").write_text("{}")  # another lab's notebook does not count
+    pristine.unlink()
+    assert this_notebook("00_welcome.ipynb") == mine and not capsys.readouterr().err
+    grade_this("00_welcome.ipynb")
+    out = capsys.readouterr().out
+    assert out.startswith(f"grading {mine.resolve()}, saved at ") and "3/3" in out, out

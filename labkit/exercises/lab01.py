@@ -90,21 +90,21 @@ EXERCISES = [
     Exercise(
         id="ex01.1", title="Tokens processed, in closed form", points=1, function="tokens_processed",
         cases=_tokens_cases,
-        hint="Naive step i (from 0) runs the prompt plus the i tokens generated so far; cached runs the "
+        recipe="Naive step i (from 0) runs the prompt plus the i tokens generated so far; cached runs the "
              "prompt once, then one token per step. The last new token is never fed back in.",
     ),
     Exercise(
         id="ex01.2", title="One cached attention step", points=2, function="cached_attention_step",
         returns=("out", "k_cache", "v_cache"),
         cases=_attention_cases,
-        hint="Concatenate along the sequence axis (dim 2). Scores are q @ k^T / sqrt(head_dim), softmax "
+        recipe="Concatenate along the sequence axis (dim 2). Scores are q @ k^T / sqrt(head_dim), softmax "
              "over the keys, times v. With fewer KV heads, KV head j serves query heads "
              "j*g .. j*g+g-1 (g = query heads / KV heads): repeat_interleave the keys and values by g.",
     ),
     Exercise(
         id="ex01.3", title="The cached generation loop", points=2, function="cached_generate",
         cases=_generate_cases, timeout_s=120,
-        hint="Make a ContiguousKVCache(model.config, 1, len(prompt) + new_tokens, device=device). Prefill: run the whole "
+        recipe="Make a ContiguousKVCache(model.config, 1, len(prompt) + new_tokens, device=device). Prefill: run the whole "
              "prompt at positions 0..P-1, model(tokens, plan=cache.plan(positions)), and take the argmax of the "
              "last logits. Then feed only the newest token at its position, new_tokens - 1 times; the last "
              "token is never fed back.",

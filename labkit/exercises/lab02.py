@@ -72,13 +72,13 @@ EXERCISES = [
     Exercise(
         id="ex02.1", title="KV-cache bytes", points=1, function="kv_cache_bytes",
         cases=_bytes_cases,
-        hint="Every layer stores a key and a value (2) per KV head (not per query head), each head_dim "
+        recipe="Every layer stores a key and a value (2) per KV head (not per query head), each head_dim "
              "elements, for every token of every sequence: multiply them all, and the bytes per element.",
     ),
     Exercise(
         id="ex02.2", title="Grouped-query attention", points=2, function="gqa_attention",
         cases=_gqa_cases,
-        hint="With g = query heads // KV heads, KV head j serves query heads j*g .. j*g+g-1: view q as "
+        recipe="With g = query heads // KV heads, KV head j serves query heads j*g .. j*g+g-1: view q as "
              "[batch, kv_heads, g, T, head_dim] and index k and v with [:, :, None] so they broadcast over "
              "the group. Mask the future with -inf before the softmax (query i sees keys 0..i), scale the "
              "scores by 1/sqrt(head_dim), and reshape the result back to [batch, n_heads, T, head_dim].",
@@ -86,7 +86,7 @@ EXERCISES = [
     Exercise(
         id="ex02.3", title="The largest batch that fits", points=1, function="largest_batch",
         cases=_batch_cases,
-        hint="Usable memory is utilization x GPU memory; the weights take their share first; every "
+        recipe="Usable memory is utilization x GPU memory; the weights take their share first; every "
              "sequence then needs its own KV cache. Round down, and never go below 0.",
     ),
 ]

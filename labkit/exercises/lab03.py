@@ -264,14 +264,14 @@ EXERCISES = [
     Exercise(
         id="ex03.1", title="Slot mapping", points=1, function="slot_mapping",
         cases=_slot_cases,
-        hint="Position p of a sequence is in block table[p // block_size], at offset p % block_size; its slot "
+        recipe="Position p of a sequence is in block table[p // block_size], at offset p % block_size; its slot "
              "is block * block_size + offset. torch.gather along dim 1 looks up each row's own table. Keep -1 "
              "where the position is -1 (torch.where).",
     ),
     Exercise(
         id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
         cases=_allocate_free_cases, methods=("allocate", "free"),
-        hint="A failed allocate must change nothing: count the free blocks before taking any. allocate on a "
+        recipe="A failed allocate must change nothing: count the free blocks before taking any. allocate on a "
              "sequence that has a table adds to it. free drops one owner from each block of the table; a block "
              "goes back on the free list only when no table holds it any more (its count reaches 0); then the "
              "sequence's table is forgotten.",
@@ -279,7 +279,7 @@ EXERCISES = [
     Exercise(
         id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
         cases=_fork_cases, methods=("fork", "copy_on_write"),
-        hint="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
+        recipe="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
              "parent's blocks, and each of them gains an owner. copy_on_write moves the sequence only off a "
              "block that another table also holds: take the fresh block first (so that OutOfBlocks leaves "
              "everything as it was); it has one owner, the old one loses one, and (old, new) tells the cache "
@@ -288,7 +288,7 @@ EXERCISES = [
     Exercise(
         id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",
         cases=_attention_cases,
-        hint="Build the slots of positions 0..longest-1 for every sequence (ex03.1), index the pools "
+        recipe="Build the slots of positions 0..longest-1 for every sequence (ex03.1), index the pools "
              "flattened to [num_blocks * block_size, kv_heads, head_dim], move the heads in front, and mask "
              "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads // kv_heads).",
     ),

@@ -138,7 +138,7 @@ EXERCISES = [
     Exercise(
         id="ex04.1", title="One scheduling step: admit waiting requests", points=2, function="admit",
         cases=_admit_cases,
-        hint="Take a request off `waiting` only once add_sequence has given it its slots: one that does "
+        recipe="Take a request off `waiting` only once add_sequence has given it its slots: one that does "
              "not fit stays at the front, and nobody behind it is tried (first come, first served). Its "
              "cached tokens are computed already: num_computed starts at their count, and only the rest is "
              "scheduled, no more than the budget left. Stop when the budget is spent or max_num_seqs are "
@@ -147,7 +147,7 @@ EXERCISES = [
     Exercise(
         id="ex04.2", title="Preempt the newest request", points=2, function="preempt_newest",
         cases=_preempt_cases,
-        hint="The newest request is the last in `running`. It keeps its prompt and its output (their keys "
+        recipe="The newest request is the last in `running`. It keeps its prompt and its output (their keys "
              "and values are computed again when it comes back); what it loses is its place in the cache: its "
              "blocks, and its num_computed. Its status goes back to 'waiting', it returns at the front of "
              "`waiting`, not the back, and its preemptions go up by one.",
@@ -155,7 +155,7 @@ EXERCISES = [
     Exercise(
         id="ex04.3", title="TTFT, TPOT and ITL from timestamps", points=1, function="request_metrics",
         cases=_metric_cases,
-        hint="ttft = first token time - arrival; e2e = finish - arrival (finish defaults to the last token "
+        recipe="ttft = first token time - arrival; e2e = finish - arrival (finish defaults to the last token "
              "time); tpot = (e2e - ttft) / (tokens - 1), None for one token; itl = the gaps between "
              "consecutive token times.",
     ),

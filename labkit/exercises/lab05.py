@@ -52,14 +52,14 @@ EXERCISES = [
         id="ex05.1", title="The acceptance rule and the residual", points=2, function="acceptance_rule",
         returns=("acceptance probability", "residual"),
         cases=_rule_cases,
-        hint="accept = min(1, p[token] / q[token]) as a float; residual = (p - q).clamp(min=0), divided by its "
+        recipe="accept = min(1, p[token] / q[token]) as a float; residual = (p - q).clamp(min=0), divided by its "
              "sum; when that sum is 0 (p == q) return p.",
     ),
     Exercise(
         id="ex05.2", title="Greedy verification", points=2, function="verify_greedy",
         returns=("accepted", "next_token"),
         cases=_verify_cases,
-        hint="Take the argmax of every row of target_logits. Accept draft[i] while it equals argmax row i; "
+        recipe="Take the argmax of every row of target_logits. Accept draft[i] while it equals argmax row i; "
              "stop at the first mismatch. The next token is the argmax of the row right after the accepted "
              "ones (row len(draft) when all were accepted: the bonus). Return (list of accepted, int).",
     ),
@@ -67,7 +67,7 @@ EXERCISES = [
         id="ex05.3", title="Expected tokens per call and speedup", points=1, function="speculation_gain",
         returns=("tokens_per_call", "speedup"),
         cases=_gain_cases,
-        hint="tokens = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a), which is k + 1 when a = 1; "
+        recipe="tokens = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a), which is k + 1 when a = 1; "
              "speedup = tokens / (k * c + 1).",
     ),
 ]

@@ -122,7 +122,7 @@ EXERCISES = [
         id="ex06.1", title="Quantize and dequantize one group", points=2, function="quantize_group",
         returns=("codes", "scale", "zero", "w_hat"),
         cases=_group_cases,
-        hint="The usual slips: subtracting the zero point from uint8 codes, which wraps around (3 - 8 is 251 "
+        recipe="The usual slips: subtracting the zero point from uint8 codes, which wraps around (3 - 8 is 251 "
              "in uint8): make the codes float32 first; a grid that does not include 0 (lo and hi are widened to "
              "take it in); the zero point computed from the scale before it was rounded to fp16; a scale of 0 "
              "for an all-zero group, which must become 1.",
@@ -130,14 +130,14 @@ EXERCISES = [
     Exercise(
         id="ex06.2", title="Pack and unpack 4-bit codes", points=2, function="Int4Packer",
         cases=_packing_cases, methods=("pack", "unpack"),
-        hint="pack: low nibble = codes[..., 0::2], high nibble = codes[..., 1::2] << 4, combined with |, as uint8; "
+        recipe="pack: low nibble = codes[..., 0::2], high nibble = codes[..., 1::2] << 4, combined with |, as uint8; "
              "raise ValueError for an odd count or a code above 15. unpack: packed & 0x0F and packed >> 4, "
              "interleaved back (torch.stack([...], dim=-1).flatten(-2)).",
     ),
     Exercise(
         id="ex06.3", title="QuantLinear.forward", points=2, function="quant_linear_forward",
         cases=_forward_cases,
-        hint="codes = unpack_int4(layer.packed) for 4 bits (layer.packed itself for 8); zeros = layer.zeros, or "
+        recipe="codes = unpack_int4(layer.packed) for 4 bits (layer.packed itself for 8); zeros = layer.zeros, or "
              "2**(bits-1) everywhere when it is None. Make the codes x's dtype before subtracting (uint8 arithmetic "
              "wraps around). Reshape codes to [out, groups, group_size], subtract the "
              "zeros and multiply by the scales (both [out, groups, 1]), reshape back to [out, in] and return "

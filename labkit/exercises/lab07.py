@@ -95,14 +95,14 @@ EXERCISES = [
         id="ex07.1", title="The online softmax update", points=2, function="online_softmax_update",
         returns=("m", "l", "acc"),
         cases=_online_cases,
-        hint="The new maximum is the larger of m and the tile's row maxima. Everything summed so far was "
+        recipe="The new maximum is the larger of m and the tile's row maxima. Everything summed so far was "
              "weighted by exp(. - m): multiply the old l and acc by exp(m - m_new) before adding the tile's "
              "p = exp(scores - m_new), summed for l and times values for acc. exp(-inf - x) is 0, as it should be.",
     ),
     Exercise(
         id="ex07.2", title="The inner loop of the Triton attention kernel", points=3,
         function="flash_attention_kernel", cases=_kernel_cases, timeout_s=180.0,
-        hint="Load the key tile transposed ([BLOCK_D, BLOCK_N], masked by keys < S and dims < HEAD_DIM), "
+        recipe="Load the key tile transposed ([BLOCK_D, BLOCK_N], masked by keys < S and dims < HEAD_DIM), "
              "scores = tl.dot(q, k_t) * scale_log2e; when the tile is partly masked, set -inf where keys >= S "
              "and, when CAUSAL, where keys > position; then ex07.1's update in base 2 (tl.maximum, tl.max, "
              "tl.exp2, tl.sum over axis 1); load the value tile [BLOCK_N, BLOCK_D] and add "

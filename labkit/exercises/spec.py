@@ -4,10 +4,15 @@ A case calls the student's function on fixed arguments and compares the result w
 value the reference implementation in labkit returned; a scenario drives a student's class
 through a sequence of operations and checks it after each. The inline check (``labkit.check``)
 and the grader (``labkit.grade``) run the very same cases.
+
+Hints come in steps. Each case carries a hint of its own: what that case tests and what its
+failure suggests. The exercise's ``recipe`` (how to write the whole thing) is shown only when
+the same case fails again, so a student who is one idea away gets the idea, not the answer.
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ class Case:
     atol: float = 1e-9
     after: Callable[..., None] | None = None  # inspects the arguments after the call (how it was done)
     unchanged: bool = False  # the call must leave its arguments as they were (where the spec says so)
+    hint: str = ""  # what this case tests, and what failing it suggests (not the recipe)
 
     def run(self, fn: Callable[..., Any]) -> None:
         """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, if
@@ -40,10 +46,11 @@ class Case:
             self.after(*args, **kwargs)
         if not self.unchanged:
             return
-        for where, given, now in [*((f"argument {i + 1}", a, b) for i, (a, b) in enumerate(zip(self.args, args))),
-                                  *((f"argument {k}", self.kwargs[k], kwargs[k]) for k in self.kwargs)]:
+        names = _parameter_names(fn, len(args))
+        for where, given, now in [*((names[i], a, b) for i, (a, b) in enumerate(zip(self.args, args))),
+                                  *((k, self.kwargs[k], kwargs[k]) for k in self.kwargs)]:
             if _changed(given, now):
-                raise AssertionError(f"the result is right, but the call changed its {where} in place (an in-place "
+                raise AssertionError(f"the result is right, but the call changed its argument {where} in place (an in-place "
                                      "operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the inputs "
                                      "as they were, and compute into new tensors")
 
@@ -55,6 +62,7 @@ class Scenario:
 
     label: str
     play: Callable[[Any], None]
+    hint: str = ""  # what this scenario tests, and what failing it suggests (not the recipe)
 
     def run(self, fn: Callable[..., Any]) -> None:
         self.play(fn)
@@ -69,7 +77,7 @@ class Exercise:
     points: int
     function: str  # the name the student's cell defines
     cases: Callable[[], Sequence[Case | Scenario]]  # built on demand: cases may hold tensors
-    hint: str
+    recipe: str  # how to write it, step by step: shown after the same case fails twice
     timeout_s: float = 60.0
     methods: tuple[str, ...] = ()  # when ``function`` is a class: the methods the student writes in it
     returns: tuple[str, ...] = ()  # when it returns a tuple: the names of its items, for messages
@@ -78,6 +86,17 @@ class Exercise:
     def lab(self) -> str:
         """The notebook number this exercise belongs to: ``ex03.2`` -> ``03``."""
         return self.id[2:4]
+
+
+def _parameter_names(fn: Callable[..., Any], count: int) -> list[str]:
+    """The names of ``fn``'s first ``count`` positional parameters (``residual``, ``k_cache``), for
+    messages; ``#1``, ``#2`` ... where the signature does not say."""
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"#{i + 1}" for i in range(count)]
 
 
 def _changed(before: Any, after: Any) -> bool:
@@ -137,7 +156,7 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if len(got) != len(expected):
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
-            _at(f"item {i}", got_item, expected_item, rtol, atol)
+            _at(f"at index {i}", got_item, expected_item, rtol, atol)
 
 
 def _name(dtype: torch.dtype) -> str:
