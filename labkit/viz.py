@@ -146,7 +146,9 @@ def speculation_html(rounds: Sequence, decode) -> str:
     """A speculative run's text as HTML, each token coloured by how it came about (a legend
     first); ``rounds`` are ``labkit.speculative.Round``s, ``decode`` maps a token id to its text."""
     def span(token: int, kind: str) -> str:
-        text = html.escape(decode(token)).replace("\n", "↵<br>").replace(" ", "&nbsp;")
+        # a rejected token never enters the text, so its newline is shown but does not break the line
+        newline = "↵" if kind == "rejected" else "↵<br>"
+        text = html.escape(decode(token)).replace("\n", newline).replace(" ", "&nbsp;")
         return f'<span style="{SPECULATION_STYLES[kind]}" title="{kind}">{text}</span>'
     legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>'
                       for kind, style in SPECULATION_STYLES.items())

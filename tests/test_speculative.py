@@ -277,3 +277,11 @@ def test_speculation_html_colours_every_token_by_kind():
     kinds = [part.split('"', 1)[0] for part in body.split('title="')[1:]]
     assert kinds == ["accepted", "accepted", "bonus", "accepted", "rejected", "target", "target"]
     assert "&lt;5&gt;" in body and "<5>" not in body
+
+
+def test_a_rejected_newline_is_shown_without_breaking_the_line():
+    from labkit.viz import speculation_html
+
+    body = speculation_html([Round((1,), 0, 2), Round((1,), 1, 3)], lambda t: "\n" if t == 1 else "x")
+    body = body.split("</div>", 1)[1]
+    assert body.count("↵") == 2 and body.count("<br>") == 1  # only the accepted newline ends a line
