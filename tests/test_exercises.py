@@ -186,7 +186,11 @@ def test_assert_matches_compares_by_kind():
     import numpy as np
 
     assert_matches((1.0, torch.ones(2)), (1.0 + 1e-9, torch.ones(2)), 1e-6, 1e-9)
-    assert_matches((np.float32(0.5), torch.tensor(2.0), 3), (0.5, 2.0, 3), 1e-6, 1e-9)
+    assert_matches((np.float32(0.5), np.int64(2), 3), (0.5, 2, 3), 1e-6, 1e-9)
+    with pytest.raises(AssertionError, match=r"a 0-d tensor \(2\): turn it into a number with .item\(\)"):
+        assert_matches(torch.tensor(2.0), 2.0, 1e-6, 1e-9)
+    with pytest.raises(AssertionError, match=r"expected a whole number, an int \(110\), got float 110.0"):
+        assert_matches(110.0, 110, 0, 0)
     assert_matches({"a": [1, 2]}, {"a": (1, 2)}, 0, 0)
     for got, expected in [(torch.ones(2), torch.zeros(2)), ([1], torch.ones(1)), (True, 1),
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:

@@ -35,7 +35,8 @@ def _group_cases() -> list[Case]:
         ("8 bits, symmetric", (w, 8, True)),
         ("3 bits, asymmetric", (w[:32], 3, False)),
     ]
-    return [Case(label, args, reference_group(*args), rtol=1e-6, atol=1e-8) for label, args in groups]
+    return [Case(label, args, reference_group(*args), rtol=1e-6, atol=1e-8, numbers_as_tensors=True)
+            for label, args in groups]
 
 
 def _expect(got: Any, expected: torch.Tensor, what: str) -> None:

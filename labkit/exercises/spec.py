@@ -34,6 +34,7 @@ class Case:
     after: Callable[..., None] | None = None  # inspects the arguments after the call (how it was done)
     unchanged: bool = False  # the call must leave its arguments as they were (where the spec says so)
     hint: str = ""  # what this case tests, and what failing it suggests (not the recipe)
+    numbers_as_tensors: bool = False  # a 0-d tensor may stand for a number (where the spec allows it)
 
     def run(self, fn: Callable[..., Any]) -> None:
         """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, if
@@ -41,6 +42,8 @@ class Case:
         ``unchanged``, if the call changed an argument in place."""
         args, kwargs = copy.deepcopy(self.args), copy.deepcopy(dict(self.kwargs))
         got = fn(*args, **kwargs)
+        if self.numbers_as_tensors:
+            got = _numbers_of_scalars(got, self.expected)
         assert_matches(got, self.expected, self.rtol, self.atol)
         if self.after is not None:
             self.after(*args, **kwargs)
@@ -86,6 +89,15 @@ class Exercise:
     def lab(self) -> str:
         """The notebook number this exercise belongs to: ``ex03.2`` -> ``03``."""
         return self.id[2:4]
+
+
+def _numbers_of_scalars(got: Any, expected: Any) -> Any:
+    """``got`` with each 0-d tensor that stands where ``expected`` has a number made a number."""
+    if isinstance(got, torch.Tensor) and got.dim() == 0 and isinstance(expected, numbers.Real):
+        return got.item()
+    if isinstance(got, (tuple, list)) and isinstance(expected, (tuple, list)) and len(got) == len(expected):
+        return type(got)(_numbers_of_scalars(g, e) for g, e in zip(got, expected))
+    return got
 
 
 def _parameter_names(fn: Callable[..., Any], count: int) -> list[str]:
@@ -139,9 +151,13 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             raise AssertionError(f"expected {_short(expected)}, got {_short(got)}")
     elif isinstance(expected, (int, float)):
         if isinstance(got, torch.Tensor) and got.dim() == 0:
-            got = got.item()  # a 0-d tensor is a number too
+            raise AssertionError(f"expected a Python number ({_short(expected)}), got a 0-d tensor ({got.item():.6g}): "
+                                 "turn it into a number with .item()")
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
             raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
+        if isinstance(expected, int) and not isinstance(got, numbers.Integral):
+            raise AssertionError(f"expected a whole number, an int ({expected}), got {type(got).__name__} {got!r}: "
+                                 "count with integers (// divides without leaving the integers)")
         if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
             raise AssertionError(f"expected {expected:.6g}, got {got:.6g}")
     elif isinstance(expected, dict):
