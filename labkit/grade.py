@@ -247,13 +247,13 @@ def this_notebook(name: str) -> Path:
     """The notebook this kernel runs, so that a renamed copy (``00_welcome-Copy1.ipynb``) grades
     itself: the one Jupyter started the kernel for (``JPY_SESSION_NAME``), or VS Code's
     (``__vsc_ipynb_file__``). Where neither says (nbconvert, papermill), the notebooks of ``name``'s
-    lab in the working directory: the only one, or the one saved last, said on stderr; ``name``
-    where there is none."""
+    lab in the working directory (by their exercises, whatever their names): the only one, or the
+    one saved last, said on stderr; ``name`` where there is none."""
     for told in (os.environ.get("JPY_SESSION_NAME", ""), _vscode_notebook()):
         if told.endswith(".ipynb") and Path(told).is_file():
             return Path(told)
     lab = name[:2]
-    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if p.name[:2] == lab), key=lambda p: p.stat().st_mtime)
+    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab), key=lambda p: p.stat().st_mtime)
     if len(candidates) > 1:
         print(f"Jupyter did not say which notebook is running (nbconvert does not), and {len(candidates)} notebooks "
               f"of lab {lab} are here: {', '.join(p.name for p in candidates)}. Graded the one saved last, "

@@ -261,12 +261,12 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     last), the choice is said, and the grade cell prints the path it graded above the table."""
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.chdir(tmp_path)
-    pristine, mine = tmp_path / "00_welcome.ipynb", tmp_path / "00_mine.ipynb"
+    pristine, mine = tmp_path / "00_welcome.ipynb", tmp_path / "mine.ipynb"  # found by its exercises
     pristine.write_text((root / "notebooks" / "00_welcome.ipynb").read_text())
     mine.write_text((root / "solutions" / "00_welcome.ipynb").read_text())
     os.utime(pristine, (1, 1))
     assert this_notebook("00_welcome.ipynb") == mine
-    assert "Graded the one saved last, 00_mine.ipynb" in capsys.readouterr().err
+    assert "Graded the one saved last, mine.ipynb" in capsys.readouterr().err
     (tmp_path / "01_kv_cache.ipynb").write_text("{}")  # another lab's notebook does not count
     pristine.unlink()
     assert this_notebook("00_welcome.ipynb") == mine and not capsys.readouterr().err
