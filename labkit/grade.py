@@ -272,9 +272,13 @@ def grade_this(name: str) -> None:
     and when it was saved (the grader reads the file, not the cells on screen), grade it and print
     the table."""
     path = this_notebook(name)
-    saved = (f", saved at {time.strftime('%H:%M:%S', time.localtime(path.stat().st_mtime))}"
-             if path.is_file() else "")
-    print(f"grading {path.resolve()}{saved} (the file on disk: save first, Ctrl+S)")
+    if not path.is_file():
+        print(f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no notebook "
+              f"with lab {name[:2]}'s exercises. Save this notebook (Ctrl+S) in the folder it runs in, or grade it "
+              "from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
+        return
+    saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
+    print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S)")
     print(table(grade([path])))
 
 

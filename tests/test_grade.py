@@ -273,3 +273,6 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     grade_this("00_welcome.ipynb")
     out = capsys.readouterr().out
     assert out.startswith(f"grading {mine.resolve()}, saved at ") and "3/3" in out, out
+    mine.unlink()
+    grade_this("00_welcome.ipynb")  # run from elsewhere, or never saved: said, not a traceback
+    assert capsys.readouterr().out.startswith("Nothing to grade: Jupyter did not say")
