@@ -94,3 +94,31 @@ def test_lab06_plausible_mistakes_fail():
     def calls_the_layer(layer, x):  # the layer's own forward is sealed in the exercise
         return layer(x)
     assert run_cases(get("ex06.3"), calls_the_layer).status == FAILED
+
+
+def test_lab06_a_failing_case_gives_its_own_hint_not_the_recipe():
+    from labkit.quant import unpack_int4
+
+    def group_size_from_the_scheme(layer, x):  # reads layer.scheme.group_size, None for per-channel INT8
+        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
+        groups = codes.reshape(codes.shape[0], -1, layer.scheme.group_size).to(x.dtype)
+        weight = (groups - zeros[..., None].to(x.dtype)) * layer.scales[..., None].to(x.dtype)
+        return torch.nn.functional.linear(x, weight.reshape(codes.shape))
+    exercise = get("ex06.3")
+    result = run_cases(exercise, group_size_from_the_scheme)
+    assert result.status == FAILED and result.failed_case == "INT8 per-channel symmetric: codes not packed"
+    assert "group_size is None" in result.message and exercise.recipe not in result.message, result.message
+
+    def no_zero_in_range(w, bits, symmetric):  # spans the group's own range, without 0
+        from labkit.exercises.lab06 import reference_group
+        if symmetric:
+            return reference_group(w, bits, symmetric)
+        scale = ((w.max() - w.min()) / (2 ** bits - 1)).half().float()
+        scale = scale if scale > 0 else torch.tensor(1.0)
+        zero = torch.round(-w.min() / scale)
+        codes = (torch.round(w / scale) + zero).clamp(0, 2 ** bits - 1).to(torch.uint8)
+        return codes, scale.item(), zero.item(), (codes.float() - zero) * scale
+    result = run_cases(get("ex06.1"), no_zero_in_range)
+    assert result.status == FAILED and result.failed_case.startswith("all positive"), result.message
+    assert "lo = min(w_min, 0) is 0" in result.message, result.message

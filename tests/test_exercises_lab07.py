@@ -17,7 +17,9 @@ def test_lab07_plausible_mistakes_fail(root):
         m_new = torch.maximum(m, scores.amax(-1))
         p = torch.exp(scores - m_new[:, None])
         return m_new, l + p.sum(-1), acc + p @ values
-    assert run_cases(get("ex07.1"), no_rescale).status == FAILED
+    result = run_cases(get("ex07.1"), no_rescale)
+    assert result.status == FAILED and result.failed_case.startswith("a tile with larger scores"), result.message
+    assert "exp(old m - new m)" in result.message and get("ex07.1").recipe not in result.message, result.message
 
     kernel = cells("solutions", root)["ex07.2"]
     mistakes = {
@@ -31,10 +33,15 @@ def test_lab07_plausible_mistakes_fail(root):
         "K's tile not masked to the head's dims": ("mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM)",
                                                    "mask=(keys[None, :] < S)"),
     }
+    first_failures = {"no causal mask": ("causal, 4 query heads", "a key later than the query's position"),
+                      "V's tokens at K's stride": ("K laid out", "use stride_kt for keys and stride_vt for values")}
     for what, (right, wrong) in mistakes.items():
         assert right in kernel, what
         result = run_cases(get("ex07.2"), define(kernel.replace(right, wrong), "flash_attention_kernel"))
         assert result.status == FAILED, what
+        if what in first_failures:  # the failing run's own hint points at what it tests
+            case, hint = first_failures[what]
+            assert result.failed_case.startswith(case) and hint in result.message, (what, result.message)
     # an error inside the kernel surfaces in Triton's interpreter code; the message names the kernel's line
     right = "k_t = tl.load(K + keys[None, :] * stride_kt + dims[:, None]"
     untransposed = kernel.replace(right, "k_t = tl.load(K + keys[:, None] * stride_kt + dims[None, :]")

@@ -22,21 +22,41 @@ def _group_cases() -> list[Case]:
     outlier[7], negative_outlier[7] = 0.3, -0.3
     even[:2] = torch.tensor([-0.07, 0.07])  # the fp16 scale rounds down: the top weight's code needs the clamp
     wide[:2] = torch.tensor([-0.1, 0.1])  # the fp16 scale rounds up: the zero point differs by one without it
-    groups = [
-        ("64 weights, 4 bits, asymmetric", (w, 4, False)),
-        ("64 weights, 4 bits, symmetric", (w, 4, True)),
-        ("one large outlier stretches the grid", (outlier, 4, False)),
-        ("all positive: the range still includes 0, so zero = 0", (w.abs() + 0.01, 4, False)),
-        ("all negative: the range still includes 0", (-(w.abs() + 0.01), 4, False)),
-        ("symmetric, the largest weight is negative", (negative_outlier, 4, True)),
-        ("min = -max: the top code is clamped to the grid", (even, 4, False)),
-        ("min = -max: the zero point comes from the fp16 scale", (wide, 4, False)),
-        ("all zero: scale 1, every code is the zero point", (torch.zeros(32), 4, False)),
-        ("8 bits, symmetric", (w, 8, True)),
-        ("3 bits, asymmetric", (w[:32], 3, False)),
+    groups = [  # label, arguments, what the case tests (its hint)
+        ("64 weights, 4 bits, asymmetric", (w, 4, False),
+         "the plain asymmetric grid: scale (hi - lo) / 15 from the range widened to include 0, zero = round(-lo / "
+         "scale); if only w_hat is off, look at the dequantization (codes as float32 before subtracting the zero)"),
+        ("64 weights, 4 bits, symmetric", (w, 4, True),
+         "the symmetric grid: the scale comes from the largest |w| over 2^(bits-1) - 1 = 7 levels, and the zero "
+         "point is fixed at 2^(bits-1) = 8, whatever the weights are"),
+        ("one large outlier stretches the grid", (outlier, 4, False),
+         "one weight of 0.3 among weights of about 0.02: the scale must follow the outlier, so most weights share "
+         "a few codes near the zero point; check that hi is the group's true maximum"),
+        ("all positive: the range still includes 0, so zero = 0", (w.abs() + 0.01, 4, False),
+         "every weight is positive, so lo = min(w_min, 0) is 0 and the zero point is 0: a grid from w_min to "
+         "w_max, without 0, is what this case catches"),
+        ("all negative: the range still includes 0", (-(w.abs() + 0.01), 4, False),
+         "every weight is negative, so hi = max(w_max, 0) is 0 and the zero point is the top code, 15"),
+        ("symmetric, the largest weight is negative", (negative_outlier, 4, True),
+         "the largest weight in size is -0.3: a symmetric scale must use the largest absolute value, not the "
+         "largest value"),
+        ("min = -max: the top code is clamped to the grid", (even, 4, False),
+         "the fp16 scale rounds down here, so the largest weight rounds one code past 15: the codes must be "
+         "clamped to 0..2^bits - 1 before they are made uint8"),
+        ("min = -max: the zero point comes from the fp16 scale", (wide, 4, False),
+         "the fp16 scale rounds up here, and the zero point differs by one depending on which scale divides "
+         "-lo: use the scale after rounding it to fp16, the one that is stored"),
+        ("all zero: scale 1, every code is the zero point", (torch.zeros(32), 4, False),
+         "a group of zeros has a range of 0 and a scale of 0: dividing by it gives NaN; the spec replaces a scale "
+         "of 0 by 1"),
+        ("8 bits, symmetric", (w, 8, True),
+         "8 bits: 255 levels, a scale over 127 and a zero point of 128; a number 4, 7, 8 or 15 written into the "
+         "function instead of computed from bits fails here"),
+        ("3 bits, asymmetric", (w[:32], 3, False),
+         "3 bits: 8 levels, codes 0..7: the level count and the clamp must come from bits, not be fixed at 4"),
     ]
-    return [Case(label, args, reference_group(*args), rtol=1e-6, atol=1e-8, numbers_as_tensors=True)
-            for label, args in groups]
+    return [Case(label, args, reference_group(*args), rtol=1e-6, atol=1e-8, numbers_as_tensors=True, hint=hint)
+            for label, args, hint in groups]
 
 
 def _expect(got: Any, expected: torch.Tensor, what: str) -> None:
@@ -79,8 +99,16 @@ def _packing_cases() -> list[Scenario]:
         _raises(lambda: packer.pack(torch.zeros(2, 3, dtype=torch.uint8)), "pack of rows of 3 codes (6 in all)")
         _raises(lambda: packer.pack(torch.tensor([1, 16], dtype=torch.uint8)), "pack of a code above 15")
 
-    return [Scenario("known bytes, both ways", known), Scenario("a matrix, there and back", round_trip),
-            Scenario("what does not fit is refused", refuses)]
+    return [Scenario("known bytes, both ways", known,
+                     hint="four codes into two bytes and back, worked out by hand: the code at the even position "
+                          "goes in the low 4 bits, the next one in the high 4 bits (0x21 holds 1 low and 2 high)"),
+            Scenario("a matrix, there and back", round_trip,
+                     hint="[5, 64] codes, packed row by row along the last dimension, then unpacked: the result "
+                          "keeps the leading dimensions, and pack must not change the tensor it was given"),
+            Scenario("what does not fit is refused", refuses,
+                     hint="an odd number of codes in a row, or a code of 16 or more, cannot be packed two to a "
+                          "byte: check the last dimension (not the total count) and the largest code, and raise "
+                          "ValueError")]
 
 
 class SealedQuantLinear(QuantLinear):
@@ -102,19 +130,29 @@ def sealed_layer(out_features: int, in_features: int, scheme: Scheme, seed: int
 
 def _forward_cases() -> list[Case]:
     generator = torch.Generator().manual_seed(8)
-    layers = [
-        ("INT4 g32 asymmetric, x [3, 64]", sealed_layer(16, 64, Scheme(4, 32), 1), (3, 64)),
+    layers = [  # label, (sealed layer, unsealed layer), x's shape, what the case tests (its hint)
+        ("INT4 g32 asymmetric, x [3, 64]", sealed_layer(16, 64, Scheme(4, 32), 1), (3, 64),
+         "two groups of 32 per row, each with its own scale and zero point: unpack the codes, then subtract each "
+         "group's zero point and multiply by its scale before the matmul"),
         ("INT4 g64 symmetric (no stored zeros), x [2, 5, 128]", sealed_layer(24, 128, Scheme(4, 64, True), 2),
-         (2, 5, 128)),
-        ("INT4 g128 asymmetric, one token", sealed_layer(40, 256, Scheme(4, 128), 3), (1, 1, 256)),
-        ("INT8 per-channel symmetric: codes not packed", sealed_layer(8, 96, Scheme(8, None, True), 4), (4, 96)),
-        ("x in bfloat16: the output in bfloat16 too", sealed_layer(16, 64, Scheme(4, 32), 5), (3, 64)),
+         (2, 5, 128),
+         "a symmetric layer stores no zero points (layer.zeros is None): every group's zero point is "
+         "2^(bits-1); x has two leading dimensions, which the output keeps"),
+        ("INT4 g128 asymmetric, one token", sealed_layer(40, 256, Scheme(4, 128), 3), (1, 1, 256),
+         "a group size other than the first case's: read it from the shapes (in / layer.scales.shape[1]) rather "
+         "than fixing it"),
+        ("INT8 per-channel symmetric: codes not packed", sealed_layer(8, 96, Scheme(8, None, True), 4), (4, 96),
+         "8 bits: layer.packed holds the codes themselves, one per byte, not to be unpacked; per channel, one "
+         "group spans the whole row (layer.scheme.group_size is None, layer.scales is [out, 1])"),
+        ("x in bfloat16: the output in bfloat16 too", sealed_layer(16, 64, Scheme(4, 32), 5), (3, 64),
+         "the scales are fp16 and x is bfloat16: the output must come back in x's dtype"),
     ]
     cases = []
-    for label, (sealed, layer), shape in layers:
+    for label, (sealed, layer), shape, hint in layers:
         x = torch.randn(shape, generator=generator).to(torch.bfloat16 if "bfloat16" in label else torch.float32)
         loose = x.dtype == torch.bfloat16
-        cases.append(Case(label, (sealed, x), layer(x), rtol=1e-2 if loose else 1e-5, atol=1e-2 if loose else 1e-5))
+        cases.append(Case(label, (sealed, x), layer(x), rtol=1e-2 if loose else 1e-5, atol=1e-2 if loose else 1e-5,
+                          hint=hint))
     return cases
 
 
@@ -140,7 +178,8 @@ EXERCISES = [
         cases=_forward_cases,
         recipe="codes = unpack_int4(layer.packed) for 4 bits (layer.packed itself for 8); zeros = layer.zeros, or "
              "2**(bits-1) everywhere when it is None. Make the codes x's dtype before subtracting (uint8 arithmetic "
-             "wraps around). Reshape codes to [out, groups, group_size], subtract the "
+             "wraps around). groups = layer.scales.shape[1], group size = in / groups (per channel: one group, "
+             "the whole row). Reshape codes to [out, groups, group size], subtract the "
              "zeros and multiply by the scales (both [out, groups, 1]), reshape back to [out, in] and return "
              "F.linear(x, weight) in x's dtype.",
     ),

@@ -34,17 +34,30 @@ def _online_cases() -> list[Case | Scenario]:
     masked = scores[:, 16:].masked_fill(torch.rand(4, 8, generator=generator) < 0.5, -math.inf)
     cases: list[Case | Scenario] = [
         Case("the first tile, from m = -inf, l = 0, acc = 0", (*_fresh(4, 8), scores[:, :8], values[:8]), first,
-             rtol=1e-5, atol=1e-6),
+             rtol=1e-5, atol=1e-6,
+             hint="from the empty state the factor exp(m - m_new) is exp(-inf) = 0, so m, l and acc are the tile's "
+                  "own: its row maximum, the sum of exp(scores - that maximum), and those weights times values; "
+                  "a NaN here comes from -inf - (-inf), taken where it should not be"),
         Case("a tile with larger scores: the running sum and output are rescaled", (*first, larger, values[8:16]),
-             online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6),
+             online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6,
+             hint="every row's maximum grows here: l and acc were summed as exp(s - old m) and must be multiplied by "
+                  "exp(old m - new m) before the tile's terms are added, or the old tiles weigh too much"),
         Case("a tile with smaller scores: the maximum stays", (*first, scores[:, 8:16] - 5, values[8:16]),
-             online_softmax_update(*first, scores[:, 8:16] - 5, values[8:16]), rtol=1e-5, atol=1e-6),
+             online_softmax_update(*first, scores[:, 8:16] - 5, values[8:16]), rtol=1e-5, atol=1e-6,
+             hint="the running maximum is the larger of the old m and the tile's maximum, not the tile's maximum "
+                  "alone; the tile's weights p are taken against that running maximum"),
         Case("masked scores (-inf) add nothing", (*first, masked, values[16:]),
-             online_softmax_update(*first, masked, values[16:]), rtol=1e-5, atol=1e-6),
+             online_softmax_update(*first, masked, values[16:]), rtol=1e-5, atol=1e-6,
+             hint="half the scores are -inf: exp(-inf - m) is 0, so they must add nothing to l or acc; replacing "
+                  "-inf by a finite number, or a NaN from a row whose every score is masked, fails here"),
     ]
     row, row_values = torch.randn(3, 40, generator=generator) * 10, torch.randn(40, 5, generator=generator)
     cases += [Scenario(f"a whole row of 40 scores folded {width} keys at a time equals softmax(s) v",
-                       partial(lambda width, fn: _fold_all(fn, row, row_values, width), width))
+                       partial(lambda width, fn: _fold_all(fn, row, row_values, width), width),
+                       hint=f"tiles of {width} keys folded one after another"
+                            f"{f', the last one {40 % width} wide' if 40 % width else ''}: if the single steps pass "
+                            "but this fails, what you return is not the state the next call needs (the order "
+                            "m, l, acc, or l and acc normalised early)")
               for width in (8, 16)]
     return cases
 
@@ -77,17 +90,27 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
 
 
 def _kernel_cases() -> list[Scenario]:
-    runs = [
-        ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False),
-        ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True),
-        ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True),
-        ("fp16 inputs, causal, 2 heads per KV head", (1, 4, 2, 24, 24, 32), True),
+    runs = [  # label, (batch, heads, kv_heads, queries, keys, head dim), causal, what the run tests (its hint)
+        ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
+         "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
+         "loads (other=0.0), and the running state must be carried from one tile to the next"),
+        ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True,
+         "causal: a key later than the query's position must be -inf, in the tiles on the diagonal, which are "
+         "partly masked even where they lie inside S"),
+        ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True,
+         "the queries are the last 20 of 45 positions: compare keys with position (rows + S - T), not with the "
+         "row index; the head of 48 is padded to a block of 64, so dims past HEAD_DIM must be masked"),
+        ("fp16 inputs, causal, 2 heads per KV head", (1, 4, 2, 24, 24, 32), True,
+         "fp16 keys and values: the weights p are float32, so they must be cast to the values' dtype for "
+         "tl.dot(p, v), while the sums stay in float32"),
         ("K laid out [batch, keys, heads, 64] and cut to head dim 48: other strides than V's", (1, 4, 2, 20, 37, 48),
-         True),
+         True,
+         "K's token stride differs from V's and K holds NaN past the head's 48 dims: use stride_kt for keys and "
+         "stride_vt for values, and mask the key load to dims < HEAD_DIM"),
     ]
     return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal, padded_k="K laid out" in label,
-                                    dtype=torch.float16 if "fp16" in label else torch.float32))
-            for label, shape, causal in runs]
+                                    dtype=torch.float16 if "fp16" in label else torch.float32), hint=hint)
+            for label, shape, causal, hint in runs]
 
 
 EXERCISES = [
