@@ -10,6 +10,7 @@
   that a plain sliding window (no sinks) breaks down once the first tokens leave it: softmax
   must put its weight somewhere, and trained models park much of it on the first tokens,
   whatever those say.
+  ``attention_on_first`` measures how much attention a model's queries give its first tokens.
 - Fewer bits: each key and value vector x (one token, one KV head) is stored as int8 with one
   fp32 scale:
 
@@ -31,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention, forward_tokens
+from labkit.model import (AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention,
+                          causal_mask, forward_tokens)
 from labkit.validate import check_positions
 
 INT8_MAX = 127
@@ -129,6 +131,45 @@ class SinkCache:
     def nbytes(self) -> int:
         """Bytes of keys and values held now, over all layers."""
         return sum(t.nbytes for t in self.k + self.v)
+
+
+class _FirstTokensProbe:
+    """For one forward pass without a cache: causal attention written out, each layer's softmax
+    weights kept long enough to sum those on the first ``first`` keys."""
+
+    def __init__(self, first: int) -> None:
+        self.first, self.mass = first, []
+
+    def plan(self, positions: Tensor) -> AttentionPlan:
+        return AttentionPlan(self, positions)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
+        batch, heads, length, dim = q.shape
+        grouped = q.view(batch, k.shape[1], heads // k.shape[1], length, dim)  # the query heads of each KV head
+        scores = grouped @ k[:, :, None].transpose(-2, -1) / math.sqrt(dim)  # [B, kv, group, T, T]
+        allowed = causal_mask(plan.positions, plan.positions)[:, :, None]  # [B, 1, 1, T, T]
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        self.mass.append(weights[..., :self.first].sum(dim=-1).mean(dim=(0, 1, 2)))  # [T]
+        return (weights @ v[:, :, None]).reshape(batch, heads, length, dim)
+
+
+def attention_on_first(model: Transformer, tokens: Tensor, first: int = 4) -> Tensor:
+    """``[n_layers, T]``: the share of its attention (summed softmax weights) that the query at each
+    position gives the first ``first`` tokens, in each layer, averaged over the query heads and the
+    rows of ``tokens`` ``[B, T]`` (or one sequence ``[T]``). Spread evenly over the p + 1 tokens it
+    sees, a query at position p would give them min(first, p + 1) / (p + 1); an attention sink
+    shows as a share far above that, and stays high however long the text."""
+    tokens = torch.as_tensor(tokens, device=model.device)
+    tokens = tokens[None] if tokens.dim() == 1 else tokens
+    if tokens.dim() != 2 or tokens.shape[1] < 1:
+        raise ValueError(f"tokens must be [T] or [batch, T] with T >= 1, got shape {tuple(tokens.shape)}")
+    if first < 1:
+        raise ValueError(f"first={first} must be at least 1")
+    probe = _FirstTokensProbe(first)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    with torch.no_grad():
+        model(tokens, plan=probe.plan(positions))
+    return torch.stack(probe.mass).cpu()
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:

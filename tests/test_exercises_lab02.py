@@ -1,9 +1,10 @@
 """Exercises of notebook 02: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from labkit.check import FAILED, run_cases
+from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
 
@@ -16,11 +17,13 @@ def test_lab02_plausible_mistakes_fail():
     query_heads = lambda layers, heads, kv, dim, tokens, batch, dtype: 2 * layers * heads * dim * tokens * batch * size[dtype]
     result = run_cases(get("ex02.1"), query_heads)  # right only where the model is MHA
     assert result.status == FAILED and 0 < result.passed < result.total
+    assert "Which of the two head counts" in result.message  # the GQA case's own hint
 
     def no_mask(q, k, v):  # attends to the future too
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        batch, heads, length, dim = q.shape
+        grouped = q.view(batch, k.shape[1], heads // k.shape[1], length, dim)
+        weights = (grouped @ k[:, :, None].transpose(-2, -1) / math.sqrt(dim)).softmax(-1)
+        return (weights @ v[:, :, None]).reshape(q.shape)
     result = run_cases(get("ex02.2"), no_mask)
     assert result.status == FAILED and result.passed == 1  # only the one-token case passes
 
@@ -41,3 +44,55 @@ def test_lab02_plausible_mistakes_fail():
 
     all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
     assert run_cases(get("ex02.3"), all_memory).status == FAILED
+
+
+def _causal(q, k, v):
+    """Causal attention of q over k and v of the same heads (or k and v broadcast over a group axis)."""
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    future = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def _grouped_views(q, k, v):  # the text's way, with expand
+    batch, heads, length, dim = q.shape
+    shape = (batch, k.shape[1], heads // k.shape[1], length, dim)
+    return _causal(q.view(shape), k[:, :, None].expand(shape), v[:, :, None].expand(shape)).reshape(q.shape)
+
+
+def _copies(copy):
+    """Right values, reached by copying every KV head once per query head with ``copy(x, group)``."""
+    return lambda q, k, v: _causal(q, copy(k, q.shape[1] // k.shape[1]), copy(v, q.shape[1] // k.shape[1]))
+
+
+def test_ex02_2_views_pass():
+    assert run_cases(get("ex02.2"), _grouped_views).status == PASSED
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert run_cases(get("ex02.2"), sdpa).status == PASSED  # fused: no copy in the student's code
+
+
+@pytest.mark.parametrize("copy, name", [
+    (lambda x, group: x.repeat_interleave(group, 1), "repeat_interleave"),
+    (lambda x, group: torch.cat([x[:, :, None]] * group, 2).flatten(1, 2), "cat"),
+    (lambda x, group: x[:, :, None].expand(-1, -1, group, -1, -1).reshape(x.shape[0], -1, *x.shape[2:]), "reshape"),
+    (lambda x, group: x[:, torch.arange(x.shape[1] * group) // group], "__getitem__"),
+])
+def test_ex02_2_copying_the_kv_heads_fails_though_the_values_are_right(copy, name):
+    result = run_cases(get("ex02.2"), _copies(copy))
+    assert result.status == FAILED and result.passed >= 1  # the MHA case has nothing to copy
+    assert f"the result is right, but {name} made a tensor from k alone" in result.message, result.message
+    assert "the text asks for views: expand" in result.message and "repeat_interleave, repeat" in result.message
+
+
+def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
+    assert all(type(case.expected) is int for case in get("ex02.3").cases())
+    floored = lambda memory, utilization, weights, per_sequence: (
+        max(0.0, (utilization * memory - weights) // per_sequence))
+    result = run_cases(get("ex02.3"), floored)
+    assert result.status == FAILED and "expected a whole number, an int" in result.message, result.message
+    rounded = lambda memory, utilization, weights, per_sequence: (
+        max(0, round((utilization * memory - weights) / per_sequence)))
+    assert run_cases(get("ex02.3"), rounded).status == FAILED  # rounds up where a part of a sequence is left
+    negative = lambda memory, utilization, weights, per_sequence: int((utilization * memory - weights) // per_sequence)
+    result = run_cases(get("ex02.3"), negative)
+    assert result.status == FAILED and "never a negative count" in result.message
+

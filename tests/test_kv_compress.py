@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, stream
-from labkit.kv_compress import Int8KVCache, SinkCache, cached_perplexity, dequantize_int8, quantize_int8
+from labkit.kv_compress import (Int8KVCache, SinkCache, attention_on_first, cached_perplexity, dequantize_int8,
+                                quantize_int8)
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, attention
 
 
@@ -189,3 +190,44 @@ def test_perplexity_input_errors():
         cached_perplexity(model, _tokens(5, batch=2), ContiguousKVCache(model.config, 2))
     with pytest.raises(ValueError, match="chunk=0 must be at least 1"):
         cached_perplexity(model, [5, 6], ContiguousKVCache(model.config, 1), chunk=0)
+
+
+
+def test_attention_on_first_sums_the_softmax_weights_a_hand_computation_gives():
+    from labkit.model import apply_rope
+
+    model, first = random_model(8, 2, seed=3), 3
+    tokens = _tokens(12, seed=3, batch=2)
+    c, (batch, length) = model.config, tokens.shape
+    with torch.no_grad():  # layer 0's attention weights by hand, each query head against its KV head repeated
+        heads = model.blocks[0].attn.wqkv(model.blocks[0].attn_norm(model.embed(tokens)))
+        heads = heads.view(batch, length, -1, c.head_dim).transpose(1, 2)
+        qk = apply_rope(heads[:, :c.n_heads + c.n_kv_heads], *model.rotary(torch.arange(length).expand(batch, -1)))
+        q, k = qk[:, :c.n_heads], qk[:, c.n_heads:].repeat_interleave(c.n_heads // c.n_kv_heads, 1)
+        future = torch.ones(length, length, dtype=torch.bool).triu(1)
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(c.head_dim)).masked_fill(future, float("-inf")).softmax(-1)
+    mass = attention_on_first(model, tokens, first=first)
+    assert mass.shape == (c.n_layers, length)
+    torch.testing.assert_close(mass[0], weights[..., :first].sum(-1).mean(dim=(0, 1)))
+    torch.testing.assert_close(mass[:, :first], torch.ones(c.n_layers, first))  # the first queries see only them
+    torch.testing.assert_close(attention_on_first(model, tokens, first=length), torch.ones(c.n_layers, length))
+    more = attention_on_first(model, tokens[0], first=first + 2)  # one sequence; two more first tokens
+    assert torch.all(more >= attention_on_first(model, tokens[0], first))
+
+
+def test_the_first_tokens_probe_leaves_the_model_output_unchanged():
+    from labkit.kv_compress import _FirstTokensProbe
+
+    model, tokens = random_model(8, 2, seed=4), _tokens(10, seed=4, batch=2)
+    with torch.no_grad():
+        probed = model(tokens, plan=_FirstTokensProbe(2).plan(torch.arange(10).expand(2, -1)))
+        torch.testing.assert_close(probed, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, first, message", [
+    (torch.zeros(2, 3, 4, dtype=torch.long), 2, "must be \\[T\\] or \\[batch, T\\]"),
+    (torch.zeros(5, dtype=torch.long), 0, "first=0 must be at least 1"),
+])
+def test_attention_on_first_refuses_bad_input(tokens, first, message):
+    with pytest.raises(ValueError, match=message):
+        attention_on_first(random_model(4, 4, seed=0), tokens, first)
