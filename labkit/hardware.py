@@ -8,7 +8,9 @@ and memory bandwidth W (bytes/s) it can run at most at
 
 Below the ridge point I* = P / W a kernel is memory-bound (more bandwidth helps, more FLOPs
 do not); above it, compute-bound. ``probe`` measures W and P for the device at hand in a
-few seconds: W from a large tensor copy, P from a square matmul.
+few seconds: W from a large tensor copy, P from a square matmul. Each is timed several times
+and the fastest run counts: other programs only ever slow a run down, never speed it up, so the
+best run is the estimate of what the machine can do (a median drops whenever the machine is busy).
 """
 from __future__ import annotations
 
@@ -47,14 +49,18 @@ def matmul_flops(m: int, n: int, k: int) -> int:
     return 2 * m * n * k
 
 
-def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float) -> float:
-    """Bytes moved by (m x k) @ (k x n) if each operand and the result cross memory once."""
-    return bytes_per_element * (m * k + k * n + m * n)
+def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float, *, weight_bytes: float | None = None) -> float:
+    """Bytes moved by (m x k) @ (k x n) if each operand and the result cross memory once;
+    ``weight_bytes``, when given, is the bytes per element of the weights B (k x n) stored in
+    another format (int4: 0.5) than the activations A and the output C."""
+    weight_bytes = bytes_per_element if weight_bytes is None else weight_bytes
+    return bytes_per_element * (m * k + m * n) + weight_bytes * k * n
 
 
-def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2) -> float:
-    """Arithmetic intensity (FLOP per byte) of (m x k) @ (k x n)."""
-    return matmul_flops(m, n, k) / matmul_bytes(m, n, k, bytes_per_element)
+def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2, *,
+                     weight_bytes: float | None = None) -> float:
+    """Arithmetic intensity (FLOP per byte) of (m x k) @ (k x n); ``weight_bytes`` as in ``matmul_bytes``."""
+    return matmul_flops(m, n, k) / matmul_bytes(m, n, k, bytes_per_element, weight_bytes=weight_bytes)
 
 
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
@@ -79,24 +85,25 @@ def _memory_bytes(device: torch.device) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second of a large copy: each copy reads ``nbytes`` and writes ``nbytes``."""
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 7) -> float:
+    """Bytes per second of a large copy, in its fastest run: each copy reads ``nbytes`` and writes ``nbytes``."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     timing = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=device, label="copy")
-    return 2 * src.numel() * 4 / timing.median_s
+    return 2 * src.numel() * 4 / timing.min_s
 
 
-def measure_matmul_rate(device: torch.device, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP per second of an n x n by n x n matmul in ``dtype``."""
+def measure_matmul_rate(device: torch.device, n: int, dtype: torch.dtype, repeats: int = 7) -> float:
+    """FLOP per second of an n x n by n x n matmul in ``dtype``, in its fastest run."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     timing = measure(lambda: a @ b, warmup=2, repeats=repeats, device=device, label="matmul")
-    return matmul_flops(n, n, n) / timing.median_s
+    return matmul_flops(n, n, n) / timing.min_s
 
 
 def probe(device: torch.device | str | None = None) -> Hardware:
-    """Measure this device's memory bandwidth and matmul rate (a few seconds)."""
+    """Measure this device's memory bandwidth and matmul rate (a few seconds), each from its fastest
+    run: noise only ever slows a run, so the best run is what the machine can do."""
     device = torch.device(device) if device is not None else get_device()
     on_gpu = device.type != "cpu"
     dtype = probe_dtype(device)

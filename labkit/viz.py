@@ -19,9 +19,12 @@ from labkit.hardware import Hardware
 
 
 def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, float]] = (),
-                  intensity_range: tuple[float, float] = (0.1, 1e4), title: str = "Roofline") -> Figure:
+                  intensity_range: tuple[float, float] = (0.1, 1e4), title: str = "Roofline",
+                  achieved: Iterable[tuple[str, float, float]] = ()) -> Figure:
     """Each machine's roofline, log-log, with its ridge point; ``points`` are (label, intensity)
-    kernels drawn as vertical lines. A measured machine is drawn thick and says so."""
+    kernels drawn as vertical lines, labelled in a band above every roof so that no label covers
+    a ridge point; ``achieved`` are (label, intensity, FLOP/s) measured kernels, drawn as stars.
+    A measured machine is drawn thick and says so."""
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
            ylabel="attainable TFLOP/s", title=title)
@@ -31,14 +34,32 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
         label = f"{hw.name} ({'measured' if hw.measured else 'datasheet'}, {hw.dtype})"
         line, = ax.plot(x, y, lw=3 if hw.measured else 1.5, label=label)
         ax.plot(hw.ridge_intensity, hw.peak_flops / 1e12, "o", color=line.get_color())
-    for label, intensity in points:  # labelled at the top: below, measured points may sit on the lines
-        ax.axvline(intensity, color="grey", ls=":", lw=1)
-        ax.text(intensity, 0.97, label, transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
-                fontsize=8, bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
+    for label, intensity, flops in achieved:
+        ax.plot(intensity, flops / 1e12, "*", ms=14, color="black")
+        ax.annotate(label, (intensity, flops / 1e12), xytext=(10, -4), textcoords="offset points", fontsize=8,
+                    bbox=dict(fc="white", ec="none", alpha=0.8))
+    _label_above_the_roofs(ax, sorted(points, key=lambda point: point[1]))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: points go on them
     fig.tight_layout()
     return fig
+
+
+def _label_above_the_roofs(ax: Axes, points: Sequence[tuple[str, float]], row: float = 0.065) -> None:
+    """Vertical lines at the points' intensities, their labels one per row in a band that the
+    y axis grows by, above the highest roof: clear of every ridge point and of each other."""
+    if not points:
+        return
+    band = row * len(points)  # the top fraction of the axes' height
+    low, high = np.log10(ax.get_ylim())
+    ax.set_ylim(10 ** low, 10 ** (low + (high - low) / (1 - band)))
+    left, right = np.log10(ax.get_xlim())
+    for i, (label, intensity) in enumerate(points):
+        ax.axvline(intensity, color="grey", ls=":", lw=1)
+        on_the_right = (np.log10(intensity) - left) / (right - left) > 0.5  # the text runs towards the middle
+        ax.text(intensity, 1 - band + (i + 0.5) * row, f" {label} ", transform=ax.get_xaxis_transform(),
+                va="center", ha="right" if on_the_right else "left", fontsize=8,
+                bbox=dict(fc="white", ec="none", alpha=0.8, pad=1))
 
 
 PALETTE = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # greys mean cached or idle

@@ -1,47 +1,113 @@
 """Exercises of notebook 01: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
+from labkit.generate import SamplingParams, stream
+from labkit.model import ContiguousKVCache
 
 
-def test_lab01_plausible_mistakes_fail():
-    import math
+def failure(ex_id, fn):
+    """The result of a check that must fail, and the hint of the case it failed on."""
+    result = run_cases(get(ex_id), fn)
+    assert result.status == FAILED, result.verdict()
+    case = next(c for c in get(ex_id).cases() if c.label == result.failed_case)
+    assert case.hint in result.message
+    return result, case.hint
 
-    from labkit.generate import SamplingParams, stream
 
-    textbook = lambda p, n: (n * p + n * (n + 1) // 2, p + n)  # feeds the last token back in
-    assert run_cases(get("ex01.1"), textbook).status == FAILED
+def test_ex01_1_counts_are_ints_and_a_float_answer_fails():
+    assert all(type(v) is int for case in get("ex01.1").cases() for v in case.expected)
+    divides = lambda p, n: (n * p + n * (n - 1) / 2, p + n - 1)  # / where // was meant
+    result, _ = failure("ex01.1", divides)
+    assert "naive: expected a whole number, an int (5950), got float 5950.0" in result.message, result.message
 
-    def tiled_heads(q, k_new, v_new, k_cache, v_cache):  # KV head j % kv serves query head j: wrong
-        keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
-        group = q.shape[1] // keys.shape[1]
-        scores = q @ keys.repeat(1, group, 1, 1).transpose(-2, -1) / math.sqrt(q.shape[-1])
-        return scores.softmax(-1) @ values.repeat(1, group, 1, 1), keys, values
-    result = run_cases(get("ex01.2"), tiled_heads)
-    assert result.status == FAILED and 0 < result.passed < result.total  # MHA and MQA cases still pass
 
+@pytest.mark.parametrize("slip", [
+    lambda p, n: (n * p + n * (n + 1) // 2, p + n),  # the textbook: feeds the last token back in
+    lambda p, n: (n * p + n * (n - 1) // 2, p + n),  # the cached loop feeds the last token back in
+])
+def test_ex01_1_feeding_the_last_token_back_gets_the_hint_about_the_last_token(slip):
+    result, hint = failure("ex01.1", slip)
+    assert "never fed back" in hint and "6,050 and 110" in hint
+    assert "naive" in result.message or "cached: expected 109, got 110" in result.message
+
+
+def test_ex01_2_plausible_mistakes_get_the_hint_of_what_they_got_wrong():
+    def attend(scale, spread):
+        def step(q, k_new, v_new, k_cache, v_cache):
+            keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+            keys, values = spread(keys, q.shape[1] // keys.shape[1]), spread(values, q.shape[1] // keys.shape[1])
+            return (q @ keys.transpose(-2, -1) * scale(q)).softmax(-1) @ values, keys[:, ::1], values
+        return step
+    interleave = lambda x, g: x.repeat_interleave(g, dim=1)
+    tiled = lambda x, g: x.repeat(1, g, 1, 1)  # KV head j % kv serves query head j: wrong
+    right_scale, no_scale = (lambda q: 1 / math.sqrt(q.shape[-1])), (lambda q: 1.0)
+
+    result, hint = failure("ex01.2", attend(right_scale, tiled))
+    assert 0 < result.passed < result.total and "GQA" in result.failed_case and "consecutive blocks" in hint
+    result, hint = failure("ex01.2", attend(no_scale, interleave))
+    assert "MHA" in result.failed_case and "1/sqrt(head_dim)" in hint
+
+    def forgets_to_append(q, k_new, v_new, k_cache, v_cache):
+        out, _, _ = get_reference()(q, k_new, v_new, k_cache, v_cache)
+        return out, k_cache, v_cache
+    result, _ = failure("ex01.2", forgets_to_append)
+    assert "k_cache: " in result.message and "torch.Size([1, 4, 8, 16])" in result.message, result.message
+
+
+def get_reference():
+    from labkit.exercises.lab01 import reference_attention_step
+    return reference_attention_step
+
+
+def loop(call=lambda m, t, p, c: m(t, plan=c.plan(p)), first_decode_position=0, feed_last_back=False, room=-1):
+    """The solution's loop, with one thing written another way: the forward call, where the
+    decode positions start (0: at P), whether the last token is fed back, the cache's room."""
+    def cached_generate(model, prompt, new_tokens):
+        cache, generated = ContiguousKVCache(model.config, 1, len(prompt) + new_tokens + room), []
+        tokens, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+        with torch.no_grad():
+            for step in range(new_tokens + feed_last_back):
+                logits = call(model, tokens, positions, cache)[0, -1]
+                if len(generated) < new_tokens:
+                    generated.append(int(logits.argmax()))
+                position = len(prompt) + step + first_decode_position
+                tokens, positions = torch.tensor([[generated[-1]]]), torch.tensor([[position]])
+        return generated
+    return cached_generate
+
+
+def test_ex01_3_the_solution_passes_with_a_cache_of_p_plus_n_minus_1_positions():
+    assert run_cases(get("ex01.3"), loop()).status == PASSED
+
+
+def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
     def naive(model, prompt, new_tokens):  # right tokens, no cache
         return list(stream(model, prompt, SamplingParams(new_tokens, stop_at_eos=False), use_cache=False))
-    result = run_cases(get("ex01.3"), naive)
-    assert result.status == FAILED and "cached generation runs" in result.message
+    result, hint = failure("ex01.3", naive)
+    assert "cached generation runs" in result.message and "the prompt goes in once" in hint
 
-    from labkit.model import ContiguousKVCache
+    result, hint = failure("ex01.3", loop(feed_last_back=True, room=0))  # one call too many
+    assert "ran 15 tokens in calls of [3, 1, 1, 1, 1, '...']" in result.message, result.message
+    assert "never fed back" in hint
 
-    def through(call):  # the solution's loop, with the forward call written another way
-        def cached_generate(model, prompt, new_tokens):
-            cache, generated = ContiguousKVCache(model.config, 1, len(prompt) + new_tokens), []
-            tokens, positions = torch.tensor([prompt]), torch.arange(len(prompt))[None]
-            with torch.no_grad():
-                for step in range(new_tokens):
-                    generated.append(int(call(model, tokens, positions, cache)[0, -1].argmax()))
-                    tokens, positions = torch.tensor([[generated[-1]]]), torch.tensor([[len(prompt) + step]])
-            return generated
-        return cached_generate
-    assert run_cases(get("ex01.3"), through(lambda m, t, p, c: m(t, plan=c.plan(p)))).status == PASSED
-    for call, says in [(lambda m, t, p, c: m(t, p, c), "cache.plan(positions), not a ContiguousKVCache"),
-                       (lambda m, t, p, c: m(t, p, c.plan(p)), "a plan carries its positions")]:
-        result = run_cases(get("ex01.3"), through(call))
-        assert result.status == FAILED and says in result.message, result.message
+    result, hint = failure("ex01.3", loop(first_decode_position=1, room=0))  # decode starts at P + 1
+    assert "next position (P, P+1, ...)" in hint, result.message
+
+    result, hint = failure("ex01.3", loop(room=-2))  # a cache one position short
+    assert "does not fit a cache of max_len=13" in result.message and "never fed back" in hint, result.message
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m, t, p, c: m(t, p, c), "cache.plan(positions), not a ContiguousKVCache"),
+    (lambda m, t, p, c: m(t, p, c.plan(p)), "a plan carries its positions"),
+])
+def test_ex01_3_the_forward_call_written_wrongly_is_explained(call, says):
+    result = run_cases(get("ex01.3"), loop(call))
+    assert result.status == FAILED and says in result.message, result.message

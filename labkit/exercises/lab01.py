@@ -14,14 +14,25 @@ from labkit.model import ModelConfig, Transformer
 
 
 def _tokens_cases() -> list[Case]:
+    never_fed_back = "the last new token is never fed back in"
     sizes = [
-        ("the textbook example: 10-token prompt, 100 new tokens", (10, 100)),
-        ("one new token: a single forward pass of the prompt", (7, 1)),
-        ("a one-token prompt", (1, 50)),
-        ("16-token prompt, 512 new tokens", (16, 512)),
-        ("long prompt, few new tokens", (2000, 3)),
+        ("the textbook example: 10-token prompt, 100 new tokens", (10, 100),
+         "Demo 2's counters ran this very example: compare with them. The often-quoted 6,050 and 110 assume that "
+         "step i already holds the token it is about to produce, and feed the last one back; but the first call runs "
+         f"the prompt alone, and {never_fed_back}"),
+        ("one new token: a single forward pass of the prompt", (7, 1),
+         f"one new token takes one forward call of the 7 prompt tokens alone, in either loop: {never_fed_back}, so "
+         "nothing else runs"),
+        ("a one-token prompt", (1, 50),
+         "with P = 1 the naive calls run 1, 2, ..., up to the tokens of the last call: check where your sum starts "
+         f"and where it stops ({never_fed_back})"),
+        ("16-token prompt, 512 new tokens", (16, 512),
+         "many new tokens: the part that grows as N squared dominates; an off-by-one in where the sum over steps "
+         "stops, or a division that leaves a float, shows here"),
+        ("long prompt, few new tokens", (2000, 3),
+         "a long prompt: the naive loop runs the whole prompt again in each of its N calls, the cached loop only once"),
     ]
-    return [Case(label, args, tokens_processed(*args)) for label, args in sizes]
+    return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes]
 
 
 def reference_attention_step(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
@@ -33,19 +44,28 @@ def reference_attention_step(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: T
 
 
 def _attention_cases() -> list[Case]:
-    shapes = [  # batch, query heads, KV heads, cached tokens, head_dim
-        ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16)),
-        ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32)),
-        ("MQA: 6 query heads share 1 KV head", (1, 6, 1, 9, 8)),
-        ("empty cache: the first token attends only to itself", (1, 4, 2, 0, 16)),
+    shapes = [  # batch, query heads, KV heads, cached tokens, head_dim, hint
+        ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16),
+         "one KV head per query head, so no sharing yet: check that the new key and value go at the end of the "
+         "sequence axis (dim 2), that you return the caches with them appended, that the scores are scaled by "
+         "1/sqrt(head_dim), and that the softmax runs over the keys (the last axis of the scores), not over the "
+         "single query"),
+        ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32),
+         "query heads 0-3 read KV head 0 and query heads 4-7 read KV head 1: consecutive blocks of g query heads, "
+         "not every other head; and the batch of 2 must stay two independent sequences"),
+        ("MQA: 6 query heads share 1 KV head", (1, 6, 1, 9, 8),
+         "a single KV head serves all 6 query heads: each of them attends over the same keys and values"),
+        ("empty cache: the first token attends only to itself", (1, 4, 2, 0, 16),
+         "with S = 0 the caches have length 0 on the sequence axis: the new token is the only key, its softmax "
+         "weight is 1, so each head's output is its KV head's new value"),
     ]
     generator = torch.Generator().manual_seed(1)
     cases = []
-    for label, (batch, heads, kv_heads, cached, dim) in shapes:
+    for label, (batch, heads, kv_heads, cached, dim), hint in shapes:
         def draw(n_heads: int, length: int) -> Tensor:
             return torch.randn(batch, n_heads, length, dim, generator=generator)
         args = (draw(heads, 1), draw(kv_heads, 1), draw(kv_heads, 1), draw(kv_heads, cached), draw(kv_heads, cached))
-        cases.append(Case(label, args, reference_attention_step(*args), rtol=1e-4, atol=1e-5))
+        cases.append(Case(label, args, reference_attention_step(*args), rtol=1e-4, atol=1e-5, hint=hint))
     return cases
 
 
@@ -73,25 +93,35 @@ def _generate_cases() -> list[Case]:
 
     draft, tokenizer = load("draft", device="cpu")
     runs = [
-        ("MHA random model, 3-token prompt, 12 new tokens", random_model(4, 4, seed=0), [5, 17, 3], 12),
-        ("GQA random model, 1-token prompt, 20 new tokens", random_model(8, 2, seed=1), [42], 20),
-        ("one new token: the prefill alone", random_model(4, 1, seed=2), [1, 2, 3, 4], 1),
-        ("the shipped draft model on Python code", draft, tokenizer.encode("def add(a, b):\n").ids, 24),
+        ("MHA random model, 3-token prompt, 12 new tokens", random_model(4, 4, seed=0), [5, 17, 3], 12,
+         "the prompt goes in once, at positions 0..P-1, and its last logits give the first new token; then each call "
+         "feeds only the newest token, at the next position (P, P+1, ...): N new tokens take N calls, because the "
+         "last new token is never fed back"),
+        ("GQA random model, 1-token prompt, 20 new tokens", random_model(8, 2, seed=1), [42], 20,
+         "a one-token prompt: the prefill is a single token at position 0, and the first decode step's token sits at "
+         "position 1; the cache must have room for every position the model is fed"),
+        ("one new token: the prefill alone", random_model(4, 1, seed=2), [1, 2, 3, 4], 1,
+         "one new token: the argmax of the prefill's last logits is the whole answer, so no decode call may run"),
+        ("the shipped draft model on Python code", draft, tokenizer.encode("def add(a, b):\n").ids, 24,
+         "a trained model on real text, 24 tokens: every token must equal naive greedy generation's; where the first "
+         "one differs, look at that step's input token and position"),
     ]
     cases = []
-    for label, model, prompt, new_tokens in runs:
+    for label, model, prompt, new_tokens, hint in runs:
         params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
         naive = list(stream(model, prompt, params, use_cache=False))
-        cases.append(Case(label, (CountingModel(model), prompt, new_tokens), naive, after=_expect_cached))
+        cases.append(Case(label, (CountingModel(model), prompt, new_tokens), naive, after=_expect_cached, hint=hint))
     return cases
 
 
 EXERCISES = [
     Exercise(
         id="ex01.1", title="Tokens processed, in closed form", points=1, function="tokens_processed",
-        cases=_tokens_cases,
-        recipe="Naive step i (from 0) runs the prompt plus the i tokens generated so far; cached runs the "
-             "prompt once, then one token per step. The last new token is never fed back in.",
+        cases=_tokens_cases, returns=("naive", "cached"),
+        recipe="Naive step i (i = 0 .. N-1) runs the prompt plus the i tokens generated so far: add P + i over "
+             "those steps (N times P, plus 0 + 1 + ... + (N-1), a sum with a closed form; keep it in integers "
+             "with //). Cached runs the prompt once, then one token per step for each new token but the last, "
+             "which is never fed back in. Return two ints.",
     ),
     Exercise(
         id="ex01.2", title="One cached attention step", points=2, function="cached_attention_step",
@@ -104,9 +134,9 @@ EXERCISES = [
     Exercise(
         id="ex01.3", title="The cached generation loop", points=2, function="cached_generate",
         cases=_generate_cases, timeout_s=120,
-        recipe="Make a ContiguousKVCache(model.config, 1, len(prompt) + new_tokens, device=device). Prefill: run the whole "
-             "prompt at positions 0..P-1, model(tokens, plan=cache.plan(positions)), and take the argmax of the "
-             "last logits. Then feed only the newest token at its position, new_tokens - 1 times; the last "
-             "token is never fed back.",
+        recipe="The cache must hold every position the model is fed: the P prompt tokens and each new token but "
+             "the last (never fed back), so P + N - 1 positions. Prefill: run the whole prompt at positions "
+             "0..P-1 through a plan of the cache and take the argmax of the last position's logits. Then, "
+             "N - 1 times, feed only the newest token at the next position (P, P+1, ...) and take the argmax again.",
     ),
 ]
