@@ -76,3 +76,33 @@ def test_lab03_plausible_mistakes_fail(root):
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
     result = run_cases(get("ex03.4"), unmasked)
     assert result.status == FAILED and 0 < result.passed < result.total
+
+
+def test_lab03_a_failing_case_shows_its_own_hint(root):
+    from labkit.paged_attention import gather_kv
+    solution = define(cells("solutions", root)["ex03.2"], "SimplePool")
+
+    def position_as_slot(block_tables, positions, block_size):  # never looks at the table
+        return positions
+    result = run_cases(get("ex03.1"), position_as_slot)
+    assert result.failed_case == "one sequence, blocks scattered over the pool", result.message
+    assert "skipped the block table" in result.message and "recipe (" not in result.message, result.message
+
+    class IgnoresCounts(solution):  # every block back to the free list, whoever else holds it
+        def free(self, seq_id):
+            for block in self.tables.pop(seq_id):
+                self.ref_count[block] = 0
+                self.free_blocks.append(block)
+    message = run_cases(get("ex03.2"), IgnoresCounts).message
+    assert "only when its last holder lets go" in message, message
+
+    def heads_round_robin(q, k_pool, v_pool, block_tables, lengths):  # .repeat: head h reads KV head h % kv_heads
+        longest, group = int(lengths.max()), q.shape[1] // k_pool.shape[2]
+        keys, values = (gather_kv(pool, block_tables, longest).repeat(1, group, 1, 1) for pool in (k_pool, v_pool))
+        mask = torch.arange(longest)[None] < lengths[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values,
+                                                                attn_mask=mask[:, None, None])[:, :, 0]
+    result = run_cases(get("ex03.4"), heads_round_robin)
+    assert result.failed_case.startswith("GQA") and "heads 0-3 read KV head 0" in result.message, result.message
+    again = run_cases(get("ex03.4"), heads_round_robin, failed_before={result.failed_case: 1}).message
+    assert "recipe (this case failed before)" in again and "repeat_interleave" in again, again

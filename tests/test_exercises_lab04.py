@@ -90,3 +90,41 @@ def test_lab04_plausible_mistakes_fail():
         return metrics
     result = run_cases(get("ex04.3"), tpot_over_all)
     assert result.status == FAILED and "'tpot': expected" in result.message, result.message  # names the key
+
+
+def test_lab04_a_failing_case_shows_its_own_hint():
+    from labkit.engine import preempt_newest
+    from labkit.metrics import request_metrics
+    from labkit.paged import OutOfBlocks
+
+    def ignores_cache(waiting, running, allocator, budget, max_num_seqs):  # schedules the cached prefix again
+        scheduled = []
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            try:
+                allocator.add_sequence(waiting[0].request_id, waiting[0].tokens)
+            except OutOfBlocks:
+                break
+            request = waiting.popleft()
+            request.status = "running"
+            running.append(request)
+            scheduled.append((request, min(len(request.tokens), budget)))
+            budget -= scheduled[-1][1]
+        return scheduled
+    result = run_cases(get("ex04.1"), ignores_cache)
+    assert result.failed_case == "a cached prefix is not run again", result.message
+    assert "count as computed" in result.message, result.message
+
+    def to_the_back(waiting, running, allocator):  # the victim queues behind those already waiting
+        victim = preempt_newest(waiting, running, allocator)
+        waiting.rotate(-1)
+        return victim
+    result = run_cases(get("ex04.2"), to_the_back)
+    assert result.failed_case == "the victim goes to the front of the queue", result.message
+    assert "arrived before them" in result.message, result.message
+
+    def divides_by_zero(arrival, token_times, finish=None):  # no special case for a single token
+        metrics = request_metrics(arrival, token_times, finish)
+        metrics["tpot"] = (metrics["e2e"] - metrics["ttft"]) / (len(token_times) - 1)
+        return metrics
+    result = run_cases(get("ex04.3"), divides_by_zero)
+    assert result.failed_case == "a single token has no TPOT" and "not a division by zero" in result.message

@@ -20,15 +20,25 @@ def _slots_by_hand(tables: list[list[int]], positions: list[list[int]], block_si
 
 
 def _slot_cases() -> list[Case]:
-    runs = [  # block tables (one row per sequence), positions, block size
-        ("one sequence, blocks in order", [[0, 1, 2]], [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 4),
-        ("one sequence, blocks scattered over the pool", [[7, 2, 9]], [[0, 3, 4, 8, 11]], 4),
-        ("a decode step: one position per sequence", [[3, 5], [1, 0]], [[17], [6]], 16),
-        ("padding (-1) stays -1", [[4, 2, 6], [5, 1, 3]], [[8, 9, 10], [2, -1, -1]], 4),
-        ("block size 1: one token per block", [[9, 4, 7, 1]], [[3, 2, 1, 0]], 1),
+    runs = [  # block tables (one row per sequence), positions, block size, what the case tests
+        ("one sequence, blocks in order", [[0, 1, 2]], [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 4,
+         "with the blocks in order 0, 1, 2 every slot equals its position: a failure here is in the formula "
+         "itself, or in the result's shape ([batch, T], like positions) or dtype (integers)"),
+        ("one sequence, blocks scattered over the pool", [[7, 2, 9]], [[0, 3, 4, 8, 11]], 4,
+         "the block of position p is the table's entry number p // block_size, and the entries are not in order "
+         "here: a slot that comes out as the position itself skipped the block table"),
+        ("a decode step: one position per sequence", [[3, 5], [1, 0]], [[17], [6]], 16,
+         "two sequences, two tables: sequence b's position looks up row b of block_tables and no other row"),
+        ("padding (-1) stays -1", [[4, 2, 6], [5, 1, 3]], [[8, 9, 10], [2, -1, -1]], 4,
+         "a position of -1 is padding, not a token: its slot is -1, and -1 must not be used to index the table "
+         "(-1 // block_size is -1, which a lookup refuses or reads as the last entry)"),
+        ("block size 1: one token per block", [[9, 4, 7, 1]], [[3, 2, 1, 0]], 1,
+         "with one token per block the offset is always 0 and the slot is the table's entry p itself: use the "
+         "block_size given, never a fixed one"),
     ]
     return [Case(label, (torch.tensor(tables), torch.tensor(positions), size),
-                 _slots_by_hand(tables, positions, size)) for label, tables, positions, size in runs]
+                 _slots_by_hand(tables, positions, size), hint=hint)
+            for label, tables, positions, size, hint in runs]
 
 
 def _state(pool: Any) -> tuple:
@@ -126,13 +136,27 @@ def _free_a_shared_block(pool_class: Any) -> None:
     _free_all(pool, reference)
 
 
+_RANDOM_POOL = ("random operations, each checked as it happens; the message names the first one that went "
+                "wrong and what it left: replay the operations before it on a small pool by hand, and compare "
+                "free_blocks, ref_count and tables with what they should be")
+
+
 def _allocate_free_cases() -> list[Scenario]:
-    return [Scenario("allocate, then free everything", _play_fixed([("a", 3), ("b", 2), ("a", 1)], 8)),
-            Scenario("allocate 0 blocks: nothing taken", _play_fixed([("a", 2), ("a", 0), ("b", 2)], 4)),
-            Scenario("a block two tables hold stays held when one is freed", _free_a_shared_block),
-            Scenario("asking for more than is free: OutOfBlocks, nothing changed", _play_fixed([("a", 5), ("b", 4)], 8)),
+    return [Scenario("allocate, then free everything", _play_fixed([("a", 3), ("b", 2), ("a", 1)], 8),
+                     hint="the basic bookkeeping: a new sequence gets a table, a second allocate for 'a' adds to "
+                          "its table, and once every sequence is freed every block is free again with count 0"),
+            Scenario("allocate 0 blocks: nothing taken", _play_fixed([("a", 2), ("a", 0), ("b", 2)], 4),
+                     hint="asking for 0 blocks takes none and returns an empty list; watch for expressions that "
+                          "mean something else at n = 0 (a slice [-n:] with n = 0 is the whole list)"),
+            Scenario("a block two tables hold stays held when one is freed", _free_a_shared_block,
+                     hint="a block that two tables hold has count 2: freeing one of them drops the count to 1, "
+                          "and the block is free again only when its last holder lets go"),
+            Scenario("asking for more than is free: OutOfBlocks, nothing changed", _play_fixed([("a", 5), ("b", 4)], 8),
+                     hint="an allocation the pool cannot satisfy raises OutOfBlocks without touching anything: "
+                          "no block taken, no count set, no table created or grown"),
             *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})",
-                       _play_allocate_free(seed, blocks, steps))
+                       _play_allocate_free(seed, blocks, steps), hint=f"allocations (some too large) and frees: "
+                                                                      f"{_RANDOM_POOL}")
               for seed, blocks, steps in [(0, 8, 40), (1, 16, 80), (2, 5, 60)])]
 
 
@@ -210,8 +234,13 @@ def _fork_cases() -> list[Scenario]:
         _copy_on_write(pool, reference, "child", 1)  # now its own: no second copy
         _copy_on_write(pool, reference, "parent", 1)  # the parent's block is its own again too
         _free_all(pool, reference)
-    return [Scenario("fork, then both write the last block", share_then_write),
-            *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})", _play_fork(seed, blocks, steps))
+    return [Scenario("fork, then both write the last block", share_then_write,
+                     hint="after a fork both tables name the same blocks, each held twice; the child's first write "
+                          "copies the shared block, its second finds the block its own (None), and then the "
+                          "parent is the last holder of the old block, so its write copies nothing either"),
+            *(Scenario(f"{steps} random operations on {blocks} blocks (seed {seed})", _play_fork(seed, blocks, steps),
+                       hint="forks of forks, writes and frees, some with no block free (a write into a shared "
+                            f"block must then raise OutOfBlocks and change nothing): {_RANDOM_POOL}")
               for seed, blocks, steps in [(3, 10, 60), (4, 6, 80), (5, 24, 120)])]
 
 
@@ -235,15 +264,24 @@ def _scatter_into_pool(keys: list[Tensor], block_size: int, num_blocks: int,
 
 
 def _attention_cases() -> list[Case]:
-    shapes = [  # query heads, KV heads, head_dim, block size, sequence lengths
-        ("MHA, one sequence filling 3 blocks exactly", 4, 4, 16, 4, [12]),
-        ("GQA (8 query heads, 2 KV heads), lengths not multiples of the block", 8, 2, 32, 4, [5, 13, 1]),
-        ("MQA, block size 1", 6, 1, 8, 1, [7, 3]),
-        ("block size 16, a long and a short sequence", 4, 2, 16, 16, [40, 2]),
+    shapes = [  # query heads, KV heads, head_dim, block size, sequence lengths, what the case tests
+        ("MHA, one sequence filling 3 blocks exactly", 4, 4, 16, 4, [12],
+         "the plainest layout (one sequence, a KV head per query head, no partly filled block): a failure here is "
+         "in reading keys and values through the table (the pools are [num_blocks, block_size, n_kv_heads, "
+         "head_dim]) or in the attention itself (the scale is 1/sqrt(head_dim), the softmax runs over positions)"),
+        ("GQA (8 query heads, 2 KV heads), lengths not multiples of the block", 8, 2, 32, 4, [5, 13, 1],
+         "query heads come in groups that share a KV head (heads 0-3 read KV head 0 here, not heads 0, 2, 4, 6), "
+         "and a sequence's last block is only partly its own: what lies past lengths[b] is noise"),
+        ("MQA, block size 1", 6, 1, 8, 1, [7, 3],
+         "one KV head serves every query head, and every token is a block of its own: nothing may assume a "
+         "block size or a number of KV heads"),
+        ("block size 16, a long and a short sequence", 4, 2, 16, 16, [40, 2],
+         "the short sequence has 2 tokens in a batch padded to 40 positions: every position at or past "
+         "lengths[b] must get no attention weight at all"),
     ]
     generator = torch.Generator().manual_seed(3)
     cases = []
-    for label, heads, kv_heads, dim, size, lengths in shapes:
+    for label, heads, kv_heads, dim, size, lengths, hint in shapes:
         keys = [torch.randn(kv_heads, n, dim, generator=generator) for n in lengths]
         values = [torch.randn(kv_heads, n, dim, generator=generator) for n in lengths]
         q = torch.randn(len(lengths), heads, dim, generator=generator)
@@ -256,7 +294,7 @@ def _attention_cases() -> list[Case]:
                 filled = k[:, chunk].shape[1]
                 k_pool[block, :filled], v_pool[block, :filled] = k[:, chunk].transpose(0, 1), v[:, chunk].transpose(0, 1)
         args = (q, k_pool, v_pool, tables, torch.tensor(lengths))
-        cases.append(Case(label, args, _contiguous_attention(q, keys, values), rtol=1e-4, atol=1e-5))
+        cases.append(Case(label, args, _contiguous_attention(q, keys, values), rtol=1e-4, atol=1e-5, hint=hint))
     return cases
 
 
@@ -265,31 +303,38 @@ EXERCISES = [
         id="ex03.1", title="Slot mapping", points=1, function="slot_mapping",
         cases=_slot_cases,
         recipe="Position p of a sequence is in block table[p // block_size], at offset p % block_size; its slot "
-             "is block * block_size + offset. torch.gather along dim 1 looks up each row's own table. Keep -1 "
-             "where the position is -1 (torch.where).",
+             "is block * block_size + offset. torch.gather along dim 1 looks up each row's own table. gather "
+             "refuses the index -1, so look up with the padding clamped to 0 (positions.clamp(min=0)), then put "
+             "-1 back wherever the position is -1 (torch.where).",
     ),
     Exercise(
         id="ex03.2", title="Allocate and free with reference counts", points=2, function="SimplePool",
         cases=_allocate_free_cases, methods=("allocate", "free"),
-        recipe="A failed allocate must change nothing: count the free blocks before taking any. allocate on a "
-             "sequence that has a table adds to it. free drops one owner from each block of the table; a block "
-             "goes back on the free list only when no table holds it any more (its count reaches 0); then the "
-             "sequence's table is forgotten.",
+        recipe="allocate: when fewer than n_blocks are free, raise OutOfBlocks before taking any, so that a failed "
+             "call changes nothing. Otherwise pop n_blocks blocks off free_blocks, set each one's count to 1, "
+             "append them to the sequence's table (a new list for a new sequence, its existing table otherwise) "
+             "and return them. free: take the sequence's table out of tables (pop), drop the count of each of its "
+             "blocks by one, and put a block back on free_blocks only when its count reaches 0 (no table holds "
+             "it any more).",
     ),
     Exercise(
         id="ex03.3", title="Fork with copy on write", points=2, function="ForkingPool",
         cases=_fork_cases, methods=("fork", "copy_on_write"),
-        recipe="fork shares, it copies no data: the child gets a table of its own (a new list) naming the "
-             "parent's blocks, and each of them gains an owner. copy_on_write moves the sequence only off a "
-             "block that another table also holds: take the fresh block first (so that OutOfBlocks leaves "
-             "everything as it was); it has one owner, the old one loses one, and (old, new) tells the cache "
-             "what to copy. A block with one owner is the sequence's own: None.",
+        recipe="fork shares, it copies no data: the child gets a table of its own (a new list, "
+             "list(self.tables[parent])) naming the parent's blocks, and each of them gains an owner (its count "
+             "goes up by one). copy_on_write(seq_id, index): old = self.tables[seq_id][index]; a block with one "
+             "owner is the sequence's own: return None. Otherwise take the fresh block first (new, = "
+             "self.take(1), so that OutOfBlocks leaves everything as it was); it has one owner, old loses one, "
+             "the table points at new, and (old, new) tells the cache what to copy.",
     ),
     Exercise(
         id="ex03.4", title="Paged attention through the block table", points=2, function="paged_attention",
         cases=_attention_cases,
-        recipe="Build the slots of positions 0..longest-1 for every sequence (ex03.1), index the pools "
-             "flattened to [num_blocks * block_size, kv_heads, head_dim], move the heads in front, and mask "
-             "position j of sequence b unless j < lengths[b]. Query head h reads KV head h // (heads // kv_heads).",
+        recipe="Build the slots of positions 0..longest-1 (longest = lengths.max()) for every sequence, as in "
+             "ex03.1, and index the pools flattened to [num_blocks * block_size, n_kv_heads, head_dim] with them. "
+             "Query head h reads KV head h // g, g = n_heads // n_kv_heads: repeat each KV head g times in a row "
+             "(repeat_interleave on the head dim). Score q against the keys, scaled by 1/sqrt(head_dim); set "
+             "position j of sequence b to -inf unless j < lengths[b]; softmax over the positions, and weight the "
+             "values with it.",
     ),
 ]

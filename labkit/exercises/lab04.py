@@ -43,7 +43,8 @@ _FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "free bloc
            "each request's (num_computed, status, preemptions, output)")
 
 
-def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: Callable[..., Any]) -> Scenario:
+def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: Callable[..., Any],
+              hint: str) -> Scenario:
     """Run the reference and the student's function on two fresh copies of the same state and
     compare everything each left behind."""
     def play(fn: Callable[..., Any]) -> None:
@@ -54,7 +55,7 @@ def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: C
         for name, want, have in zip(_FIELDS, expected, got):
             if want != have:
                 raise AssertionError(f"{name} should be {want}, got {have}")  # check names the case
-    return Scenario(label, play)
+    return Scenario(label, play, hint=hint)
 
 
 def _admit_cases() -> list[Scenario]:
@@ -94,14 +95,30 @@ def _admit_cases() -> list[Scenario]:
     def empty_budget() -> tuple[State, tuple]:
         return (queue(3), [], BlockAllocator(4, 4)), (0, 8)
 
-    return [_scenario(label, build, admit) for label, build in [
-        ("three prompts that all fit", fits_all), ("the budget cuts the last prompt into a chunk", budget_chunks),
-        ("max_num_seqs caps the running requests", seq_cap),
-        ("a preempted request runs its prompt and its output again", preempted),
-        ("out of blocks: first come, first served, so nobody jumps the queue", out_of_blocks),
-        ("a cached prefix is not run again", cached_prefix),
-        ("a cached prefix needs no new blocks, so the request fits", prefix_makes_room),
-        ("no budget left: nothing admitted", empty_budget)]]
+    return [_scenario(label, build, admit, hint) for label, build, hint in [
+        ("three prompts that all fit", fits_all,
+         "budget, cap and blocks all suffice: every request is admitted, in arrival order, with its whole prompt "
+         "scheduled, nothing computed yet (num_computed 0) and its status 'running'"),
+        ("the budget cuts the last prompt into a chunk", budget_chunks,
+         "the budget runs out inside the third prompt: that request is still admitted, with only what is left of "
+         "the budget scheduled (chunked prefill), and once the budget is spent nobody else is"),
+        ("max_num_seqs caps the running requests", seq_cap,
+         "the cap counts every running request, the one running before this call included: one runs, the cap is "
+         "3, so only two of the three waiting join"),
+        ("a preempted request runs its prompt and its output again", preempted,
+         "a request back from preemption has output tokens already: its slots and its scheduled tokens are for "
+         "all of its tokens (request.tokens), not its prompt alone"),
+        ("out of blocks: first come, first served, so nobody jumps the queue", out_of_blocks,
+         "the request at the front does not fit in the free blocks: it stays at the front, and the requests "
+         "behind it wait too, even one small enough to fit"),
+        ("a cached prefix is not run again", cached_prefix,
+         "8 of r0's tokens are cached already: they count as computed (num_computed), and only the rest is "
+         "scheduled and taken off the budget"),
+        ("a cached prefix needs no new blocks, so the request fits", prefix_makes_room,
+         "r0 needs 3 blocks, only 2 are free, but 2 of its 3 are cached and need no new memory: whether a request "
+         "fits is for add_sequence to say, not a count of free blocks made beforehand"),
+        ("no budget left: nothing admitted", empty_budget,
+         "with a budget of 0 there is nothing to schedule: no request is admitted and none is given blocks")]]
 
 
 def _preempt_cases() -> list[Scenario]:
@@ -117,20 +134,38 @@ def _preempt_cases() -> list[Scenario]:
         running = _running(allocator, _request("a", 9), _request("b", 10, output=2))
         return (deque(), running, allocator), ()
 
-    return [_scenario(label, build_state, preempt_newest) for label, build_state in [
-        ("three running, none waiting", build(3, 0)), ("the victim goes to the front of the queue", build(3, 2)),
-        ("the only running request", build(1, 1)), ("blocks shared with an older request stay with it", shared_prefix)]]
+    return [_scenario(label, build_state, preempt_newest, hint) for label, build_state, hint in [
+        ("three running, none waiting", build(3, 0),
+         "the plainest preemption, of the newest request (the last in running): the field the message names "
+         "shows which part of its bookkeeping is off (what it loses of the cache, its status, its count of "
+         "preemptions; its prompt and output stay), or that it was not the one returned"),
+        ("the victim goes to the front of the queue", build(3, 2),
+         "requests are waiting already: the preempted one arrived before them, so it goes to the front of "
+         "waiting, not the back"),
+        ("the only running request", build(1, 1),
+         "with one request running, that one is the newest: running is left empty"),
+        ("blocks shared with an older request stay with it", shared_prefix,
+         "the victim shares its prefix blocks with an older request: freeing it through the allocator drops its "
+         "own hold only, and the shared blocks stay with the request still running")]]
 
 
 def _metric_cases() -> list[Case]:
     return [  # expected values worked out by hand
         Case("three tokens, completes with the last", (0.5, [1.0, 1.2, 1.5]),
-             {"ttft": 0.5, "tpot": 0.25, "itl": [0.2, 0.3], "e2e": 1.0}),
+             {"ttft": 0.5, "tpot": 0.25, "itl": [0.2, 0.3], "e2e": 1.0},
+             hint="the definitions on the plainest request: TTFT runs from arrival to the first token, E2E to "
+                  "the finish (here the last token), TPOT spreads the time after the first token over the "
+                  "gaps that follow it, and itl lists those gaps"),
         Case("held after its last token (static batching)", (0.0, [0.4, 0.6, 0.8, 1.0]),
-             {"ttft": 0.4, "tpot": 0.4, "itl": [0.2, 0.2, 0.2], "e2e": 1.6}, kwargs={"finish": 1.6}),
-        Case("a single token has no TPOT", (2.0, [2.25]), {"ttft": 0.25, "tpot": None, "itl": [], "e2e": 0.25}),
+             {"ttft": 0.4, "tpot": 0.4, "itl": [0.2, 0.2, 0.2], "e2e": 1.6}, kwargs={"finish": 1.6},
+             hint="finish is given, later than the last token: E2E and TPOT run to finish, while itl is still "
+                  "the gaps between the tokens"),
+        Case("a single token has no TPOT", (2.0, [2.25]), {"ttft": 0.25, "tpot": None, "itl": [], "e2e": 0.25},
+             hint="one token has no gap after it: tpot is None (not a division by zero) and itl is empty"),
         Case("arrived while the engine was busy", (1.0, [4.0, 4.1, 4.3, 4.6, 5.0]),
-             {"ttft": 3.0, "tpot": 0.25, "itl": [0.1, 0.2, 0.3, 0.4], "e2e": 4.0}),
+             {"ttft": 3.0, "tpot": 0.25, "itl": [0.1, 0.2, 0.3, 0.4], "e2e": 4.0},
+             hint="the request waited 3 s for its first token: the wait is all in TTFT, and TPOT counts only "
+                  "the time after the first token"),
     ]
 
 
@@ -138,19 +173,22 @@ EXERCISES = [
     Exercise(
         id="ex04.1", title="One scheduling step: admit waiting requests", points=2, function="admit",
         cases=_admit_cases,
-        recipe="Take a request off `waiting` only once add_sequence has given it its slots: one that does "
-             "not fit stays at the front, and nobody behind it is tried (first come, first served). Its "
-             "cached tokens are computed already: num_computed starts at their count, and only the rest is "
-             "scheduled, no more than the budget left. Stop when the budget is spent or max_num_seqs are "
-             "running.",
+        recipe="Loop while a request waits, the budget is above 0 and fewer than max_num_seqs requests run. "
+             "Reserve the slots of the front request (waiting[0]) for all its tokens: cached = "
+             "allocator.add_sequence(request.request_id, request.tokens). On OutOfBlocks stop, leaving it at the "
+             "front: nobody behind it is tried (first come, first served). Otherwise take it off waiting "
+             "(popleft), set num_computed = cached (those tokens are computed already) and status = 'running', "
+             "append it to running, schedule n = min(len(request.tokens) - cached, budget) tokens, record "
+             "(request, n) and take n off the budget. Return the records.",
     ),
     Exercise(
         id="ex04.2", title="Preempt the newest request", points=2, function="preempt_newest",
         cases=_preempt_cases,
-        recipe="The newest request is the last in `running`. It keeps its prompt and its output (their keys "
-             "and values are computed again when it comes back); what it loses is its place in the cache: its "
-             "blocks, and its num_computed. Its status goes back to 'waiting', it returns at the front of "
-             "`waiting`, not the back, and its preemptions go up by one.",
+        recipe="The newest request is the last in `running`: pop it. It keeps its prompt and its output (their "
+             "keys and values are computed again when it comes back); what it loses is its place in the cache: "
+             "its blocks (allocator.free(its request_id)), and its num_computed (0). Its status goes back to "
+             "'waiting', its preemptions go up by one, and it returns at the front of `waiting` "
+             "(appendleft), not the back. Return it.",
     ),
     Exercise(
         id="ex04.3", title="TTFT, TPOT and ITL from timestamps", points=1, function="request_metrics",
