@@ -60,7 +60,7 @@ def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
 
 def verify_greedy(draft: Sequence[int], target_logits: Tensor) -> tuple[list[int], int]:
     """Greedy verification: ``target_logits`` ``[len(draft) + 1, vocab]`` are the target's logits
-    after each prefix (row i predicts the token at draft position i). Accept the draft tokens
+    after each prefix (row i: the logits that predict draft[i]). Accept the draft tokens
     while each is the target's argmax; the next token is the target's argmax after them."""
     best = target_logits.argmax(-1).tolist()
     accepted = 0

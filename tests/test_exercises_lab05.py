@@ -1,7 +1,9 @@
 """Exercises of notebook 05: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
-from labkit.check import FAILED, run_cases
+import torch
+
+from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
 
@@ -32,3 +34,45 @@ def test_lab05_plausible_mistakes_fail():
         tokens = k if a == 1 else (1 - a ** k) / (1 - a)
         return tokens, tokens / (k * c + 1)
     assert run_cases(get("ex05.3"), k_terms).status == FAILED
+
+
+def test_lab05_acceptance_as_a_0d_tensor_fails_asking_for_item():
+    from labkit.speculative import acceptance_rule
+
+    def tensor_accept(p, q, token):  # the text asks for a Python float
+        return torch.clamp(p[token] / q[token], max=1.0), acceptance_rule(p, q, token)[1]
+    result = run_cases(get("ex05.1"), tensor_accept)
+    assert result.status == FAILED, result.message
+    assert "acceptance probability: expected a Python number" in result.message and ".item()" in result.message
+
+    def float_accept(p, q, token):  # the same, as a float: passes
+        return min(1.0, (p[token] / q[token]).item()), acceptance_rule(p, q, token)[1]
+    assert run_cases(get("ex05.1"), float_accept).status == PASSED
+
+
+def test_lab05_a_failing_case_shows_its_own_hint():
+    from labkit.speculative import acceptance_rule, verify_greedy
+
+    def ratio_uncapped(p, q, token):
+        return float(p[token] / q[token]), acceptance_rule(p, q, token)[1]
+    message = run_cases(get("ex05.1"), ratio_uncapped).message
+    assert "(the target likes it more" in message and "stops at 1" in message, message
+
+    def no_fallback(p, q, token):  # p == q: divides zeros by zero
+        residual = (p - q).clamp(min=0)
+        return acceptance_rule(p, q, token)[0], residual / residual.sum()
+    message = run_cases(get("ex05.1"), no_fallback).message
+    assert "(draft and target agree" in message and "the text says what to return" in message, message
+
+    def keeps_going(draft, target_logits):
+        best = target_logits.argmax(-1).tolist()
+        kept = [t for t, b in zip(draft, best) if t == b]
+        return kept, best[len(kept)]
+    message = run_cases(get("ex05.2"), keeps_going).message
+    assert "(the second draft token is wrong" in message and "acceptance stops there" in message, message
+
+    def closed_form_only(a, k, c):  # 0 / 0 at a = 1
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens, tokens / (k * c + 1)
+    message = run_cases(get("ex05.3"), closed_form_only).message
+    assert "(a perfect draft" in message and "divides 0 by 0" in message, message
