@@ -1,9 +1,9 @@
 """How many CPU threads a small-model step should use, quiet and on a busy machine.
 
-    python benchmarks/threads.py [--model target] [--repeats 30] [--busy 2]
+    python benchmarks/threads.py [--model target] [--repeats 20] [--busy 2]
 
-Times the steps the notebooks time (a decode step at position 64, a 64-token prefill, and a
-whole 64-token cached generation) at every thread count from 1 to torch's default, taking
+Times the steps the notebooks time (a decode step at position 64 and a 64-token prefill) at
+every thread count from 1 to torch's default, taking
 turns (1, 2, ..., 1, 2, ...), first on the machine as it is, then with ``--busy`` processes
 spinning beside it (``labkit.bench.busy_cpus``: a browser, an editor and a video call). Prints
 the median, the minimum, the 75th percentile and the spread of each, and the count
@@ -20,18 +20,16 @@ import torch
 import labkit
 from labkit import bench
 from labkit.device import device_name
-from labkit.generate import SamplingParams, decode_step, stream
+from labkit.generate import decode_step
 
 
 def steps(model: torch.nn.Module, prompt: list[int]) -> dict:
-    params = SamplingParams(max_new_tokens=64, stop_at_eos=False)
     tokens = torch.tensor([prompt])
 
     def prefill() -> None:
         with torch.inference_mode():
             model(tokens)
-    return {"decode step at 64": decode_step(model, 64), "prefill of 64 tokens": prefill,
-            "64-token cached generation": lambda: list(stream(model, prompt[:16], params))}
+    return {"decode step at 64": decode_step(model, 64), "prefill of 64 tokens": prefill}
 
 
 def at_each_count(step, counts: list[int], repeats: int) -> dict[int, bench.Timing]:
@@ -47,7 +45,7 @@ def at_each_count(step, counts: list[int], repeats: int) -> dict[int, bench.Timi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="target")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--busy", type=int, default=2, help="spinning processes for the loaded run")
     args = parser.parse_args()
     model, tokenizer = labkit.load(args.model, device="cpu")
@@ -64,7 +62,7 @@ def main() -> None:
                 rows = "  ".join(f"{n} thr: median {bench.format_seconds(t.median_s)}, min "
                                  f"{bench.format_seconds(t.min_s)}, p75 {bench.format_seconds(t.quartiles_s[1])}, "
                                  f"IQR {t.spread_s / t.median_s:.0%}" for n, t in timings.items())
-                print(f"{machine:>18} | {name:<26} | {rows} | keeps {best}")
+                print(f"{machine:>18} | {name:<20} | {rows} | keeps {best}")
     torch.set_num_threads(default)
 
 
