@@ -32,16 +32,6 @@ def steps(model: torch.nn.Module, prompt: list[int]) -> dict:
     return {"decode step at 64": decode_step(model, 64), "prefill of 64 tokens": prefill}
 
 
-def at_each_count(step, counts: list[int], repeats: int) -> dict[int, bench.Timing]:
-    def runner(n: int):
-        def run() -> None:
-            torch.set_num_threads(n)
-            step()
-        return run
-    timings = bench.alternate({str(n): runner(n) for n in counts}, warmup=2, repeats=repeats, device="cpu")
-    return {n: timings[str(n)] for n in counts}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="target")
@@ -50,20 +40,18 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = labkit.load(args.model, device="cpu")
     prompt = (tokenizer.encode("def add(a, b):\n    return a + b\n").ids * 64)[:64]
-    default = torch.get_num_threads()
-    counts = sorted({min(2 ** i, default) for i in range(default.bit_length())})
+    default, counts = torch.get_num_threads(), bench.thread_counts()
     print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  default threads {default}")
     for machine, context in [("as it is", contextlib.nullcontext()),
                              (f"{args.busy} busy processes", bench.busy_cpus(args.busy))]:
         with context:
             for name, step in steps(model, prompt).items():
-                timings = at_each_count(step, counts, args.repeats)
-                best = min(counts, key=lambda n: timings[n].quartiles_s[1])
+                timings = bench.time_thread_counts(step, counts, repeats=args.repeats, device="cpu")
+                best = bench.steadiest(timings)
                 rows = "  ".join(f"{n} thr: median {bench.format_seconds(t.median_s)}, min "
                                  f"{bench.format_seconds(t.min_s)}, p75 {bench.format_seconds(t.quartiles_s[1])}, "
                                  f"IQR {t.spread_s / t.median_s:.0%}" for n, t in timings.items())
                 print(f"{machine:>18} | {name:<20} | {rows} | keeps {best}")
-    torch.set_num_threads(default)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,12 @@ def quartile_errors(timings: Sequence[Timing], scale: float = 1.0) -> np.ndarray
     return np.stack([medians - quartiles[:, 0], quartiles[:, 1] - medians]) * scale
 
 
+def not_faster(slow: Timing, fast: Timing) -> bool:
+    """Whether ``slow`` is no faster than ``fast`` beyond noise (its 75th percentile is at least
+    ``fast``'s 25th): the test for "A does B's work and more, so A cannot take less time"."""
+    return slow.quartiles_s[1] >= fast.quartiles_s[0]
+
+
 def trust(expectations: Mapping[str, bool], timings: Sequence[Timing] = ()) -> bool:
     """Check a measured result against what must hold (``{"a cached step is no slower than a naive
     one": cached <= naive}``). When something fails, say that the measurement is not
@@ -226,39 +232,60 @@ def compare(fn_a: Callable[[], Any], fn_b: Callable[[], Any], *, labels: tuple[s
 _DEFAULT_THREADS = torch.get_num_threads()
 
 
+def thread_counts() -> list[int]:
+    """The thread counts worth trying: 1, 2, 4 ... and torch's default (6 cores: 1, 2, 4, 6)."""
+    return sorted({2 ** i for i in range(_DEFAULT_THREADS.bit_length()) if 2 ** i < _DEFAULT_THREADS}
+                  | {_DEFAULT_THREADS})
+
+
+def time_thread_counts(step: Callable[[], Any], counts: Sequence[int], *, repeats: int = 9,
+                       device: torch.device | str | None = None) -> dict[int, Timing]:
+    """Time ``step`` at each thread count, in turn (1, 2, ..., 1, 2, ...); torch's thread count is
+    left as it was, even when ``step`` raises or the run is interrupted."""
+    before = torch.get_num_threads()
+
+    def at(count: int) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.set_num_threads(count)
+            return step()
+        return run
+    try:
+        timings = alternate({str(n): at(n) for n in counts}, warmup=1, repeats=repeats, device=device)
+    finally:
+        torch.set_num_threads(before)
+    return {n: timings[str(n)] for n in counts}
+
+
+def steadiest(timings: Mapping[int, Timing]) -> int:
+    """The thread count whose 75th percentile is lowest: the time a step keeps to three runs in
+    four, fast and steady at once."""
+    return min(timings, key=lambda n: timings[n].quartiles_s[1])
+
+
 def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.device | str | None = None,
                    verbose: bool = True) -> int:
-    """Measure ``step`` (a small-model decode step, say) at 1, 2, 4 ... threads up to torch's
-    default, alternately, and keep the thread count whose 75th percentile is lowest: the time the
-    step keeps to three runs in four, fast and steady at once. On a laptop whose cores other
+    """Measure ``step`` (a small-model decode step, say) at 1, 2, 4 ... threads and torch's default,
+    alternately, and keep the steadiest count (``steadiest``). On a laptop whose cores other
     programs share, one thread is often both faster and steadier for a small model, because
     every thread must wait for the slowest at each operation; on an idle many-core machine more
     threads win. Sets torch's thread count and returns it; on a GPU it changes nothing."""
     device = torch.device(device) if device is not None else get_device()
     if device.type != "cpu":
         return torch.get_num_threads()
-    counts = sorted({min(2 ** i, _DEFAULT_THREADS) for i in range(_DEFAULT_THREADS.bit_length())})
+    counts = thread_counts()
     if len(counts) == 1:
         torch.set_num_threads(counts[0])
         if verbose:
             print(f"torch may use {counts[0]} thread here (OMP_NUM_THREADS or the core count): nothing to choose")
         return counts[0]
-    labels = {n: f"{n} thread{'s' * (n > 1)}" for n in counts}
-    timings = alternate({labels[n]: _with_threads(n, step) for n in counts}, warmup=1, repeats=repeats, device=device)
-    best = min(counts, key=lambda n: timings[labels[n]].quartiles_s[1])
+    timings = time_thread_counts(step, counts, repeats=repeats, device=device)
+    best = steadiest(timings)
     torch.set_num_threads(best)
     if verbose:
-        rows = "; ".join(f"{label} median {format_seconds(t.median_s)}, 75th percentile "
-                         f"{format_seconds(t.quartiles_s[1])}" for label, t in timings.items())
+        rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {format_seconds(t.median_s)}, 75th percentile "
+                         f"{format_seconds(t.quartiles_s[1])}" for n, t in timings.items())
         print(f"CPU threads, measured on this step: {rows}. Using {best} (the lowest 75th percentile).")
     return best
-
-
-def _with_threads(count: int, step: Callable[[], Any]) -> Callable[[], Any]:
-    def run() -> Any:
-        torch.set_num_threads(count)
-        return step()
-    return run
 
 
 # one busy core: spins until its time is up or its parent is gone (a kernel killed by a restart
@@ -285,8 +312,9 @@ def busy_cpus(count: int, max_seconds: float = 600.0) -> Iterator[None]:
         time.sleep(0.2)  # let them start spinning
         yield
     finally:
-        for hog in hogs:
+        for hog in hogs:  # all killed first: an interrupt while waiting for one leaves none spinning
             hog.kill()
+        for hog in hogs:
             hog.wait()
 
 

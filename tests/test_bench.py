@@ -191,6 +191,32 @@ def test_choose_threads_keeps_the_count_whose_75th_percentile_is_lowest(monkeypa
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("default, counts", [(1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]),
+                                             (12, [1, 2, 4, 8, 12])])
+def test_the_thread_counts_tried_end_at_torch_s_default(monkeypatch, default, counts):
+    monkeypatch.setattr(bench, "_DEFAULT_THREADS", default)
+    assert bench.thread_counts() == counts
+
+
+def test_timing_thread_counts_leaves_the_count_as_it_was_even_when_the_step_fails():
+    before = torch.get_num_threads()
+    calls = []
+
+    def fails_at_the_second_call():
+        calls.append(torch.get_num_threads())
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the student pressed stop
+    with pytest.raises(KeyboardInterrupt):
+        bench.time_thread_counts(fails_at_the_second_call, [1, 2], device="cpu")
+    assert calls == [1, 2] and torch.get_num_threads() == before
+
+
+def test_not_faster_allows_noise_but_not_a_clear_win():
+    base = Timing("fp32", "cpu", (1.0, 1.1, 1.2, 1.3))
+    assert bench.not_faster(Timing("int4", "cpu", (1.05, 1.1, 1.15, 1.2)), base)  # overlapping: noise
+    assert not bench.not_faster(Timing("int4", "cpu", (0.5, 0.55, 0.6, 0.62)), base)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
 def test_busy_cpus_runs_its_processes_only_inside_the_block():
     def spinning() -> list[int]:
