@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from labkit.exercises import Exercise, get
-from labkit.exercises.spec import Case, Scenario
+from labkit.exercises.spec import Case, Scenario, WrongType
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 _LABKIT = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -111,7 +111,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     if borrowed:
         return Result(exercise.id, FAILED, 0, exercise.points, message=borrowed)
     cases = exercise.cases()
-    first_failure, first_case, passed, stubs = "", None, 0, []
+    first_failure, first_case, first_needs_hint, passed, stubs = "", None, False, 0, []
     for number, case in enumerate(cases, 1):
         try:
             case.run(fn)
@@ -119,9 +119,11 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
         except (Exception, SystemExit) as error:  # a student's bug of any kind is a failed case, not a crash
             stub = _stub_name(fn, exercise.function, error)
             stubs += [stub] if stub else []
-            what = f"{stub} still raises NotImplementedError" if stub else _name_item(_describe_error(error), exercise)
+            what = (f"{stub} still raises NotImplementedError: write it next" if stub
+                    else _name_item(_describe_error(error), exercise))
             if first_case is None:
                 first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
+                first_needs_hint = not stub and not isinstance(error, WrongType)  # those messages say what to do
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub
@@ -129,16 +131,21 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
         return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
                       f"{names} still raise{'s' * (' and ' not in names)} NotImplementedError: replace the stub "
                       "with your code")
-    hints = _hints(exercise, first_case, (failed_before or {}).get(first_case.label, 0))
+    if not first_needs_hint:
+        return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases), f"first failure, {first_failure}")
     return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
-                  f"first failure, {first_failure}\n    {hints}", failed_case=first_case.label)
+                  f"first failure, {first_failure}\n    {_hints(exercise, first_case, failed_before)}",
+                  failed_case=first_case.label)
 
 
-def _hints(exercise: Exercise, case: Case | Scenario, failed_before: int) -> str:
-    """The failing case's own hint; the exercise's recipe as well once that case has failed before."""
+def _hints(exercise: Exercise, case: Case | Scenario, failed_before: Mapping[str, int] | None) -> str:
+    """The failing case's own hint. In an inline check (``failed_before`` given), the exercise's
+    recipe as well once that case has failed before; the grader, which runs once, gives the hint."""
     if not case.hint:
         return f"hint: {exercise.recipe}"
-    if failed_before:
+    if failed_before is None:
+        return f"hint: {case.hint}"
+    if failed_before.get(case.label, 0):
         return f"hint: {case.hint}\n    recipe (this case failed before): {exercise.recipe}"
     return f"hint: {case.hint}\n    (should this case fail again, the check will show the whole recipe)"
 

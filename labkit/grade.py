@@ -253,12 +253,18 @@ def this_notebook(name: str) -> Path:
         if told.endswith(".ipynb") and Path(told).is_file():
             return Path(told)
     lab = name[:2]
-    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab), key=lambda p: p.stat().st_mtime)
+    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab and not _an_output_of_nbconvert(p)),
+                        key=lambda p: p.stat().st_mtime)
     if len(candidates) > 1:
         print(f"Jupyter did not say which notebook is running (nbconvert does not), and {len(candidates)} notebooks "
               f"of lab {lab} are here: {', '.join(p.name for p in candidates)}. Graded the one saved last, "
               f"{candidates[-1].name}; to grade another, run python -m labkit.grade THAT_FILE.ipynb", file=sys.stderr)
     return candidates[-1] if candidates else Path(name)
+
+
+def _an_output_of_nbconvert(path: Path) -> bool:
+    """``X.nbconvert.ipynb``: what ``jupyter nbconvert --execute X.ipynb`` wrote, not a student's copy."""
+    return path.name.endswith(".nbconvert.ipynb")
 
 
 def _vscode_notebook() -> str:
@@ -278,7 +284,8 @@ def grade_this(name: str) -> None:
               "from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
         return
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
-    print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S)")
+    print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "
+          "the kernel, or Jupyter still names the old file)")
     print(table(grade([path])))
 
 

@@ -267,7 +267,8 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     os.utime(pristine, (1, 1))
     assert this_notebook("00_welcome.ipynb") == mine
     assert "Graded the one saved last, mine.ipynb" in capsys.readouterr().err
-    (tmp_path / "01_kv_cache.ipynb").write_text("{}")  # another lab's notebook does not count
+    (tmp_path / "01_kv_cache.ipynb").write_text("{}")  # another lab's notebook does not count, nor nbconvert's output
+    (tmp_path / "mine.nbconvert.ipynb").write_text(mine.read_text())
     pristine.unlink()
     assert this_notebook("00_welcome.ipynb") == mine and not capsys.readouterr().err
     grade_this("00_welcome.ipynb")
@@ -276,3 +277,12 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     mine.unlink()
     grade_this("00_welcome.ipynb")  # run from elsewhere, or never saved: said, not a traceback
     assert capsys.readouterr().out.startswith("Nothing to grade: Jupyter did not say")
+
+def test_in_vs_code_the_notebook_it_names_is_graded(tmp_path, monkeypatch):
+    import IPython
+
+    mine = tmp_path / "anything.ipynb"
+    mine.write_text("{}")
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"user_ns": {"__vsc_ipynb_file__": str(mine)}}))
+    assert this_notebook("00_welcome.ipynb") == mine

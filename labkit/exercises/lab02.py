@@ -39,7 +39,7 @@ def _bytes_cases() -> list[Case]:
     for label, name, kv_heads, tokens, batch, dtype, hint in runs:
         shape = MODEL_PRESETS[name] if kv_heads is None else MODEL_PRESETS[name].with_kv_heads(kv_heads)
         args = (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim, tokens, batch, dtype)
-        cases.append(Case(label, args, memory.kv_cache_bytes(shape, tokens, batch, dtype), hint=hint))
+        cases.append(Case(label, args, float(memory.kv_cache_bytes(shape, tokens, batch, dtype)), hint=hint))
     return cases
 
 

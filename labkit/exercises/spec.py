@@ -150,16 +150,7 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if got != expected:
             raise AssertionError(f"expected {_short(expected)}, got {_short(got)}")
     elif isinstance(expected, (int, float)):
-        if isinstance(got, torch.Tensor) and got.dim() == 0:
-            raise AssertionError(f"expected a Python number ({_short(expected)}), got a 0-d tensor ({got.item():.6g}): "
-                                 "turn it into a number with .item()")
-        if not isinstance(got, numbers.Real) or isinstance(got, bool):
-            raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
-        if isinstance(expected, int) and not isinstance(got, numbers.Integral):
-            raise AssertionError(f"expected a whole number, an int ({expected}), got {type(got).__name__} {got!r}: "
-                                 "count with integers (// divides without leaving the integers)")
-        if not math.isclose(float(got), expected, rel_tol=rtol, abs_tol=atol):
-            raise AssertionError(f"expected {expected:.6g}, got {got:.6g}")
+        _assert_number(got, expected, rtol, atol)
     elif isinstance(expected, dict):
         if not isinstance(got, dict) or set(got) != set(expected):
             raise AssertionError(f"expected a dict with keys {sorted(expected)}, got {_short(got)}")
@@ -173,6 +164,29 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
             _at(f"at index {i}", got_item, expected_item, rtol, atol)
+
+
+class WrongType(AssertionError):
+    """The right value in the wrong type (a float where the spec says int, a 0-d tensor where it
+    says a number): the message says what to change, and no hint is needed."""
+
+
+def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) -> None:
+    """The value first (an int exactly, a float within tolerance), then its type."""
+    value = got.item() if isinstance(got, torch.Tensor) and got.dim() == 0 else got
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
+    if isinstance(expected, int) and isinstance(value, numbers.Integral):
+        if value != expected:
+            raise AssertionError(f"expected {expected}, got {value}")
+    elif not math.isclose(float(value), expected, rel_tol=rtol, abs_tol=atol):
+        raise AssertionError(f"expected {expected:.6g}, got {value:.6g}")
+    if value is not got:
+        raise WrongType(f"expected a Python number ({_short(expected)}), got a 0-d tensor ({value:.6g}): the value is "
+                        "right; turn it into a number with .item()")
+    if isinstance(expected, int) and not isinstance(value, numbers.Integral):
+        raise WrongType(f"expected a whole number, an int ({expected}), got {type(value).__name__} {value!r}: the value "
+                        "is right, but the spec asks for an int (// on floats gives a float too: convert with int(...))")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -198,4 +212,4 @@ def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
     try:
         assert_matches(got, expected, rtol, atol)
     except AssertionError as error:
-        raise AssertionError(f"{where}: {error}") from None
+        raise type(error)(f"{where}: {error}") from None
