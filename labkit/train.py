@@ -118,6 +118,20 @@ def window_losses(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max
     return torch.cat(losses)
 
 
+def paired_difference(losses_a: torch.Tensor, losses_b: torch.Tensor) -> tuple[float, float]:
+    """Mean over windows of ``losses_a - losses_b`` (two models' ``window_losses`` on the same
+    windows) and the standard error of that mean: comparing window by window cancels how much
+    harder one window is than another, which would swamp a small gap between the two means."""
+    a, b = torch.as_tensor(losses_a, dtype=torch.float64), torch.as_tensor(losses_b, dtype=torch.float64)
+    if a.dim() != 1 or a.shape != b.shape:
+        raise ValueError(f"paired_difference needs two 1-D sequences of per-window losses on the same windows, "
+                         f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if len(a) < 2:
+        raise ValueError(f"paired_difference needs at least 2 windows for a standard error, got {len(a)}")
+    diff = a - b
+    return diff.mean().item(), diff.std().item() / math.sqrt(len(diff))
+
+
 def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
                     batch_size: int = 16) -> float:
     """Mean next-token loss over the windows of ``window_losses``."""

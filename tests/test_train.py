@@ -79,6 +79,25 @@ def test_window_losses_spread_over_the_ids_and_keep_the_mode():
     assert validation_loss(model.train(), ids, 64, 10) == pytest.approx(sum(expected) / 10, rel=1e-5)
 
 
+def test_paired_difference_is_the_mean_gap_and_its_standard_error_and_refuses_unpaired_losses():
+    from statistics import mean, stdev
+
+    from labkit.train import paired_difference
+
+    a, b = [2.0, 3.5, 1.25, 4.0, 2.5], [1.5, 3.0, 1.5, 3.0, 2.25]
+    gaps = [x - y for x, y in zip(a, b)]
+    expected = (mean(gaps), stdev(gaps) / math.sqrt(len(gaps)))  # sample standard deviation, n - 1
+    assert paired_difference(torch.tensor(a), torch.tensor(b)) == pytest.approx(expected, rel=1e-6)
+    assert paired_difference(b, a) == pytest.approx((-expected[0], expected[1]), rel=1e-9)
+    assert paired_difference(a, a) == (0.0, 0.0)
+    with pytest.raises(ValueError, match=r"same windows.*\(5,\) and \(4,\)"):
+        paired_difference(torch.tensor(a), torch.tensor(b[:4]))
+    with pytest.raises(ValueError, match="1-D"):
+        paired_difference(torch.ones(2, 3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="at least 2 windows"):
+        paired_difference([1.0], [2.0])
+
+
 def test_distillation_loss_is_the_kl_divergence_from_teacher_to_student():
     teacher, student = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0)).unbind()
     expected = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=teacher),
