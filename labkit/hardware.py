@@ -15,6 +15,7 @@ best run is the estimate of what the machine can do (a median drops whenever the
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,16 @@ class Hardware:
     peak_flops: float  # FLOP per second, dense, in `dtype`
     dtype: str
     measured: bool = False  # True when probed on this machine, False for a datasheet preset
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of one element in ``dtype``, the format the roof was measured or rated in, read from
+        the bit count in its name: "float32" -> 4, "bf16" -> 2, "fp8" -> 1."""
+        bits = re.search(r"(\d+)$", self.dtype)
+        if bits is None or int(bits.group(1)) % 8:
+            raise ValueError(f"cannot tell the bytes per element of dtype {self.dtype!r}: "
+                             f"name it with its bit count, like 'float32', 'bf16' or 'fp8'")
+        return int(bits.group(1)) // 8
 
     @property
     def ridge_intensity(self) -> float:

@@ -24,8 +24,11 @@ def failure(ex_id, fn):
 def test_ex01_1_counts_are_ints_and_a_float_answer_fails():
     assert all(type(v) is int for case in get("ex01.1").cases() for v in case.expected)
     divides = lambda p, n: (n * p + n * (n - 1) / 2, p + n - 1)  # / where // was meant
-    result, _ = failure("ex01.1", divides)
+    result = run_cases(get("ex01.1"), divides)
+    assert result.status == FAILED, result.verdict()
     assert "naive: expected a whole number, an int (5950), got float 5950.0" in result.message, result.message
+    # the value is right: the message says what to do, so no case hint (and no recipe) comes with it
+    assert not result.failed_case and not any(c.hint in result.message for c in get("ex01.1").cases())
 
 
 @pytest.mark.parametrize("slip", [

@@ -33,6 +33,18 @@ def test_roofline_below_at_and_above_the_ridge():
         attainable_flops(1, peak, 0)
 
 
+def test_bytes_per_element_comes_from_the_dtype_of_the_roof():
+    def with_dtype(dtype: str) -> Hardware:
+        return Hardware("x", 1, 1, 1, dtype)
+
+    assert [with_dtype(d).bytes_per_element for d in ("float32", "bfloat16", "float16", "bf16", "fp16", "fp8")] \
+        == [4, 2, 2, 2, 2, 1]
+    assert gpu("T4").bytes_per_element == 2
+    for unknown in ("float", "int4"):
+        with pytest.raises(ValueError, match="bytes per element"):
+            with_dtype(unknown).bytes_per_element
+
+
 def test_presets_have_the_datasheet_ridges():
     assert set(GPU_PRESETS) == {"A100-40GB", "A100-80GB", "H100-SXM", "H200", "L4", "T4", "RTX-4090"}
     assert gpu("H100-SXM").ridge_intensity == pytest.approx(989 / 3.35)
