@@ -1,14 +1,16 @@
 """Run notebooks top to bottom with other programs competing for the CPU, and show what they print.
 
     python benchmarks/notebooks_under_load.py solutions/01_kv_cache.ipynb solutions/05_speculative_decoding.ipynb \\
-        [--busy 2] [--out /tmp/under_load]
+        [--busy 2] [--out /tmp/under_load] [--default-threads]
 
 A student's laptop runs a browser, an editor and a video call beside the notebook. This starts
 ``--busy`` spinning processes (``labkit.bench.busy_cpus``), executes each notebook in a fresh
 kernel as JupyterLab would (nbclient; the executed copy goes to ``--out``, never over the
 source), stops the spinning processes, and prints every line of the notebook's output that
 states a timing, a speedup, a warning or a verdict, so that one can read whether the figures
-support the text or are flagged as not trustworthy.
+support the text or are flagged as not trustworthy. ``--default-threads`` is the counter-experiment:
+the notebooks keep torch's default thread count instead of choosing one by measurement (what
+they did before issue 31), so that one sees what the physics checks say then.
 """
 from __future__ import annotations
 
@@ -29,12 +31,23 @@ from labkit.device import device_name
 INTERESTING = re.compile(r"(\d\s?(ms|us|s)\b|x as fast|speedup|WARNING|warning|trust|thread|should hold|faster|slower)")
 
 
-def run(path: Path, out: Path, busy: int, timeout_s: int) -> tuple[float, list[str]]:
+# the counter-experiment's first cell: choose_threads keeps torch's default and says so
+KEEP_DEFAULT_THREADS = """import torch
+from labkit import bench
+def keep_default(step, **kwargs):
+    print(f"thread choice switched off: torch's default, {torch.get_num_threads()} threads")
+    return torch.get_num_threads()
+bench.choose_threads = keep_default"""
+
+
+def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool) -> tuple[float, list[str]]:
     """Execute the notebook at ``path`` beside ``busy`` spinning processes; seconds and its printed lines."""
     nb = nbformat.read(path, as_version=4)
+    if default_threads:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(KEEP_DEFAULT_THREADS))
     client = NotebookClient(nb, timeout=timeout_s, resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    with bench.busy_cpus(busy):
+    with bench.busy_cpus(busy, max_seconds=4 * 3600):  # as long as the run, however slow
         client.execute()
     seconds = time.perf_counter() - start
     nbformat.write(nb, out / path.name)
@@ -49,11 +62,13 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the notebook")
     parser.add_argument("--out", type=Path, default=Path("/tmp/under_load"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    parser.add_argument("--default-threads", action="store_true", help="keep torch's default thread count")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  {args.busy} busy processes")
+    threads = "torch's default threads" if args.default_threads else "threads chosen by the notebooks"
+    print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  {args.busy} busy processes, {threads}")
     for path in args.notebooks:
-        seconds, lines = run(path, args.out, args.busy, args.timeout)
+        seconds, lines = run(path, args.out, args.busy, args.timeout, args.default_threads)
         print(f"\n== {path} ran in {seconds:.0f} s beside {args.busy} busy processes (executed copy: {args.out / path.name})")
         for line in lines:
             if INTERESTING.search(line):
