@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from labkit import memory
 from labkit.exercises.spec import Case, Exercise
@@ -81,14 +82,8 @@ class _CopyWatch(TorchFunctionMode):
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    """The tensors in ``value``, looking into lists, tuples and dicts (the arguments of torch.cat)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return _tensors(list(value.values()))
-    return []
+    """The tensors among the leaves of ``value`` (the lists of torch.cat's arguments, kwargs' dicts)."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, Tensor)]
 
 
 class _ViewsCase(Case):
