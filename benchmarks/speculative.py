@@ -1,6 +1,7 @@
 """Speculative decoding against target-only greedy decoding, for both drafters.
 
     python benchmarks/speculative.py [--prompts 4] [--new-tokens 128] [--ks 2 3 4 6 8] [--repeats 2]
+                                     [--compiled-draft]
 
 Two workloads of ``--prompts`` prompts each, greedy, EOS ignored, batch 1, fp32 on the CPU:
 - continuation: the first three lines of functions from the validation split, drafted by the
@@ -11,7 +12,8 @@ For each k, target-only and speculative decoding generate from every prompt, tim
 (target, speculative, target, ...); the outputs must be identical, token for token. Printed per
 k: speedup (ratio of median times), draft acceptance rate, mean accepted draft tokens per target
 call, tokens per target call; then the cost of a draft step and of verifying k + 1 tokens,
-relative to one target decode step.
+relative to one target decode step. With ``--compiled-draft`` the draft model's one-token steps
+run compiled (``labkit.compile``), and its step cost is printed both ways.
 """
 from __future__ import annotations
 
@@ -22,15 +24,25 @@ import torch
 
 import labkit
 from labkit.bench import compare, measure
+from labkit.compile import compile_step
 from labkit.device import device_name
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, SpeculationStats, continuation_prompts,
                                 editing_prompts, speculative_stream)
+from labkit.static_cache import StaticKVCache, static_length
 
 
 def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
     """Median seconds of one forward call of ``tokens`` new tokens after ``context`` cached ones."""
     return measure(decode_step(model, context, tokens), warmup=5, repeats=50, device="cpu").median_s
+
+
+def compiled_step_cost(model: torch.nn.Module, context: int = 128) -> float:
+    """Median seconds of one compiled one-token step after ``context`` cached ones (static cache)."""
+    cache = StaticKVCache(model.config, 1, static_length(model.config, context + 1))
+    step = compile_step(model, cache)
+    tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), context)
+    return measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s
 
 
 def sweep(target, drafter, prompts, params, ks, repeats) -> float:
@@ -62,6 +74,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 6, 8])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compiled-draft", action="store_true", help="compile the draft model's decode step")
     args = parser.parse_args()
     target, tokenizer = labkit.load("target", device="cpu")
     draft, _ = labkit.load("draft", device="cpu")
@@ -70,8 +83,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     print(f"target {target.num_parameters():,} parameters, draft {draft.num_parameters():,}, fp32; greedy, "
           f"{args.prompts} prompts x {args.new_tokens} new tokens; times are totals over the prompts\n")
-    print("draft model, continuation workload")
-    best_draft = sweep(target, ModelDrafter(draft), continuation_prompts(tokenizer, args.prompts), params, args.ks,
+    print(f"draft model{' (compiled)' * args.compiled_draft}, continuation workload")
+    best_draft = sweep(target, ModelDrafter(draft, compiled=args.compiled_draft), continuation_prompts(tokenizer, args.prompts), params, args.ks,
                        args.repeats)
     print("\nprompt lookup, editing workload")
     lookup = PromptLookupDrafter(target.config.vocab_size)
@@ -80,6 +93,8 @@ def main() -> None:
     print(f"\none forward call, relative to a target decode step ({one * 1e3:.2f} ms) at context 128:")
     verify = ", ".join(f"k={k} {step_cost(target, k + 1) / one:.2f}" for k in args.ks)
     print(f"  draft decode step: {step_cost(draft, 1) / one:.3f}")
+    if args.compiled_draft:
+        print(f"  draft decode step, compiled: {compiled_step_cost(draft) / one:.3f}")
     print(f"  target verifying k + 1 tokens: {verify}")
     print("\ngoals (best k, identical output):")
     for name, best in (("draft model", best_draft), ("prompt lookup", best_lookup)):

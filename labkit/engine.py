@@ -41,11 +41,13 @@ from typing import Hashable, Iterable, Protocol, Sequence
 
 from torch import Tensor
 
+from labkit.cuda_graphs import require_cuda
 from labkit.generate import SamplingParams, next_token, token_generator
 from labkit.memory import blocks_for
 from labkit.model import Transformer
 from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, step_logits
 from labkit.paged_attention import DecodeKernel
+from labkit.paged_graphs import PagedGraphs
 from labkit.validate import as_token_ids, check_ints
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -358,17 +360,21 @@ class WallClock:
 
 class ModelRunner:
     """Executes a scheduled batch on the model: the block copies, one forward pass over every
-    scheduled token as a single ragged row through the paged cache, then sampling."""
+    scheduled token as a single ragged row through the paged cache, then sampling. With
+    ``graphs``, a step in which every sequence decodes one token is replayed from a CUDA graph."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: PagedKVCache, graphs: PagedGraphs | None = None) -> None:
+        self.model, self.cache, self.graphs = model, cache, graphs
         self.max_seq_len, self.vocab_size = model.config.max_seq_len, model.config.vocab_size
 
     def execute(self, batch: ScheduledBatch) -> list[int]:
         self.cache.copy_blocks(batch.copies)
         runs = [(r.request_id, r.num_computed, n) for r, n in batch.scheduled]
         tokens = [t for r, n in batch.scheduled for t in r.tokens[r.num_computed:r.num_computed + n]]
-        logits = step_logits(self.model, self.cache, runs, tokens, batch.sampled)
+        if self.graphs is not None and len(tokens) == len(runs) <= self.graphs.max_batch:  # decodes only
+            logits = self.graphs(runs, tokens)[batch.sampled]
+        else:
+            logits = step_logits(self.model, self.cache, runs, tokens, batch.sampled)
         return sample(logits, [batch.scheduled[i][0] for i in batch.sampled])
 
 
@@ -453,12 +459,19 @@ class EngineCore:
 
 class Engine(EngineCore):
     """Continuous batching of a model over a paged KV cache (see ``EngineCore``). ``decode_kernel``:
-    see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended)."""
+    see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended).
+    ``use_cuda_graphs``: record the decode step for each batch bucket up to ``max_num_seqs`` and
+    replay it for steps that only decode (``labkit.paged_graphs``); CUDA only."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
-                 eos_id: int | None = None, decode_kernel: DecodeKernel | None = None) -> None:
+                 eos_id: int | None = None, decode_kernel: DecodeKernel | None = None,
+                 use_cuda_graphs: bool = False) -> None:
+        if use_cuda_graphs:
+            require_cuda(model.device)
         allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.model = model
-        self.cache = PagedKVCache(model.config, allocator, model.dtype, model.device, decode_kernel)
-        super().__init__(ModelRunner(model, self.cache), allocator, config, WallClock(), eos_id)
+        self.cache = PagedKVCache(model.config, allocator, model.dtype, model.device, decode_kernel,
+                                  spare_block=use_cuda_graphs)
+        graphs = PagedGraphs(model, self.cache, config.max_num_seqs) if use_cuda_graphs else None
+        super().__init__(ModelRunner(model, self.cache, graphs), allocator, config, WallClock(), eos_id)

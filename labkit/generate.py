@@ -20,7 +20,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from labkit.compile import compile_step
+from labkit.cuda_graphs import GraphedStep, require_cuda
 from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
+from labkit.static_cache import StaticKVCache, static_length
 from labkit.validate import as_token_ids, check_ints
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
@@ -139,17 +142,26 @@ def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingP
 
 def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
            use_cache: bool = True, cache: RowCache | None = None, eos_id: int | None = None,
-           counters: Counters | None = None) -> Iterator[int]:
+           counters: Counters | None = None, compiled: bool = False, use_cuda_graphs: bool = False) -> Iterator[int]:
     """Yield new token ids one at a time. With ``use_cache`` (default) the prompt is prefilled
-    into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes."""
+    into ``cache`` (a fresh contiguous one if none is given); without, every step recomputes.
+    With ``compiled`` or ``use_cuda_graphs``, the prompt is prefilled eagerly into a static cache
+    and each decode step runs compiled (``labkit.compile``) or replayed from a CUDA graph
+    (``labkit.cuda_graphs``): the same tokens, fewer launches."""
     total = sequence_length(model, prompt, params)
     counters = counters if counters is not None else Counters()
     device = model.device
-    if use_cache and cache is None:
+    step = None
+    if compiled or use_cuda_graphs:
+        cache, step = _static_decoder(model, total, cache, use_cache, use_cuda_graphs)
+    elif use_cache and cache is None:
         cache = ContiguousKVCache(model.config, 1, total, model.dtype, device)
     fed, start = list(prompt), 0  # what the next forward call runs, from which position
     for index in range(params.max_new_tokens):
-        logits = forward_tokens(model, fed, start, cache if use_cache else None)
+        if step is not None and index:
+            logits = step(torch.tensor([fed], device=device), torch.tensor([[start]], device=device))[0]
+        else:
+            logits = forward_tokens(model, fed, start, cache if use_cache else None)
         token = int(next_token(logits[-1:], params, token_generator(params, index, device)))
         counters.tokens_processed += len(fed)
         counters.forward_calls += 1
@@ -157,6 +169,20 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
         if params.stop_at_eos and token == eos_id:
             return
         start, fed = (start + len(fed), [token]) if use_cache else (0, fed + [token])
+
+
+def _static_decoder(model: Transformer, total: int, cache: RowCache | None, use_cache: bool,
+                    use_cuda_graphs: bool) -> tuple[StaticKVCache, Callable[[Tensor, Tensor], Tensor]]:
+    """A static cache for a generation of ``total`` tokens and its decode step, compiled or
+    recorded as a CUDA graph."""
+    if not use_cache or cache is not None:
+        raise ValueError("a compiled or graphed decode step brings its own static cache: "
+                         "leave use_cache=True and cache=None")
+    if use_cuda_graphs:
+        require_cuda(model.device)
+    length = static_length(model.config, total)
+    static = StaticKVCache(model.config, 1, length, model.dtype, model.device)
+    return static, GraphedStep(model, static) if use_cuda_graphs else compile_step(model, static)
 
 
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:
@@ -182,8 +208,9 @@ def eos_id_of(tokenizer: Tokenizer) -> int | None:
 
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, params: SamplingParams = SamplingParams(),
-             *, use_cache: bool = True) -> str:
-    """The text the model writes after ``prompt``."""
+             *, use_cache: bool = True, compiled: bool = False, use_cuda_graphs: bool = False) -> str:
+    """The text the model writes after ``prompt`` (``stream`` says what the flags do)."""
     ids = tokenizer.encode(prompt).ids
-    new = list(stream(model, ids, params, use_cache=use_cache, eos_id=eos_id_of(tokenizer)))
+    new = list(stream(model, ids, params, use_cache=use_cache, eos_id=eos_id_of(tokenizer),
+                      compiled=compiled, use_cuda_graphs=use_cuda_graphs))
     return tokenizer.decode(new)

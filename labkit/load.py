@@ -1,9 +1,11 @@
 """Load a model and its tokenizer: one of the lab's shipped checkpoints, or a Hugging Face
 Llama-architecture checkpoint from a local folder (config.json, tokenizer.json and
-safetensors weights, sharded or not). Nothing is downloaded, and pickles are never read.
+safetensors weights, sharded or not); or, for timing, a published model's shape with random
+weights (``labkit.shapes``). Nothing is downloaded, and pickles are never read.
 
     model, tokenizer = labkit.load("target")            # shipped with the lab
     model, tokenizer = labkit.load("~/models/SmolLM2-135M")  # your own, from disk
+    model, _ = labkit.load("shape:Llama-3.1-8B", "cuda", torch.bfloat16)  # random weights, no tokenizer
 
 ``LABKIT_MODEL`` names the model the notebooks use (default ``target``).
 """
@@ -21,6 +23,7 @@ from tokenizers import Tokenizer
 
 from labkit.device import get_device
 from labkit.model import ModelConfig, Transformer
+from labkit.shapes import build_shape
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 TOKENIZER = CHECKPOINTS / "tokenizer.json"
@@ -207,9 +210,13 @@ def load(name: str | None = None, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
     """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``), or a local
     folder: a Hugging Face one, or one ``save_checkpoint`` wrote (with the lab's tokenizer unless it
-    holds its own); ``LABKIT_MODEL`` when no name is given."""
+    holds its own); ``LABKIT_MODEL`` when no name is given. ``shape:NAME`` (a name in
+    ``labkit.shapes.SHAPES``, e.g. ``shape:Llama-3.1-8B``) is that model's shape with random
+    weights, for timing: its text is meaningless, so it comes with no tokenizer (None)."""
     name = name or os.environ.get("LABKIT_MODEL", "target")
     device = torch.device(device) if device is not None else get_device()
+    if name.startswith("shape:"):
+        return build_shape(name.removeprefix("shape:"), device, dtype), None
     shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
     if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
         return _load_labkit_folder(shipped, device, dtype)

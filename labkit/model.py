@@ -151,6 +151,15 @@ class ContiguousPlan(AttentionPlan):
     mask: Tensor | None
 
 
+def cache_length(config: ModelConfig, max_len: int | None) -> int:
+    """The slots a cache of rows keeps per sequence: ``max_len``, checked, or the model's context."""
+    length = config.max_seq_len if max_len is None else max_len
+    if not 1 <= length <= config.max_seq_len:
+        raise ValueError(f"max_len={length} must be in 1..max_seq_len={config.max_seq_len} "
+                         "(None: the model's max_seq_len)")
+    return length
+
+
 class ContiguousKVCache:
     """One preallocated buffer per layer and sequence: ``[layers, batch, n_kv_heads, max_len, head_dim]``.
 
@@ -165,10 +174,7 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.max_len = config.max_seq_len if max_len is None else max_len
-        if not 1 <= self.max_len <= config.max_seq_len:
-            raise ValueError(f"max_len={self.max_len} must be in 1..max_seq_len={config.max_seq_len} "
-                             "(None: the model's max_seq_len)")
+        self.max_len = cache_length(config, max_len)
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -425,9 +425,14 @@ class PagedKVCache:
     """
 
     def __init__(self, config: ModelConfig, allocator: BlockAllocator, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", decode_kernel: DecodeKernel | None = None) -> None:
+                 device: torch.device | str = "cpu", decode_kernel: DecodeKernel | None = None,
+                 spare_block: bool = False) -> None:
         self.allocator, self.decode_kernel, self.max_seq_len = allocator, decode_kernel, config.max_seq_len
-        shape = (config.n_layers, allocator.num_blocks, allocator.block_size, config.n_kv_heads, config.head_dim)
+        # a spare block after the allocator's, which it never hands out: where the padding rows of a
+        # CUDA graph's batch write (labkit.paged_graphs)
+        self.spare_slot = allocator.num_blocks * allocator.block_size if spare_block else None
+        shape = (config.n_layers, allocator.num_blocks + spare_block, allocator.block_size, config.n_kv_heads,
+                 config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.group_overhead = 512 if self.k.device.type == "cpu" else 1 << 40

@@ -50,6 +50,8 @@ MODEL_PRESETS: dict[str, ModelShape] = {m.name: m for m in [
     ModelShape("Llama-3.1-8B", 8.03e9, 32, 32, 8, 128, 131072),
     ModelShape("Llama-3.1-70B", 70.6e9, 80, 64, 8, 128, 131072),
     ModelShape("Llama-3.1-405B", 405.9e9, 126, 128, 8, 128, 131072),
+    ModelShape("Llama-3.2-1B", 1.24e9, 16, 32, 8, 64, 131072),
+    ModelShape("Llama-3.2-3B", 3.21e9, 28, 24, 8, 128, 131072),
     ModelShape("Mistral-7B", 7.24e9, 32, 32, 8, 128, 32768),
     ModelShape("Mixtral-8x7B", 46.7e9, 32, 32, 8, 128, 32768),
     ModelShape("Qwen2.5-7B", 7.62e9, 28, 28, 4, 128, 131072),

@@ -39,10 +39,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from labkit.compile import compile_step
 from labkit.corpus import functions
 from labkit.device import synchronize
 from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
 from labkit.model import ContiguousKVCache, Transformer, forward_tokens
+from labkit.static_cache import StaticKVCache, static_length
 
 
 def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
@@ -121,23 +123,42 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A small model with the target's vocabulary drafts k tokens, one forward call each, keeping
     its own KV cache; after verification it drafts on from the last token the target accepted
-    (the cache's later slots are written again)."""
+    (the cache's later slots are written again).
 
-    def __init__(self, model: Transformer) -> None:
-        self.model, self.vocab_size = model, model.config.vocab_size
-        self.cache: ContiguousKVCache | None = None
+    With ``compiled``, the draft keeps a static cache and its one-token steps run compiled
+    (``labkit.compile``): a small draft's step is almost all overhead, which compiling removes.
+    Catching up on several tokens (the prompt, or a bonus token) stays eager."""
+
+    def __init__(self, model: Transformer, compiled: bool = False) -> None:
+        self.model, self.vocab_size, self.compiled = model, model.config.vocab_size, compiled
+        self.cache: ContiguousKVCache | StaticKVCache | None = None
+        self.step: Callable[[Tensor, Tensor], Tensor] | None = None
         self.length = 0  # tokens of the sequence in the cache
 
     def start(self, capacity: int) -> None:
-        self.cache = ContiguousKVCache(self.model.config, 1, capacity, self.model.dtype, self.model.device)
+        config, dtype, device = self.model.config, self.model.dtype, self.model.device
         self.length = 0
+        if not self.compiled:
+            self.cache = ContiguousKVCache(config, 1, capacity, dtype, device)
+            return
+        length = static_length(config, capacity)
+        if self.cache is None or self.cache.max_len != length:  # a step compiled once serves every prompt
+            self.cache = StaticKVCache(config, 1, length, dtype, device)
+            self.step = compile_step(self.model, self.cache)
+
+    def _logits(self, fed: list[int]) -> Tensor:
+        """The last logits of ``fed`` run after the cached tokens."""
+        if self.step is not None and len(fed) == 1:
+            device = self.model.device
+            return self.step(torch.tensor([fed], device=device), torch.tensor([[self.length]], device=device))[0, -1]
+        return forward_tokens(self.model, fed, self.length, self.cache)[-1]
 
     def propose(self, sequence: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         tokens, probs = [], []
         fed = sequence[self.length:]  # what the cache has not seen: the last token or two, or the prompt
         for _ in range(k):
-            logits = forward_tokens(self.model, fed, self.length, self.cache)[-1]
+            logits = self._logits(fed)
             self.length += len(fed)
             if params.temperature == 0:
                 tokens.append(int(logits.argmax()))

@@ -54,7 +54,7 @@ def test_what_fits_on_a_gpu():
 
 
 def test_presets_cover_the_published_models():
-    assert len(MODEL_PRESETS) == 13 and all(p.n_heads % p.n_kv_heads == 0 for p in MODEL_PRESETS.values())
+    assert len(MODEL_PRESETS) == 15 and all(p.n_heads % p.n_kv_heads == 0 for p in MODEL_PRESETS.values())
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])

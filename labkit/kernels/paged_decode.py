@@ -70,11 +70,13 @@ def decode_tile(block_size: int, dim: int, dtype: torch.dtype) -> int:
 
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
-                 scale: float | None = None) -> Tensor:
+                 scale: float | None = None, ranges: bool = True) -> Tensor:
     """What ``labkit.paged.paged_attention`` computes, without gathering: ``q`` ``[B, n_heads, d]``
     attends to the first ``lengths[b]`` keys and values of sequence b, read from the pools
-    ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables`` ``[B, max_blocks]``."""
-    check_paged_decode(q, k_pool, v_pool, block_tables, lengths)
+    ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables`` ``[B, max_blocks]``.
+    ``ranges=False`` skips checking the block ids and lengths, which reads them on the host: what a
+    CUDA graph's recording cannot do (``labkit.paged_graphs`` fills them itself)."""
+    check_paged_decode(q, k_pool, v_pool, block_tables, lengths, ranges=ranges)
     check_device(q, k_pool, v_pool, block_tables, lengths)
     (batch, heads, dim), (_, block_size, kv_heads, _) = q.shape, k_pool.shape
     if block_size & (block_size - 1):

@@ -1,0 +1,193 @@
+"""Eager against compiled (and, on a GPU, CUDA-graphed) decode steps, and what compiling costs.
+
+    python benchmarks/compile.py [--models target draft] [--context 256] [--repeats 60]
+                                 [--shape Llama-3.2-1B] [--new-tokens 1024] [--skip-cold]
+
+1. For each model (fp32, batch 1, ``--context`` tokens cached), timed alternately: the lab's
+   eager decode step on the contiguous cache (``generate.decode_step``: what every earlier
+   notebook times), the same step eager on the static cache, the static step compiled
+   (``labkit.compile``; on CUDA ``mode="reduce-overhead"``) and, on CUDA, recorded by hand as a
+   CUDA graph (``labkit.cuda_graphs``). Each step's bytes (weights, KV read and written:
+   ``cost.forward_bytes``) over its median time, against a copy of that many bytes (on a CPU the
+   last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
+2. Compile time: in this process, and in two fresh processes sharing an empty inductor cache
+   folder: the first compiles from nothing, the second finds the first one's code on disk.
+3. Greedy output of 64 tokens: eager, compiled and (CUDA) graphed must be identical.
+4. On CUDA only: the engine, eager against CUDA graphs per batch bucket (32 requests at once);
+   and ``--shape`` (random weights, bf16): eager against graphed decode and the fraction of the
+   datasheet bandwidth, notebook 01's naive against cached generation of ``--new-tokens``
+   tokens, cached with CUDA graphs and eagerly (twice: the first pass meets every key length
+   for the first time), and the engine again.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import labkit
+from labkit import cost
+from labkit.bench import alternate, format_seconds
+from labkit.compile import cache_dir, compile_step, eager_step
+from labkit.device import device_name, get_device, synchronize
+from labkit.generate import SamplingParams, decode_step, stream
+from labkit.hardware import measure_bandwidth
+from labkit.model import Transformer
+from labkit.presets import GPU_PRESETS
+from labkit.static_cache import StaticKVCache, static_length
+
+ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
+    """The eager, compiled and (``graphs``) graphed decode steps at ``context`` on static caches,
+    each a no-argument callable for ``alternate``, plus the compile time."""
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    positions = torch.full((1, 1), context, device=model.device)
+
+    def cache() -> StaticKVCache:
+        return StaticKVCache(model.config, 1, static_length(model.config, context + 1), model.dtype, model.device)
+
+    eager, compiled = eager_step(model, cache()), compile_step(model, cache())
+    steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
+    if graphs:
+        from labkit.cuda_graphs import GraphedStep
+        graphed = GraphedStep(model, cache())
+        steps["CUDA graph"] = lambda: graphed(tokens, positions)
+    return {"steps": steps, "compile_s": getattr(compiled, "compile_s", float("nan"))}
+
+
+def reference_bandwidth(device: torch.device, step_bytes: float) -> tuple[float, str]:
+    """What a step's bytes are measured against: the datasheet on a known GPU, else a copy of
+    ``step_bytes`` (source and destination together) on this device."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for preset in GPU_PRESETS.values():
+            if preset.name.split()[0] in name and ("H100" not in name or "HBM3" in name):
+                return preset.bandwidth, f"datasheet {preset.name}"
+    return measure_bandwidth(device, int(step_bytes) // 2, repeats=20), f"copy of {step_bytes / 1e6:.0f} MB"
+
+
+def time_model(name: str, model: Transformer, context: int, repeats: int) -> None:
+    device, config = model.device, model.config
+    built = static_steps(model, context, device.type == "cuda")
+    timings = alternate({"eager contiguous": decode_step(model, context), **built["steps"]},
+                        warmup=3, repeats=repeats, device=device)
+    elt = ELEMENT_BYTES[model.dtype]
+    step_bytes = cost.forward_bytes(config, 1, context, weight_bytes=elt, kv_dtype="fp32" if elt == 4 else "bf16")
+    bandwidth, against = reference_bandwidth(device, step_bytes)
+    base = timings["eager contiguous"].median_s
+    print(f"\n{name}: {model.num_parameters():,} parameters, {str(model.dtype)[6:]}, context {context}, "
+          f"{step_bytes / 1e6:.1f} MB per step; compile {built['compile_s']:.1f} s")
+    print(f"{'':<18}{'median':>10}{'min':>10}{'tokens/s':>10}{'speedup':>9}{'of bound':>10}   bound: "
+          f"{against}, {bandwidth / 1e9:.0f} GB/s")
+    for label, t in timings.items():
+        print(f"{label:<18}{format_seconds(t.median_s):>10}{format_seconds(t.min_s):>10}{1 / t.median_s:>10.0f}"
+              f"{base / t.median_s:>8.2f}x{step_bytes / t.median_s / bandwidth:>10.2f}" + ("  (noisy)" * t.noisy))
+
+
+def same_output(model: Transformer, prompt: list[int]) -> str:
+    params = SamplingParams(max_new_tokens=64, stop_at_eos=False)
+    runs = {"compiled": dict(compiled=True)}
+    if model.device.type == "cuda":
+        runs["graphed"] = dict(use_cuda_graphs=True)
+    eager = list(stream(model, prompt, params))
+    return ", ".join(f"{k} {'identical' if list(stream(model, prompt, params, **kw)) == eager else 'DIFFERENT'}"
+                     for k, kw in runs.items())
+
+
+COLD_START = """
+import sys, time, torch, labkit
+from labkit.compile import compile_step
+from labkit.static_cache import StaticKVCache
+model, _ = labkit.load(sys.argv[1], device=sys.argv[2])
+step = compile_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
+print(step.compile_s)
+"""
+
+
+def compile_times(name: str, device: torch.device) -> tuple[float, float]:
+    """Compile time in a fresh process with an empty inductor cache, then in another one that
+    finds the first one's code on disk."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
+        run = lambda: float(subprocess.run([sys.executable, "-c", COLD_START, name, str(device)], env=env,
+                                           capture_output=True, text=True, check=True).stdout.split()[-1])
+        return run(), run()
+
+
+def gpu_scale(shape: str, new_tokens: int, repeats: int) -> None:
+    model, _ = labkit.load(f"shape:{shape}", device="cuda", dtype=torch.bfloat16)
+    print(f"\n{shape} shape, random weights, bf16, batch 1")
+    time_model(shape, model, 512, repeats)
+    prompt = list(range(100, 116))
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    # eager twice: cuDNN's attention builds a plan for each new key length the first time it meets it
+    for label, kw in [("cached, CUDA graphs", dict(use_cuda_graphs=True)), ("cached, eager", {}),
+                      ("cached, eager again", {}), ("naive", dict(use_cache=False))]:
+        start = time.perf_counter()
+        tokens = list(stream(model, prompt, params, **kw))
+        synchronize(model.device)
+        seconds = time.perf_counter() - start
+        print(f"{label:<22}{new_tokens} tokens in {seconds:6.2f} s = {new_tokens / seconds:7.1f} tokens/s "
+              f"(last token {tokens[-1]})")
+    engine_graphs(model)
+
+
+def engine_graphs(model: Transformer, requests: int = 32, prompt: int = 64, new_tokens: int = 128) -> None:
+    """The engine on ``model`` with its Triton decode kernel, eager against CUDA graphs per batch
+    bucket: ``requests`` requests at once, greedy, EOS ignored."""
+    from labkit.engine import Engine, Request, SchedulerConfig
+    from labkit.kernels import paged_decode
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    config = SchedulerConfig(max_num_seqs=requests, max_num_batched_tokens=2048)
+    blocks = requests * -(-(prompt + new_tokens) // 16) + 8
+    outputs, times = {}, {}
+    for label, graphs in (("eager", False), ("CUDA graphs", True)):
+        engine = Engine(model, blocks, 16, config, decode_kernel=paged_decode, use_cuda_graphs=graphs)
+        batch = [Request(i, [(7 * i + j) % 1000 + 1 for j in range(prompt)], params) for i in range(requests)]
+        engine.run(batch[:2])  # warm up
+        batch = [Request(i, r.prompt, params) for i, r in enumerate(batch)]
+        start = time.perf_counter()
+        outputs[label] = [r.output for r in engine.run(batch)]
+        times[label] = time.perf_counter() - start
+    same = "identical" if outputs["eager"] == outputs["CUDA graphs"] else "DIFFERENT"
+    print(f"engine, {requests} requests x {new_tokens} new tokens (prompts of {prompt}), greedy outputs {same}: " +
+          ", ".join(f"{k} {requests * new_tokens / t:,.0f} tokens/s" for k, t in times.items()) +
+          f" ({times['eager'] / times['CUDA graphs']:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["target", "draft"])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--shape", default="Llama-3.2-1B")
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--skip-cold", action="store_true", help="skip the compile times in fresh processes")
+    args = parser.parse_args()
+    device = get_device()
+    print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}; inductor cache {cache_dir()}")
+    for name in args.models:
+        model, tokenizer = labkit.load(name, device=device)
+        time_model(name, model, args.context, args.repeats)
+        prompt = tokenizer.encode('def is_prime(n):\n    """Return True if n is a prime number."""').ids
+        print(f"greedy, 64 tokens, against eager: {same_output(model, prompt)}")
+        if device.type == "cuda":
+            engine_graphs(model)
+        if not args.skip_cold:
+            cold, warm = compile_times(name, device)
+            print(f"compile in a fresh process: {cold:.1f} s with an empty inductor cache, {warm:.1f} s "
+                  "with the first one's code on disk")
+    if device.type == "cuda":
+        gpu_scale(args.shape, args.new_tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""CUDA graphs by hand: record a decode step's kernel launches once, replay them with one call.
+
+A GPU runs a kernel in a few microseconds, and the CPU needs about as long to launch one; a
+small model's decode step is hundreds of kernels, so the GPU waits on Python. A CUDA graph is
+a recording of a stream's launches, with their arguments: replaying it launches them all at
+once from the driver, with no Python and no dispatcher in between.
+
+A recording fixes every address and shape, so:
+
+- inputs live in static buffers that each step overwrites (``copy_``) before the replay, and
+  the output appears in the same output tensor every time (read it before the next replay);
+- the step may not synchronise with the host (no ``.item()``) and may not allocate in new
+  places: the static KV cache (``labkit.static_cache``) keeps all of this true;
+- a batch of another size needs another graph. Engines record one per batch-size *bucket*
+  (1, 2, 4, 8, then multiples of 16, as nano-vllm does) and pad a batch up to its bucket with
+  rows at position -1, which the static cache writes to its spare slot: nowhere that is read.
+
+Every function here needs CUDA; on a CPU it says so.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from labkit.model import Transformer
+from labkit.static_cache import StaticKVCache
+
+
+def require_cuda(device: torch.device | str) -> None:
+    """A clear error unless ``device`` is a CUDA GPU."""
+    if torch.device(device).type != "cuda":
+        raise RuntimeError(f"CUDA graphs need a CUDA GPU, and this model is on {torch.device(device)}: "
+                           "on a CPU, compile the step instead (labkit.compile.compile_step)")
+
+
+def buckets(max_batch: int) -> list[int]:
+    """The batch sizes to record a graph for: 1, 2, 4, 8, then multiples of 16, up to and
+    including the first that holds ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch} must be at least 1")
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
+    return sizes[:next(i for i, b in enumerate(sizes) if b >= max_batch) + 1]
+
+
+def bucket_for(batch: int, sizes: Sequence[int]) -> int:
+    """The smallest bucket that holds ``batch`` rows."""
+    fitting = [b for b in sizes if b >= batch]
+    if batch < 1 or not fitting:
+        raise ValueError(f"a batch of {batch} rows has no bucket among {list(sizes)}")
+    return min(fitting)
+
+
+def pad_to_bucket(tokens: Tensor, positions: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
+    """``tokens`` and ``positions`` ``[B, T]`` padded with rows of token 0 at position -1 up to
+    ``bucket`` rows: rows that the static cache writes to its spare slot."""
+    missing = bucket - tokens.shape[0]
+    if missing < 0:
+        raise ValueError(f"{tokens.shape[0]} rows do not fit a bucket of {bucket}")
+    pad = (0, 0, 0, missing)
+    return (torch.nn.functional.pad(tokens, pad, value=0),
+            torch.nn.functional.pad(positions, pad, value=-1))
+
+
+def record(forward: Callable[[], Tensor], device: torch.device, pool: tuple | None = None
+           ) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """Record ``forward`` (a step that reads only static buffers) as a CUDA graph; returns the
+    graph and the tensor its replays write their output into. It runs a few times on a side
+    stream first, as CUDA asks: libraries pick their algorithms and allocate their workspaces
+    then, not during the recording. ``pool``: a memory pool shared with other graphs."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return graph, output
+
+
+class GraphedStep:
+    """One decode step of ``model`` on ``cache`` recorded as a CUDA graph for its batch size.
+
+    ``step(tokens, positions)`` copies the inputs into the static buffers, replays, and returns
+    the static output buffer ``[B, T, vocab]`` (overwritten by the next replay)."""
+
+    def __init__(self, model: Transformer, cache: StaticKVCache, tokens_per_step: int = 1,
+                 pool: tuple | None = None) -> None:
+        require_cuda(model.device)
+        self.model, self.cache = model, cache
+        shape = (cache.batch_size, tokens_per_step)
+        self.tokens = torch.zeros(shape, dtype=torch.long, device=model.device)
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=model.device)  # padding until used
+        self.graph, self.logits = record(self._forward, model.device, pool)
+
+    def _forward(self) -> Tensor:
+        return self.model(self.tokens, plan=self.cache.plan(self.positions))
+
+    def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        if tokens.shape != self.tokens.shape:
+            raise ValueError(f"this graph was recorded for tokens {tuple(self.tokens.shape)}, got "
+                             f"{tuple(tokens.shape)}: pad to the bucket (pad_to_bucket)")
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits
+
+
+class BucketedGraphs:
+    """The engine's version: one ``GraphedStep`` per batch-size bucket over one static cache of
+    ``max_batch`` rows; the graph for bucket b drives the cache's first b rows (a view of the same
+    memory), so a sequence keeps its row whichever bucket its batch falls in. Graphs are recorded
+    largest first and share one memory pool, as their steps never overlap."""
+
+    def __init__(self, model: Transformer, max_batch: int, max_len: int) -> None:
+        require_cuda(model.device)
+        self.sizes = buckets(max_batch)
+        self.cache = StaticKVCache(model.config, self.sizes[-1], max_len, model.dtype, model.device)
+        self.graphs: dict[int, GraphedStep] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self.graphs[size] = GraphedStep(model, self.cache.first_rows(size), pool=pool)
+
+    def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Logits ``[B, 1, vocab]`` of a decode step for rows 0..B-1 of the cache."""
+        rows = tokens.shape[0]
+        bucket = bucket_for(rows, self.sizes)
+        return self.graphs[bucket](*pad_to_bucket(tokens, positions, bucket))[:rows]

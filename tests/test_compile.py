@@ -1,0 +1,109 @@
+"""Compiled and CUDA-graphed decode steps: the same logits and tokens as eager, or a clear refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import compile as compiling
+from labkit.cuda_graphs import BucketedGraphs, GraphedStep, bucket_for, buckets, pad_to_bucket
+from labkit.generate import SamplingParams, stream
+from labkit.model import ModelConfig, Transformer
+from labkit.static_cache import StaticKVCache
+
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=512)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def _model(device: str = "cpu") -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(CONFIG).to(device).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return _model()
+
+
+def test_the_compiled_step_gives_the_eager_logits(model):
+    step = compiling.compile_step(model, StaticKVCache(CONFIG, 2, 32))
+    assert isinstance(step, compiling.CompiledStep) and step.compile_s > 0
+    eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32))
+    for p in range(4):
+        tokens, positions = torch.tensor([[p + 1], [p + 7]]), torch.tensor([[p], [p if p < 2 else -1]])
+        torch.testing.assert_close(step(tokens, positions), eager(tokens, positions), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_generation_is_the_eager_generation(model):
+    params = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    assert list(stream(model, [3, 4, 5], params, compiled=True)) == list(stream(model, [3, 4, 5], params))
+
+
+def test_without_a_compiler_the_step_runs_eagerly_and_says_why(model, monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    assert "no C++ compiler was found" in compiling.compiler_problem("cpu")
+    assert compiling.compiler_problem("meta") is None  # a GPU compiles with Triton, not with a C++ compiler
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        step = compiling.compile_step(model, StaticKVCache(CONFIG, 1, 8))
+    assert not isinstance(step, compiling.CompiledStep)
+    assert step(torch.tensor([[1]]), torch.tensor([[0]])).shape == (1, 1, 64)
+
+
+def test_a_static_step_refuses_a_cache_of_its_own(model):
+    with pytest.raises(ValueError, match="brings its own static cache"):
+        list(stream(model, [1, 2], SamplingParams(max_new_tokens=2), compiled=True, use_cache=False))
+
+
+def test_buckets_and_padding():
+    assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(20) == [1, 2, 4, 8, 16, 32]
+    assert [bucket_for(n, buckets(40)) for n in (1, 3, 5, 9, 17, 33)] == [1, 4, 8, 16, 32, 48]
+    with pytest.raises(ValueError, match="a batch of 9 rows has no bucket"):
+        bucket_for(9, [1, 2, 4, 8])
+    tokens, positions = pad_to_bucket(torch.tensor([[5], [6], [7]]), torch.tensor([[3], [9], [0]]), 4)
+    assert tokens.tolist() == [[5], [6], [7], [0]] and positions.tolist() == [[3], [9], [0], [-1]]
+    with pytest.raises(ValueError, match="3 rows do not fit a bucket of 2"):
+        pad_to_bucket(tokens[:3], positions[:3], 2)
+
+
+def test_cuda_graphs_on_a_cpu_say_they_need_cuda(model):
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
+        GraphedStep(model, StaticKVCache(CONFIG, 1, 8))
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
+        list(stream(model, [1, 2], SamplingParams(max_new_tokens=2), use_cuda_graphs=True))
+
+
+@needs_cuda
+def test_a_graphed_step_replays_the_eager_step():
+    model = _model("cuda")
+    graphed = GraphedStep(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
+    eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
+    for p in range(5):
+        tokens, positions = torch.tensor([[p + 1], [p + 2]], device="cuda"), torch.tensor([[p], [p]], device="cuda")
+        torch.testing.assert_close(graphed(tokens, positions).clone(), eager(tokens, positions), rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_bucketed_graphs_serve_every_batch_size_and_generation_is_unchanged():
+    model = _model("cuda")
+    graphs = BucketedGraphs(model, max_batch=5, max_len=16)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    for rows in (1, 3, 5):
+        eager = compiling.eager_step(model, StaticKVCache(CONFIG, rows, 16, device="cuda"))
+        tokens = torch.arange(1, rows + 1, device="cuda")[:, None]
+        positions = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+        torch.testing.assert_close(graphs(tokens, positions).clone(), eager(tokens, positions), rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    expected = list(stream(model, [3, 4, 5], params))
+    assert list(stream(model, [3, 4, 5], params, use_cuda_graphs=True)) == expected
+    assert list(stream(model, [3, 4, 5], params, compiled=True)) == expected  # reduce-overhead: compiled + graphs
+
+
+def test_a_compiled_draft_changes_no_token(model):
+    from labkit.speculative import ModelDrafter, SpeculationStats, speculative_stream
+    torch.manual_seed(1)
+    draft = Transformer(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                                    max_seq_len=512)).eval()
+    params = SamplingParams(max_new_tokens=24, stop_at_eos=False)
+    stats = SpeculationStats(k=3)
+    drafted = list(speculative_stream(model, ModelDrafter(draft, compiled=True), [3, 4, 5], params, k=3, stats=stats))
+    assert drafted == list(stream(model, [3, 4, 5], params)) and stats.rounds

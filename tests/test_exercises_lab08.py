@@ -1,0 +1,154 @@
+"""Exercises of notebook 08: plausible mistakes fail, with a hint that helps; the compile check names what
+stopped the capture and sees a function fixed since."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, run_cases
+from labkit.exercises import get
+from labkit.exercises.lab08 import compiled_whole
+
+from exercise_cells import cells, define
+
+
+def _fails(ex_id, fn, case, hint):
+    """``fn`` fails ``ex_id`` first at the case whose label starts with ``case``, and the message holds ``hint``."""
+    result = run_cases(get(ex_id), fn)
+    assert result.status == FAILED, (ex_id, case, result.verdict())
+    first = result.message.split("case ", 1)[1]
+    assert first.split("(", 1)[1].startswith(case), (case, result.message)
+    assert hint in result.message, (hint, result.message)
+    return result
+
+
+def _mistake(root, ex_id, right, wrong):
+    source = cells("solutions", root)[ex_id]
+    assert right in source, (ex_id, right)
+    return define(source.replace(right, wrong), get(ex_id).function)
+
+
+def test_lab08_static_plan_mistakes_fail(root):
+    mistakes = [  # (what the solution says, the slip, the case it fails first, what the message must say)
+        ("positions, max_len)", "positions, -1)", "a batch with padding", "not -1 left as it is"),
+        ("positions, max_len)", "positions, max_len - 1)", "a batch with padding", "not max_len - 1, a real slot"),
+        ("<= query", "< query", "a decode step", "<=, not <"),
+        ("(torch.arange(max_len, device=positions.device) <= query) | (query < 0)",
+         "(torch.arange(max_len, device=positions.device) <= query)", "a batch with padding",
+         "a padding query sees every slot"),
+        ("torch.arange(max_len,", "torch.arange(8,", "another max_len", "from max_len, the argument"),
+    ]
+    for right, wrong, case, hint in mistakes:
+        _fails("ex08.1", _mistake(root, "ex08.1", right, wrong), case, hint)
+
+
+def test_the_model_run_catches_padding_in_the_last_real_slot(root):
+    """Through the model, padding written to slot max_len - 1 overwrites the key of a row's last token, written
+    in the same step: the comparison with the contiguous cache sees it, whatever the value cases say."""
+    wrong = _mistake(root, "ex08.1", "positions, max_len)", "positions, max_len - 1)")
+    scenario = get("ex08.1").cases()[-1]
+    with pytest.raises(AssertionError, match="row 0's token at position 7 gets other logits"):
+        scenario.run(wrong)
+    scenario.run(define(cells("solutions", root)["ex08.1"], "static_plan"))
+
+
+def test_lab08_advance_mistakes_fail():
+    def item(tokens, positions, finished, eos_id):  # a Python loop over the rows, reading each value
+        finished, positions = finished.clone(), positions.clone()
+        for row in range(tokens.shape[0]):
+            if tokens[row].item() == eos_id:
+                finished[row] = True
+            if not finished[row].item():
+                positions[row] += 1
+        return positions, finished
+
+    def branch(tokens, positions, finished, eos_id):  # a shortcut that branches on a tensor
+        finished = finished | (tokens == eos_id)
+        if finished.all():
+            return positions.clone(), finished
+        return torch.where(finished, positions, positions + 1), finished
+
+    def boolean_mask(tokens, positions, finished, eos_id):  # right values, a data-dependent shape
+        finished = finished | (tokens == eos_id)
+        positions = positions.clone()
+        positions[~finished] += 1
+        return positions, finished
+
+    def tolist(tokens, positions, finished, eos_id):
+        done = [bool(f) or t == eos_id for f, t in zip(finished.tolist(), tokens.tolist())]
+        return torch.tensor([p if d else p + 1 for p, d in zip(positions.tolist(), done)]), torch.tensor(done)
+
+    compiles = "compiles whole"
+    _fails("ex08.2", item, compiles, "read into Python (.item(), .tolist()")
+    assert "line" in run_cases(get("ex08.2"), item).message  # the line that stopped the capture
+    _fails("ex08.2", branch, compiles, "a Python if, while, and, or, or not decides on a tensor's value")
+    _fails("ex08.2", boolean_mask, compiles, "`positions[~finished] += 1`")
+    _fails("ex08.2", tolist, compiles, "read into Python")
+
+    def old_finished(tokens, positions, finished, eos_id):  # moves a row that has just finished
+        return torch.where(finished, positions, positions + 1), finished | (tokens == eos_id)
+
+    def replaced(tokens, positions, finished, eos_id):  # forgets the rows finished before
+        done = tokens == eos_id
+        return torch.where(done, positions, positions + 1), done
+
+    def in_place(tokens, positions, finished, eos_id):
+        finished |= tokens == eos_id
+        return torch.where(finished, positions, positions + 1), finished
+
+    def fixed_eos(tokens, positions, finished, eos_id):
+        finished = finished | (tokens == 2)
+        return torch.where(finished, positions, positions + 1), finished
+    _fails("ex08.2", old_finished, "rows that produce eos", "use the updated finished")
+    _fails("ex08.2", replaced, "finished rows stay finished", "do not replace it")
+    _fails("ex08.2", in_place, "finished rows stay finished", "changed its argument finished in place")
+    _fails("ex08.2", fixed_eos, "eos_id is an argument", "compare with eos_id")
+
+
+def test_the_compile_check_sees_a_function_fixed_since_and_repeats_its_verdict():
+    args = (torch.tensor([2, 5]), torch.tensor([3, 4]), torch.tensor([False, False]), 2)
+    namespace: dict = {}
+    exec("import torch\ndef advance(tokens, positions, finished, eos_id):\n"
+         "    finished = finished | (tokens == eos_id)\n"
+         "    if finished.any():\n        pass\n"
+         "    return torch.where(finished, positions, positions + 1), finished\n", namespace)
+    broken = namespace["advance"]
+    for _ in range(2):  # dynamo caches what it compiled per function: the check traces a fresh copy each time
+        with pytest.raises(AssertionError, match="decides on a tensor's value"):
+            compiled_whole(broken, *args)
+    exec("import torch\ndef advance(tokens, positions, finished, eos_id):\n"
+         "    finished = finished | (tokens == eos_id)\n"
+         "    return torch.where(finished, positions, positions + 1), finished\n", namespace)
+    positions, finished = compiled_whole(namespace["advance"], *args)
+    assert positions.tolist() == [3, 5] and finished.tolist() == [True, False]
+    assert run_cases(get("ex08.2"), namespace["advance"]).status == PASSED
+
+
+def test_a_stub_inside_the_compile_check_is_not_attempted():
+    def advance(tokens, positions, finished, eos_id):
+        raise NotImplementedError("ex08.2: replace this line with your code")
+    result = run_cases(get("ex08.2"), advance)
+    assert result.status == NOT_ATTEMPTED and result.message.startswith("advance still raises"), result.message
+
+
+def test_lab08_pad_batch_mistakes_fail():
+    def pad(tokens, positions, bucket, value=-1, dtype=None):
+        missing = bucket - tokens.shape[0]
+        pad_positions = torch.full((missing, positions.shape[1]), value, dtype=dtype or positions.dtype)
+        return (torch.cat([tokens, torch.zeros((missing, tokens.shape[1]), dtype=tokens.dtype)]),
+                torch.cat([positions, pad_positions]))
+
+    smallest = lambda rows, sizes: min(s for s in sizes if s >= rows)  # noqa: E731
+    mistakes = [
+        (lambda t, p, s: pad(t, p, smallest(t.shape[0], s), value=0), "3 rows", "position 0 is a real token"),
+        (lambda t, p, s: pad(t, p, max(s)), "4 rows", "not the largest (8)"),
+        (lambda t, p, s: pad(t, p, smallest(t.shape[0] + 1, s)), "4 rows", "not the next one up"),
+        (lambda t, p, s: pad(t, p, smallest(t.shape[0], s), dtype=torch.float32), "4 rows", "of float32"),
+        (lambda t, p, s: pad(t, p, next(b for b in s if b >= t.shape[0])), "9 rows", "not the first one in the list"),
+        (lambda t, p, s: pad(t, p, max(t.shape[0], min([b for b in s if b >= t.shape[0]] or [0]))), "20 rows",
+         "raise ValueError"),
+    ]
+    for fn, case, hint in mistakes:
+        _fails("ex08.3", fn, case, hint)
+    assert run_cases(get("ex08.3"), lambda t, p, s: pad(t, p, smallest(t.shape[0], s)) if [
+        b for b in s if b >= t.shape[0]] else (_ for _ in ()).throw(ValueError("none fits"))).status == PASSED
