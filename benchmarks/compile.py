@@ -1,7 +1,7 @@
 """Eager against compiled (and, on a GPU, CUDA-graphed) decode steps, and what compiling costs.
 
     python benchmarks/compile.py [--models target draft] [--context 256] [--repeats 60]
-                                 [--shape Llama-3.2-1B] [--new-tokens 1024] [--skip-cold]
+                                 [--shape Llama-3.2-1B] [--new-tokens 1024] [--skip-cold] [--profile]
 
 1. For each model (fp32, batch 1, ``--context`` tokens cached), timed alternately: the lab's
    eager decode step on the contiguous cache (``generate.decode_step``: what every earlier
@@ -12,6 +12,8 @@
    last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
 2. Compile time: in this process, and in two fresh processes sharing an empty inductor cache
    folder: the first compiles from nothing, the second finds the first one's code on disk.
+   With ``--profile``, each step's time split by kind under ``torch.profiler``: matrix products,
+   attention, TorchDynamo's guard check, Inductor's generated code, the rest.
 3. Greedy output of 64 tokens: eager, compiled and (CUDA) graphed must be identical.
 4. On CUDA only: the engine, eager against CUDA graphs per batch bucket (32 requests at once);
    and ``--shape`` (random weights, bf16): eager against graphed decode and the fraction of the
@@ -34,13 +36,13 @@ import torch
 import labkit
 from labkit import cost
 from labkit.bench import alternate, format_seconds
-from labkit.compile import cache_dir, compile_step, eager_step
+from labkit.compile import cache_dir, eager_step, static_decoder
 from labkit.device import device_name, get_device, synchronize
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
 from labkit.model import Transformer
 from labkit.presets import GPU_PRESETS
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache
 
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -51,34 +53,60 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     positions = torch.full((1, 1), context, device=model.device)
 
-    def cache() -> StaticKVCache:
-        return StaticKVCache(model.config, 1, static_length(model.config, context + 1), model.dtype, model.device)
-
-    eager, compiled = eager_step(model, cache()), compile_step(model, cache())
+    compiled_cache, compiled = static_decoder(model, context + 1)
+    eager = eager_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
     if graphs:
-        from labkit.cuda_graphs import GraphedStep
-        graphed = GraphedStep(model, cache())
+        _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
     return {"steps": steps, "compile_s": getattr(compiled, "compile_s", float("nan"))}
 
 
+MATMUL_NAMES = ("aten::mm", "aten::addmm", "aten::bmm", "gemm", "nvjet", "cutlass")
+ATTENTION_NAMES = ("scaled_dot_product", "flash", "sdpa", "fmha")
+
+
+def profile_split(steps: dict, device: torch.device, calls: int = 50) -> None:
+    """Where each step's time goes, per step under ``torch.profiler``: matrix products, attention,
+    TorchDynamo's guard check, the code Inductor generated, and the rest (self times; on CUDA the
+    kernels' GPU times, whose sum is the GPU's busy time)."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    for label, step in steps.items():
+        for _ in range(5):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                step()
+            synchronize(device)
+        rows = [(a.key, a.self_device_time_total if gpu else a.self_cpu_time_total) for a in prof.key_averages()]
+        share = lambda names: sum(t for k, t in rows if any(n in k for n in names)) / calls / 1e3
+        total = sum(t for _, t in rows) / calls / 1e3
+        split = {"matmul": share(MATMUL_NAMES), "attention": share(ATTENTION_NAMES),
+                 "guards": share(("TorchDynamo Cache Lookup",)), "generated": share(("CompiledFxGraph",))}
+        print(f"  {label:<18}{'GPU busy' if gpu else 'CPU'} {total:.3f} ms per step: " +
+              ", ".join(f"{k} {v:.3f}" for k, v in split.items() if v) + f", rest {total - sum(split.values()):.3f}")
+
+
 def reference_bandwidth(device: torch.device, step_bytes: float) -> tuple[float, str]:
-    """What a step's bytes are measured against: the datasheet on a known GPU, else a copy of
-    ``step_bytes`` (source and destination together) on this device."""
+    """What a step's bytes are measured against: the datasheet of a known GPU (the preset of its
+    name with the nearest memory size), else a copy of ``step_bytes`` (source and destination
+    together) on this device."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for preset in GPU_PRESETS.values():
-            if preset.name.split()[0] in name and ("H100" not in name or "HBM3" in name):
-                return preset.bandwidth, f"datasheet {preset.name}"
+        name, memory = torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory
+        named = [p for p in GPU_PRESETS.values() if p.name.split()[0] in name.split()]
+        if named:
+            preset = min(named, key=lambda p: abs(p.memory_bytes - memory))
+            return preset.bandwidth, f"datasheet {preset.name}"
     return measure_bandwidth(device, int(step_bytes) // 2, repeats=20), f"copy of {step_bytes / 1e6:.0f} MB"
 
 
-def time_model(name: str, model: Transformer, context: int, repeats: int) -> None:
+def time_model(name: str, model: Transformer, context: int, repeats: int, profiled: bool = False) -> None:
     device, config = model.device, model.config
     built = static_steps(model, context, device.type == "cuda")
-    timings = alternate({"eager contiguous": decode_step(model, context), **built["steps"]},
-                        warmup=3, repeats=repeats, device=device)
+    steps = {"eager contiguous": decode_step(model, context), **built["steps"]}
+    timings = alternate(steps, warmup=3, repeats=repeats, device=device)
     elt = ELEMENT_BYTES[model.dtype]
     step_bytes = cost.forward_bytes(config, 1, context, weight_bytes=elt, kv_dtype="fp32" if elt == 4 else "bf16")
     bandwidth, against = reference_bandwidth(device, step_bytes)
@@ -90,6 +118,9 @@ def time_model(name: str, model: Transformer, context: int, repeats: int) -> Non
     for label, t in timings.items():
         print(f"{label:<18}{format_seconds(t.median_s):>10}{format_seconds(t.min_s):>10}{1 / t.median_s:>10.0f}"
               f"{base / t.median_s:>8.2f}x{step_bytes / t.median_s / bandwidth:>10.2f}" + ("  (noisy)" * t.noisy))
+    if profiled:
+        print("where the time goes (ms per step, under the profiler, which slows what it records):")
+        profile_split(steps, device)
 
 
 def same_output(model: Transformer, prompt: list[int]) -> str:
@@ -108,7 +139,7 @@ from labkit.compile import compile_step
 from labkit.static_cache import StaticKVCache
 model, _ = labkit.load(sys.argv[1], device=sys.argv[2])
 step = compile_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
-print(step.compile_s)
+print(getattr(step, "compile_s", float("nan")))  # nan: no compiler, the step ran eagerly
 """
 
 
@@ -122,10 +153,10 @@ def compile_times(name: str, device: torch.device) -> tuple[float, float]:
         return run(), run()
 
 
-def gpu_scale(shape: str, new_tokens: int, repeats: int) -> None:
+def gpu_scale(shape: str, new_tokens: int, repeats: int, profiled: bool) -> None:
     model, _ = labkit.load(f"shape:{shape}", device="cuda", dtype=torch.bfloat16)
     print(f"\n{shape} shape, random weights, bf16, batch 1")
-    time_model(shape, model, 512, repeats)
+    time_model(shape, model, 512, repeats, profiled)
     prompt = list(range(100, 116))
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     # eager twice: cuDNN's attention builds a plan for each new key length the first time it meets it
@@ -171,12 +202,13 @@ def main() -> None:
     parser.add_argument("--shape", default="Llama-3.2-1B")
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--skip-cold", action="store_true", help="skip the compile times in fresh processes")
+    parser.add_argument("--profile", action="store_true", help="also split each step's time by kind (profiler)")
     args = parser.parse_args()
     device = get_device()
     print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}; inductor cache {cache_dir()}")
     for name in args.models:
         model, tokenizer = labkit.load(name, device=device)
-        time_model(name, model, args.context, args.repeats)
+        time_model(name, model, args.context, args.repeats, args.profile)
         prompt = tokenizer.encode('def is_prime(n):\n    """Return True if n is a prime number."""').ids
         print(f"greedy, 64 tokens, against eager: {same_output(model, prompt)}")
         if device.type == "cuda":
@@ -186,7 +218,7 @@ def main() -> None:
             print(f"compile in a fresh process: {cold:.1f} s with an empty inductor cache, {warm:.1f} s "
                   "with the first one's code on disk")
     if device.type == "cuda":
-        gpu_scale(args.shape, args.new_tokens, args.repeats)
+        gpu_scale(args.shape, args.new_tokens, args.repeats, args.profile)
 
 
 if __name__ == "__main__":

@@ -29,26 +29,40 @@ import os
 import shutil
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._dynamo.exc import TorchDynamoException
 
+from labkit.cuda_graphs import GraphedStep
 from labkit.model import Transformer
-from labkit.static_cache import StaticKVCache
+from labkit.static_cache import StaticKVCache, static_length
 
 Step = Callable[[Tensor, Tensor], Tensor]
 
 
 def _decode(model: Transformer, cache: StaticKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
-    """One step through the static cache: logits ``[B, T, vocab]``. A function of the module's
-    own, not a closure, so that one compiled version serves every cache of the same shapes."""
+    """One step through the static cache: logits ``[B, T, vocab]``."""
     return model(tokens, plan=cache.plan(positions))
 
 
-_compiled: dict[str | None, Callable] = {}
+# One compiled function per set of shapes, each on a code object of its own: TorchDynamo keeps
+# its graphs and its recompile limit per code object, and with fullgraph=True a function that
+# reaches the limit raises instead of running eagerly. So shapes never compete for one limit.
+_compiled: dict[tuple, Callable] = {}
+
+
+def _compiled_decode(model: Transformer, cache: StaticKVCache) -> Callable:
+    mode = mode_for(model.device)
+    key = (mode, model.config, model.dtype, str(model.device), cache.batch_size, cache.max_len)
+    if key not in _compiled:
+        fresh = types.FunctionType(_decode.__code__.replace(), _decode.__globals__, _decode.__name__)
+        _compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, mode=mode)
+    return _compiled[key]
 
 
 def compiler_problem(device: torch.device | str) -> str | None:
@@ -73,12 +87,6 @@ def cache_dir() -> str:
 def mode_for(device: torch.device | str) -> str | None:
     """The compile mode: ``reduce-overhead`` (CUDA graphs too) on CUDA, the default elsewhere."""
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
-
-
-def _compiled_decode(mode: str | None) -> Callable:
-    if mode not in _compiled:
-        _compiled[mode] = torch.compile(_decode, fullgraph=True, dynamic=False, mode=mode)
-    return _compiled[mode]
 
 
 @dataclass
@@ -115,19 +123,33 @@ def eager_step(model: Transformer, cache: StaticKVCache) -> Step:
     return step
 
 
-def compile_step(model: Transformer, cache: StaticKVCache, *, tokens_per_step: int = 1,
-                 mode: str | None = "auto") -> CompiledStep | Step:
-    """The decode step of ``model`` on ``cache`` compiled whole and warmed up for steps of
-    ``tokens_per_step`` tokens per row (``mode``: "auto" for ``mode_for`` the device, else a
-    ``torch.compile`` mode). Where no compiler can run, a warning says why and the eager step
-    comes back instead."""
+def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Step:
+    """The one-token decode step of ``model`` on ``cache`` compiled whole (``mode_for`` its device)
+    and warmed up. Where it cannot compile (no C++ compiler on a CPU, or the compiler fails), a
+    warning says why and the eager step comes back instead."""
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
         return eager_step(model, cache)
-    mode = mode_for(model.device) if mode == "auto" else mode
+    tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=model.device)
+    model.rotary(tokens)  # moves the rotary table to the device now, not inside the first compiled call
     if model.device.type == "cuda":  # the cache is written in place by the recorded graph
         for tensor in cache.k + cache.v:
             torch._dynamo.mark_static_address(tensor)
-    step = CompiledStep(model, cache, _compiled_decode(mode))
-    step.warm_up(torch.zeros(cache.batch_size, tokens_per_step, dtype=torch.long, device=model.device))
+    step = CompiledStep(model, cache, _compiled_decode(model, cache))
+    try:
+        step.warm_up(tokens)
+    except (TorchDynamoException, RuntimeError, OSError) as error:
+        warnings.warn(f"torch.compile failed, so the step runs eagerly: {type(error).__name__}: "
+                      f"{str(error).strip().splitlines()[0][:300]}", stacklevel=2)
+        return eager_step(model, cache)
     return step
+
+
+def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = False
+                   ) -> tuple[StaticKVCache, CompiledStep | Step]:
+    """A static cache of one row for a sequence of ``tokens`` tokens (its length rounded up by
+    ``static_length``) and its decode step, compiled, or with ``use_cuda_graphs`` recorded as a
+    CUDA graph (``labkit.cuda_graphs``). Each call makes a new cache, so on a GPU a new recording:
+    a few milliseconds, paid once per generation."""
+    cache = StaticKVCache(model.config, 1, static_length(model.config, tokens), model.dtype, model.device)
+    return cache, GraphedStep(model, cache) if use_cuda_graphs else compile_step(model, cache)

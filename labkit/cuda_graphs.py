@@ -84,14 +84,14 @@ def record(forward: Callable[[], Tensor], device: torch.device, pool: tuple | No
 class GraphedStep:
     """One decode step of ``model`` on ``cache`` recorded as a CUDA graph for its batch size.
 
-    ``step(tokens, positions)`` copies the inputs into the static buffers, replays, and returns
-    the static output buffer ``[B, T, vocab]`` (overwritten by the next replay)."""
+    ``step(tokens, positions)``, each ``[B, 1]`` (positions in 0..max_len - 1, or -1 for padding:
+    the cache trusts them), copies the inputs into the static buffers, replays, and returns the
+    static output buffer ``[B, 1, vocab]``, which the next replay overwrites."""
 
-    def __init__(self, model: Transformer, cache: StaticKVCache, tokens_per_step: int = 1,
-                 pool: tuple | None = None) -> None:
+    def __init__(self, model: Transformer, cache: StaticKVCache, pool: tuple | None = None) -> None:
         require_cuda(model.device)
         self.model, self.cache = model, cache
-        shape = (cache.batch_size, tokens_per_step)
+        shape = (cache.batch_size, 1)
         self.tokens = torch.zeros(shape, dtype=torch.long, device=model.device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=model.device)  # padding until used
         self.graph, self.logits = record(self._forward, model.device, pool)
@@ -100,9 +100,9 @@ class GraphedStep:
         return self.model(self.tokens, plan=self.cache.plan(self.positions))
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        if tokens.shape != self.tokens.shape:
-            raise ValueError(f"this graph was recorded for tokens {tuple(self.tokens.shape)}, got "
-                             f"{tuple(tokens.shape)}: pad to the bucket (pad_to_bucket)")
+        if tokens.shape != self.tokens.shape or positions.shape != self.positions.shape:
+            raise ValueError(f"this graph was recorded for tokens and positions {tuple(self.tokens.shape)}, got "
+                             f"{tuple(tokens.shape)} and {tuple(positions.shape)}: pad to the bucket (pad_to_bucket)")
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.graph.replay()
@@ -110,10 +110,11 @@ class GraphedStep:
 
 
 class BucketedGraphs:
-    """The engine's version: one ``GraphedStep`` per batch-size bucket over one static cache of
-    ``max_batch`` rows; the graph for bucket b drives the cache's first b rows (a view of the same
-    memory), so a sequence keeps its row whichever bucket its batch falls in. Graphs are recorded
-    largest first and share one memory pool, as their steps never overlap."""
+    """Batches of any size up to ``max_batch`` on a static cache: one ``GraphedStep`` per batch-size
+    bucket over one cache of as many rows as the largest bucket; the graph for bucket b drives the
+    cache's first b rows (a view of the same memory), so a sequence keeps its row whichever bucket
+    its batch falls in. Graphs are recorded largest first and share one memory pool, as their
+    steps never overlap. (The engine's paged version is ``labkit.paged_graphs``.)"""
 
     def __init__(self, model: Transformer, max_batch: int, max_len: int) -> None:
         require_cuda(model.device)
@@ -125,7 +126,8 @@ class BucketedGraphs:
             self.graphs[size] = GraphedStep(model, self.cache.first_rows(size), pool=pool)
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """Logits ``[B, 1, vocab]`` of a decode step for rows 0..B-1 of the cache."""
+        """Logits ``[B, 1, vocab]`` of a decode step for rows 0..B-1 of the cache: a view of the
+        bucket's output buffer, which its next replay overwrites."""
         rows = tokens.shape[0]
         bucket = bucket_for(rows, self.sizes)
         return self.graphs[bucket](*pad_to_bucket(tokens, positions, bucket))[:rows]

@@ -41,7 +41,6 @@ from typing import Hashable, Iterable, Protocol, Sequence
 
 from torch import Tensor
 
-from labkit.cuda_graphs import require_cuda
 from labkit.generate import SamplingParams, next_token, token_generator
 from labkit.memory import blocks_for
 from labkit.model import Transformer
@@ -461,14 +460,14 @@ class Engine(EngineCore):
     """Continuous batching of a model over a paged KV cache (see ``EngineCore``). ``decode_kernel``:
     see ``PagedKVCache`` (by default the decoding sequences are gathered, then attended).
     ``use_cuda_graphs``: record the decode step for each batch bucket up to ``max_num_seqs`` and
-    replay it for steps that only decode (``labkit.paged_graphs``); CUDA only."""
+    replay it for steps that only decode (``labkit.paged_graphs``); CUDA only. Give it the Triton
+    decode kernel (``labkit.kernels.paged_decode``) too: without a kernel, a graphed step gathers
+    every block a sequence could ever have, ``max_seq_len`` keys per row and layer."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
                  eos_id: int | None = None, decode_kernel: DecodeKernel | None = None,
                  use_cuda_graphs: bool = False) -> None:
-        if use_cuda_graphs:
-            require_cuda(model.device)
         allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.model = model
         self.cache = PagedKVCache(model.config, allocator, model.dtype, model.device, decode_kernel,

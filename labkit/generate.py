@@ -20,10 +20,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from labkit.compile import compile_step
-from labkit.cuda_graphs import GraphedStep, require_cuda
+from labkit.compile import static_decoder
+from labkit.cuda_graphs import require_cuda
 from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache
 from labkit.validate import as_token_ids, check_ints
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
@@ -173,16 +173,13 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
 
 def _static_decoder(model: Transformer, total: int, cache: RowCache | None, use_cache: bool,
                     use_cuda_graphs: bool) -> tuple[StaticKVCache, Callable[[Tensor, Tensor], Tensor]]:
-    """A static cache for a generation of ``total`` tokens and its decode step, compiled or
-    recorded as a CUDA graph."""
+    """``stream``'s static cache and decode step (``labkit.compile.static_decoder``)."""
     if not use_cache or cache is not None:
         raise ValueError("a compiled or graphed decode step brings its own static cache: "
                          "leave use_cache=True and cache=None")
     if use_cuda_graphs:
         require_cuda(model.device)
-    length = static_length(model.config, total)
-    static = StaticKVCache(model.config, 1, length, model.dtype, model.device)
-    return static, GraphedStep(model, static) if use_cuda_graphs else compile_step(model, static)
+    return static_decoder(model, total, use_cuda_graphs)
 
 
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:

@@ -17,6 +17,8 @@ Steps with a prompt or a chunk of one in them run eagerly, as before.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -88,6 +90,11 @@ class PagedGraphs:
     of a decode step, replayed from the smallest bucket that holds it."""
 
     def __init__(self, model: Transformer, cache: PagedKVCache, max_batch: int) -> None:
+        kernel = cache.decode_kernel
+        if kernel is not None and "ranges" not in inspect.signature(kernel).parameters:
+            raise ValueError(f"decode_kernel {getattr(kernel, '__name__', kernel)!r} cannot run in a CUDA graph: a "
+                             "recorded step may not read its operands on the host, so the kernel must take "
+                             "ranges=False and then skip its range checks, as labkit.kernels.paged_decode does")
         require_cuda(model.device)
         self.sizes, self.max_batch = buckets(max_batch), max_batch
         pool = torch.cuda.graph_pool_handle()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from labkit.compile import compile_step
+from labkit.compile import static_decoder
 from labkit.corpus import functions
 from labkit.device import synchronize
 from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
@@ -141,10 +141,8 @@ class ModelDrafter:
         if not self.compiled:
             self.cache = ContiguousKVCache(config, 1, capacity, dtype, device)
             return
-        length = static_length(config, capacity)
-        if self.cache is None or self.cache.max_len != length:  # a step compiled once serves every prompt
-            self.cache = StaticKVCache(config, 1, length, dtype, device)
-            self.step = compile_step(self.model, self.cache)
+        if self.cache is None or self.cache.max_len != static_length(config, capacity):  # else reused
+            self.cache, self.step = static_decoder(self.model, capacity)
 
     def _logits(self, fed: list[int]) -> Tensor:
         """The last logits of ``fed`` run after the cached tokens."""

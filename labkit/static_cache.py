@@ -101,7 +101,3 @@ class StaticKVCache:
         self.v[layer][rows, :, plan.slots] = v.transpose(1, 2).type_as(self.v[layer])
         keys, values = self.k[layer][:, :, :self.max_len], self.v[layer][:, :, :self.max_len]
         return attention(q, keys, values, plan.mask)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)

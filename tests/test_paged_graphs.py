@@ -9,6 +9,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams
 from labkit.model import ModelConfig, Transformer
 from labkit.paged import BlockAllocator, PagedKVCache, step_logits
+from labkit.paged_attention import paged_attention
 from labkit.paged_graphs import PagedGraphs, StaticPagedDecode
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
@@ -59,6 +60,8 @@ def test_the_static_step_needs_a_spare_block_and_refuses_what_it_cannot_run():
         PagedGraphs(model, _prefilled(model, [[1, 2]]), 4)
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
         Engine(model, num_blocks=8, block_size=4, use_cuda_graphs=True)
+    with pytest.raises(ValueError, match="paged_attention' cannot run in a CUDA graph"):
+        Engine(model, num_blocks=8, block_size=4, decode_kernel=paged_attention, use_cuda_graphs=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -70,4 +73,17 @@ def test_an_engine_with_cuda_graphs_gives_every_request_its_tokens():
     config = SchedulerConfig(max_num_seqs=5)
     eager = Engine(model, num_blocks=40, block_size=4, config=config).run(requests())
     graphed = Engine(model, num_blocks=40, block_size=4, config=config, use_cuda_graphs=True).run(requests())
+    assert [r.output for r in graphed] == [r.output for r in eager]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphs_through_the_triton_decode_kernel_give_the_same_tokens():
+    from labkit.kernels import paged_decode
+    model = _model("cuda").float()  # the kernel takes fp32, bf16 and fp16
+    def requests():
+        return [Request(i, [5 + i, 6, 7] * (i + 2), SamplingParams(max_new_tokens=10, stop_at_eos=False))
+                for i in range(5)]
+    config = SchedulerConfig(max_num_seqs=4)
+    eager = Engine(model, 40, 4, config, decode_kernel=paged_decode).run(requests())
+    graphed = Engine(model, 40, 4, config, decode_kernel=paged_decode, use_cuda_graphs=True).run(requests())
     assert [r.output for r in graphed] == [r.output for r in eager]
