@@ -2,6 +2,7 @@
 
     python benchmarks/compile.py [--models target draft] [--context 256] [--repeats 60]
                                  [--shape Llama-3.2-1B] [--new-tokens 1024] [--skip-cold] [--profile]
+                                 [--no-cudnn-attention]
 
 1. For each model (fp32, batch 1, ``--context`` tokens cached), timed alternately: the lab's
    eager decode step on the contiguous cache (``generate.decode_step``: what every earlier
@@ -203,8 +204,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--skip-cold", action="store_true", help="skip the compile times in fresh processes")
     parser.add_argument("--profile", action="store_true", help="also split each step's time by kind (profiler)")
+    parser.add_argument("--no-cudnn-attention", action="store_true",
+                        help="CUDA: attention without cuDNN, which plans anew for each new key length")
     args = parser.parse_args()
     device = get_device()
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}; inductor cache {cache_dir()}")
     for name in args.models:
         model, tokenizer = labkit.load(name, device=device)

@@ -14,6 +14,7 @@ Before it allocates anything, it checks the model fits:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -124,3 +125,43 @@ def _name_of(config: ModelConfig) -> str:
     """The name of the shape a config has (at any max_seq_len), for messages."""
     return next((name for name, c in SHAPES.items() if replace(c, max_seq_len=config.max_seq_len) == config),
                 f"a {config.n_layers}-layer model of d_model={config.d_model}")
+
+
+# What the timing demos of notebooks 01, 04, 05 and 06 run on a GPU, largest first: the lab's own
+# models are so small there that a step costs its kernel launches, not its bytes
+TIMING_SHAPES = ("Llama-3.1-8B", "Llama-3.2-3B", "Llama-3.2-1B")
+TIMING_SHARE = 0.4  # of the free memory for the weights: the rest holds KV caches and activations
+
+
+def timing_shape(device: torch.device | str) -> str | None:
+    """The shape a timing demo runs on ``device``: ``LABKIT_TIMING_SHAPE`` if set (a name in ``SHAPES``,
+    or ``none`` for the lab's own models), else on CUDA the largest of ``TIMING_SHAPES`` whose bf16
+    weights take at most ``TIMING_SHARE`` of the free memory; None (the lab's models) otherwise."""
+    chosen = os.environ.get("LABKIT_TIMING_SHAPE", "").strip()
+    if chosen:
+        if chosen.lower() == "none":
+            return None
+        shape_config(chosen)  # an unknown name: a KeyError that lists the choices
+        return chosen
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free = free_bytes(device)
+    for name in TIMING_SHAPES:
+        with torch.device("meta"):
+            weights = Transformer(shape_config(name)).num_parameters() * 2
+        if weights <= TIMING_SHARE * free:
+            return name
+    return None
+
+
+def timing_model(model: Transformer, dtype: torch.dtype = torch.bfloat16) -> tuple[Transformer, str]:
+    """The model a timing demo should time in place of ``model`` (one of the lab's), and a sentence
+    that says which it is: ``model`` itself where ``timing_shape`` chooses none, else a model of that
+    shape with random weights, on ``model``'s device in ``dtype``."""
+    name = timing_shape(model.device)
+    if name is None:
+        return model, "the lab's own model"
+    return (build_shape(name, model.device, dtype),
+            f"a model of {name}'s shape with random weights ({DTYPE_NAMES[dtype]}): its timings are a real "
+            f"{name}'s, its text is meaningless")

@@ -90,3 +90,24 @@ def test_free_memory_is_read_or_skipped():
     free = shapes.free_bytes(torch.device("cpu"))
     assert free is None or free > 0
     assert shapes.free_bytes(torch.device("meta")) is None
+
+
+def test_timing_demos_keep_the_lab_models_on_a_cpu_and_obey_the_override(monkeypatch):
+    model = Transformer(ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                                    max_seq_len=16))
+    monkeypatch.delenv("LABKIT_TIMING_SHAPE", raising=False)
+    assert shapes.timing_shape("cpu") is None and shapes.timing_model(model) == (model, "the lab's own model")
+    monkeypatch.setenv("LABKIT_TIMING_SHAPE", "none")
+    assert shapes.timing_shape("cuda") is None
+    monkeypatch.setenv("LABKIT_TIMING_SHAPE", "Llama-3.2-1B")
+    assert shapes.timing_shape("cpu") == "Llama-3.2-1B"
+    monkeypatch.setenv("LABKIT_TIMING_SHAPE", "Llama-9")
+    with pytest.raises(KeyError, match="no model shape 'Llama-9'"):
+        shapes.timing_shape("cpu")
+
+
+def test_on_a_gpu_the_timing_shape_is_the_largest_that_leaves_room(monkeypatch):
+    monkeypatch.delenv("LABKIT_TIMING_SHAPE", raising=False)
+    for free_gb, expected in ((80, "Llama-3.1-8B"), (24, "Llama-3.2-3B"), (8, "Llama-3.2-1B"), (4, None)):
+        monkeypatch.setattr(shapes, "free_bytes", lambda device, free=free_gb: free * 1e9)
+        assert shapes.timing_shape("cuda") == expected, free_gb
