@@ -3,6 +3,7 @@
 One module per technique; the notebooks in ``notebooks/`` import them. Start with
 ``notebooks/00_welcome.ipynb``.
 """
+import labkit.kernels.runtime  # noqa: F401  first: it chooses Triton's interpreter before anything imports triton
 from labkit.bench import compare, measure
 from labkit.check import check
 from labkit.device import describe, get_device

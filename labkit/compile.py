@@ -36,7 +36,6 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import TorchDynamoException
 
 from labkit.cuda_graphs import GraphedStep
 from labkit.model import Transformer
@@ -135,6 +134,8 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
     if model.device.type == "cuda":  # the cache is written in place by the recorded graph
         for tensor in cache.k + cache.v:
             torch._dynamo.mark_static_address(tensor)
+    from torch._dynamo.exc import TorchDynamoException  # here: importing TorchDynamo imports triton, which
+    # must come after labkit.kernels has chosen Triton's interpreter on a machine without a GPU
     step = CompiledStep(model, cache, _compiled_decode(model, cache))
     try:
         step.warm_up(tokens)
