@@ -43,10 +43,8 @@ from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
 from labkit.model import Transformer
 from labkit.presets import GPU_PRESETS
+from labkit.shapes import DTYPE_NAMES
 from labkit.static_cache import StaticKVCache
-
-ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
 
 def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     """The eager, compiled and (``graphs``) graphed decode steps at ``context`` on static caches,
@@ -108,8 +106,8 @@ def time_model(name: str, model: Transformer, context: int, repeats: int, profil
     built = static_steps(model, context, device.type == "cuda")
     steps = {"eager contiguous": decode_step(model, context), **built["steps"]}
     timings = alternate(steps, warmup=3, repeats=repeats, device=device)
-    elt = ELEMENT_BYTES[model.dtype]
-    step_bytes = cost.forward_bytes(config, 1, context, weight_bytes=elt, kv_dtype="fp32" if elt == 4 else "bf16")
+    step_bytes = cost.forward_bytes(config, 1, context, weight_bytes=model.dtype.itemsize,
+                                    kv_dtype=DTYPE_NAMES[model.dtype])
     bandwidth, against = reference_bandwidth(device, step_bytes)
     base = timings["eager contiguous"].median_s
     print(f"\n{name}: {model.num_parameters():,} parameters, {str(model.dtype)[6:]}, context {context}, "

@@ -21,7 +21,6 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from labkit.compile import static_decoder
-from labkit.cuda_graphs import require_cuda
 from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache
 from labkit.validate import as_token_ids, check_ints
@@ -177,9 +176,7 @@ def _static_decoder(model: Transformer, total: int, cache: RowCache | None, use_
     if not use_cache or cache is not None:
         raise ValueError("a compiled or graphed decode step brings its own static cache: "
                          "leave use_cache=True and cache=None")
-    if use_cuda_graphs:
-        require_cuda(model.device)
-    return static_decoder(model, total, use_cuda_graphs)
+    return static_decoder(model, total, use_cuda_graphs)  # a graph on a CPU: GraphedStep says it needs CUDA
 
 
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:

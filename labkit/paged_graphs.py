@@ -26,7 +26,7 @@ from labkit.cuda_graphs import bucket_for, buckets, record, require_cuda
 from labkit.memory import blocks_for
 from labkit.model import AttentionPlan, Transformer
 from labkit.paged import PagedKVCache, Run
-from labkit.paged_attention import attend_blocks
+from labkit.paged_attention import attend_blocks, slot_mapping
 
 
 class StaticPagedDecode:
@@ -54,17 +54,17 @@ class StaticPagedDecode:
         allocator, pad = self.cache.allocator, self.rows - len(runs)
         if pad < 0 or any(n != 1 for _, _, n in runs):
             raise ValueError(f"a graphed step decodes one token for each of at most {self.rows} sequences")
-        positions = [start for _, start, _ in runs]
-        tables = [allocator.table(seq_id) for seq_id, _, _ in runs]
-        size = allocator.block_size
-        slots = [table[p // size] * size + p % size for table, p in zip(tables, positions)]
-        device = self.tokens.device
-        self.tokens.copy_(torch.tensor([list(tokens) + [0] * pad], device=device))
-        self.positions.copy_(torch.tensor([positions + [0] * pad], device=device))
-        self.slots.copy_(torch.tensor(slots + [self.cache.spare_slot] * pad, device=device))
-        self.tables.copy_(torch.tensor([t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad,
-                                       device=device))
-        self.lengths.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, device=device))
+        positions = torch.tensor([start for _, start, _ in runs] + [0] * pad)
+        tables = torch.tensor([t + [0] * (self.width - len(t)) for t in (allocator.table(s) for s, _, _ in runs)]
+                              + [[0] * self.width] * pad)
+        real = torch.arange(self.rows) < len(runs)
+        slots = torch.where(real, slot_mapping(tables, positions[:, None], allocator.block_size)[:, 0],
+                            self.cache.spare_slot)
+        self.tokens.copy_(torch.tensor([list(tokens) + [0] * pad]))
+        self.positions.copy_(positions[None])
+        self.slots.copy_(slots)
+        self.tables.copy_(tables)
+        self.lengths.copy_(torch.where(real, positions + 1, 1))
 
     def forward(self) -> Tensor:
         return self.model(self.tokens, plan=self.plan)[0]

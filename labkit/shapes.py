@@ -121,10 +121,14 @@ def build_shape(shape: str | ModelConfig, device: torch.device | str | None = No
     return model.eval()
 
 
+def shape_name(config: ModelConfig) -> str | None:
+    """The name of the shape a config has (at any max_seq_len); None for a config of none of them."""
+    return next((name for name, c in SHAPES.items() if replace(c, max_seq_len=config.max_seq_len) == config), None)
+
+
 def _name_of(config: ModelConfig) -> str:
-    """The name of the shape a config has (at any max_seq_len), for messages."""
-    return next((name for name, c in SHAPES.items() if replace(c, max_seq_len=config.max_seq_len) == config),
-                f"a {config.n_layers}-layer model of d_model={config.d_model}")
+    """The name of the shape a config has, or a description, for messages."""
+    return shape_name(config) or f"a {config.n_layers}-layer model of d_model={config.d_model}"
 
 
 # What the timing demos of notebooks 01, 04, 05 and 06 run on a GPU, largest first: the lab's own
