@@ -1,5 +1,6 @@
 # make lab   installs what is missing, then opens JupyterLab on the lab
 # make test  installs what is missing, then runs every test and every notebook
+# make serve installs what is missing, then serves the target model over HTTP (lab 09), on 127.0.0.1:8000
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,7 +20,7 @@ THREADS ?= 1
 PARALLEL := $(if $(filter-out 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 SHARE_CORES := $(if $(filter-out 1,$(WORKERS)),OMP_NUM_THREADS=$(THREADS))
 
-.PHONY: install lab test test-unit test-notebooks test-browser release grade clean
+.PHONY: install lab serve test test-unit test-notebooks test-browser release grade clean
 
 install: $(STAMP)
 
@@ -29,12 +30,17 @@ $(BIN)/python:
 # constraints.txt pins torch so a CPU machine never pulls the CUDA build.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,test]"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,serve,test]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	touch $@
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(ROOT_ARGS) $(LAB_ARGS)
+
+# SERVE_ARGS: more options of python -m labkit.serve, e.g. SERVE_ARGS="--port 8001 --api-key secret"
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(BIN)/python -m labkit.serve --model $(or $(MODEL),target) $(SERVE_ARGS)
 
 test: test-unit test-notebooks test-browser
 

@@ -49,7 +49,7 @@ from labkit.paged_attention import DecodeKernel
 from labkit.paged_graphs import PagedGraphs
 from labkit.validate import as_token_ids, check_ints
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
 
 
 @dataclass(eq=False)
@@ -259,6 +259,20 @@ class Scheduler:
         self.allocator.free(request.request_id)
         request.status = FINISHED
 
+    def abort(self, request_id: Hashable) -> Request | None:
+        """Remove a request wherever it is (waiting, prefilling or decoding) and free its blocks;
+        returns it (status ``aborted``), or None if no such request is queued or running. Call it
+        between steps: a step scheduled but not yet postprocessed still counts on its blocks."""
+        for queue in (self.waiting, self.running):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is not None:
+                queue.remove(request)
+                if request_id in self.allocator.tables:  # a waiting request holds none
+                    self.allocator.free(request.request_id)
+                request.status = ABORTED
+                return request
+        return None
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -406,6 +420,11 @@ class EngineCore:
         """A clear error for a request this engine could never serve, one that has run before, or
         one whose id it is serving."""
         self.scheduler.check_id(request)
+        self.check_servable(request)
+
+    def check_servable(self, request: Request) -> None:
+        """A clear error for a request this engine could never serve, or one that has run before
+        (``validate`` without the id check, which reads the scheduler's queues)."""
         check_fits(request, self.runner.vocab_size, self.runner.max_seq_len)
         need, size = blocks_for(request.max_tokens, self.allocator.block_size), self.allocator.block_size
         if need > self.allocator.num_blocks:

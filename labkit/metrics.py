@@ -38,9 +38,20 @@ def summarize(requests: Sequence[Request]) -> dict[str, float]:
                "request_throughput": len(requests) / duration, "output_throughput": out_tokens / duration,
                "total_token_throughput": (out_tokens + sum(len(r.prompt) for r in requests)) / duration}
     per_request = [request_metrics(r.arrival_time, r.token_times, r.finish_time) for r in requests]
+    return figures | latency_figures(per_request)
+
+
+def latency_figures(per_request: Sequence[dict], percentiles: Sequence[float] = (50, 99)) -> dict[str, float]:
+    """The mean and the given percentiles, in ms, of TTFT, TPOT, ITL (every gap of every request)
+    and E2E over requests' ``request_metrics``, named as vLLM's benchmark names them:
+    ``mean_ttft_ms``, ``median_ttft_ms`` (the 50th), ``p99_ttft_ms``, ... Percentiles interpolate
+    linearly between the closest ranks, as numpy's default does; NaN where there is no value."""
+    quantiles = torch.tensor([q / 100 for q in percentiles], dtype=torch.float64)
+    figures = {}
     for name in ("ttft", "tpot", "itl", "e2e"):
         values = [v for m in per_request for v in (m[name] if name == "itl" else [m[name]]) if v is not None]
         data = torch.tensor(values or [math.nan], dtype=torch.float64) * 1e3
-        figures.update({f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(data.quantile(0.5)),
-                        f"p99_{name}_ms": float(data.quantile(0.99))})
+        figures[f"mean_{name}_ms"] = float(data.mean())
+        for q, value in zip(percentiles, data.quantile(quantiles).tolist()):
+            figures[f"{'median' if q == 50 else f'p{q:g}'}_{name}_ms"] = value
     return figures

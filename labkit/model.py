@@ -321,7 +321,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # a skeleton on the meta device (a loader's) skips Embedding's own normal_ draw, which there
+        # goes through torch._refs and imports TorchDynamo: two seconds of every load
+        skeleton = torch.empty(config.vocab_size, config.d_model) if torch.get_default_device().type == "meta" else None
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=skeleton)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -343,9 +346,10 @@ class Transformer(nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Small normal weights; the projections that write into the residual stream are scaled
-        down by sqrt(2 * n_layers), so the stream's variance does not grow with depth."""
+        down by sqrt(2 * n_layers), so the stream's variance does not grow with depth. Weights on
+        the meta device (a loader's skeleton, filled from a checkpoint) have no values to draw."""
         for name, p in self.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 and not p.is_meta:
                 scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("wo.weight", "down.weight")) else 1
                 nn.init.normal_(p, std=std * scale)
 

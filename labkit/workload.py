@@ -61,6 +61,16 @@ def lognormal(median: float, sigma: float, low: int, high: int) -> LengthDistrib
     return lambda n, generator: lognormal_lengths(n, median, sigma, low, high, generator)
 
 
+def poisson_arrivals(n: int, rate: float, seed: int | torch.Generator = 0) -> list[float]:
+    """Arrival times (s) of ``n`` requests as a Poisson process at ``rate`` per second: exponential
+    gaps of mean 1 / rate, the first at 0; drawn from ``seed``, a generator or the seed of a fresh one."""
+    if n < 1 or not rate > 0:
+        raise ValueError(f"n={n} must be >= 1 and rate={rate} requests/s > 0")
+    generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator)
+    return (gaps.cumsum(0) - gaps[0]).tolist()
+
+
 def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: LengthDistribution, *,
                   rate: float | None = None, vocab_size: int = 4096, prefix: Sequence[int] = (),
                   temperature: float = 0.0, seed: int = 0, id_prefix: str = "req") -> list[Request]:
@@ -75,8 +85,7 @@ def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: Le
     prompts, outputs = prompt_lengths(n, generator), output_lengths(n, generator)
     tokens = [torch.randint(vocab_size, (p,), generator=generator).tolist() for p in prompts]
     # drawn last, so that the same seed gives the same prompts offline and online
-    gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator) if rate else torch.zeros(n)
-    arrivals = (gaps.cumsum(0) - gaps[0]).tolist()  # the first arrives at 0
+    arrivals = poisson_arrivals(n, rate, generator) if rate else [0.0] * n
     return [Request(f"{id_prefix}{i}", list(prefix) + t,
                     SamplingParams(max_new_tokens=o, temperature=temperature, stop_at_eos=False, seed=seed + i),
                     arrival_time=a)

@@ -24,37 +24,21 @@ from labkit.hardware import Hardware
 from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.memory import ModelShape, blocks_for
 from labkit.metrics import request_metrics, summarize
-from labkit.model import ModelConfig, Transformer
 from labkit.paged import BlockAllocator, PagedKVCache, step_logits
 from labkit.simulate import CostModel, SimulatedEngine
 from labkit.static_batching import run_static
 from labkit.workload import lognormal, make_workload, uniform
 from labkit.viz import plot_batch_timeline
 
+from tiny_models import far_apart_model, one_torch_thread
+
 VOCAB = 64
 
 
-def _tiny_model() -> Transformer:
-    """A float64 random model whose logits are far apart (std 0.3, as lab 01's random models),
-    so that the greedy choice depends on the whole context and is never a near tie."""
-    with torch.random.fork_rng():
-        torch.manual_seed(1234)
-        model = Transformer(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                        d_ff=64, max_seq_len=128))
-        model.reset_parameters(std=0.3)
-    return model.double().eval()
+MODEL = far_apart_model(VOCAB)
 
 
-MODEL = _tiny_model()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model's matrices are tiny: a second thread costs more than it saves, far more on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def params(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, seed: int | None = None) -> SamplingParams:

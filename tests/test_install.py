@@ -15,14 +15,14 @@ from labkit.device import package_version
 def _pyproject(root) -> list[Requirement]:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return [Requirement(r) for r in project["dependencies"] + extras["lab"] + extras["test"]]
+    return [Requirement(r) for r in project["dependencies"] + extras["lab"] + extras["serve"] + extras["test"]]
 
 
 def _conda_pip(root) -> list[Requirement]:
     env = yaml.safe_load((root / "environment.yml").read_text())
     assert "python=3.11" in env["dependencies"]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    assert "-e .[lab,test]" in pip, "environment.yml must install labkit itself with its extras"
+    assert "-e .[lab,serve,test]" in pip, "environment.yml must install labkit itself with its extras"
     return [Requirement(line) for line in pip if not line.startswith("-")]
 
 
@@ -46,6 +46,12 @@ def test_torch_and_triton_are_pinned_alike_in_constraints_and_conda(root):
     conda = {r.name: r for r in _conda_pip(root)}
     for name in ("torch", "triton"):
         assert conda[name].specifier == pins[name].specifier
+
+
+def test_make_installs_every_extra(root):
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = ",".join(sorted(project["optional-dependencies"]))
+    assert f'-e ".[{extras}]"' in (root / "Makefile").read_text(), f"make install must install .[{extras}]"
 
 
 def test_pyproject_ranges_admit_the_pinned_versions(root):

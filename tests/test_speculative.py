@@ -17,13 +17,10 @@ from labkit.speculative import (ModelDrafter, PromptLookupDrafter, Round, Specul
                                 continuation_prompts, editing_prompts, lookup, speculation_gain, speculative_stream,
                                 verify_greedy, verify_sampled)
 
+from tiny_models import one_torch_thread
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
+one_thread = pytest.fixture(autouse=True)(one_torch_thread)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,343 @@
+"""A load generator for an OpenAI-compatible completions server, measuring from the client.
+
+A request is sent at ``s``; its streamed reply brings one server-sent event per generated token,
+the i-th arriving at t_i (i = 1 .. n), and the reply is complete at ``f``. Per request, with
+vLLM's ``benchmark_serving`` definitions (``labkit.metrics.request_metrics`` computes them):
+
+    TTFT = t_1 - s                   time to first token: queueing + prefill + the first hop back
+    TPOT = (E2E - TTFT) / (n - 1)    time per output token after the first (none when n = 1)
+    ITL  = t_(i+1) - t_i             every gap between two token events, pooled over all requests
+    E2E  = f - s                     end-to-end latency: what the user waits for the whole answer
+
+and for the run, over its duration D (the first send to the last reply): request throughput =
+completed / D, output token throughput = output tokens / D, total token throughput = (prompt +
+output tokens) / D, and goodput = the completed requests that meet every SLO given (TTFT <= its
+limit, TPOT <= its limit) / D. Latencies are reported as mean, median, p90 and p99 in ms.
+A reply that is not streamed shows its first text with its last: its TTFT is its E2E.
+
+Why from the client: the engine's own clock starts when a request reaches its queue and stops
+when a token is sampled. The user also waits for the HTTP parsing, the tokenizing, the queue in
+front of the engine, detokenizing and the network on the way back; only a clock at the client
+sees all of it, and only an open-loop client (Poisson arrivals that do not wait for replies)
+shows the queue growing when the offered rate passes what the server can serve. A fixed
+concurrency instead keeps C requests in flight: the closed loop that measures saturation.
+
+    python -m labkit.loadgen http://127.0.0.1:8000 --requests 100 --rate 4 --slo-ttft-ms 500
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+import httpx
+import torch
+
+from labkit.corpus import functions
+from labkit.metrics import latency_figures, request_metrics
+from labkit.workload import poisson_arrivals, uniform
+
+PERCENTILES = (50, 90, 99)
+PROMPT_LINES = 8  # a prompt is the first lines of a function from the held-out split
+REQUEST_TIMEOUT_S, RUN_TIMEOUT_S = 300.0, 3600.0
+Clock = Callable[[], float]
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request; times in seconds on the run's clock. A failed request
+    (an error status, a broken or malformed stream, a timeout, never sent) has ``error`` set."""
+    index: int
+    send_time: float
+    token_times: list[float] = field(default_factory=list)  # the arrival of each token's event
+    finish_time: float | None = None
+    prompt_tokens: int | None = None  # from the server's usage; None when it sent none
+    output_tokens: int = 0  # from the server's usage, else the number of token events
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    records: list[RequestRecord]  # one per body, in the bodies' order
+    duration_s: float
+
+
+class SSEParser:
+    """Server-sent events from raw bytes as they come off the network: a line, or an event, may
+    be split across chunks, and one chunk may hold several events. ``feed`` returns the ``data``
+    of each event completed so far (its ``data:`` lines joined by newlines; ``[DONE]`` included);
+    comment lines (``:...``) and other fields are skipped. Lines end with LF or CRLF."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # the start of a line whose end has not arrived
+        self._data: list[str] = []  # the data lines of the event being read
+
+    def feed(self, chunk: bytes) -> list[str]:
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        events = []
+        for raw in lines:  # split at LF, a UTF-8 character is never cut
+            line = raw.removesuffix(b"\r").decode()
+            if not line and self._data:  # a blank line ends the event
+                events.append("\n".join(self._data))
+                self._data = []
+            elif line.startswith("data:"):
+                self._data.append(line[len("data:"):].removeprefix(" "))
+        return events
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: int, *,
+                       timeout_s: float = REQUEST_TIMEOUT_S, deadline: float = math.inf,
+                       clock: Clock = time.perf_counter) -> RequestRecord:
+    """POST one completion ``body`` to ``url`` and record what the client saw, streamed or not
+    (``body["stream"]``). The request may take ``timeout_s``, and must end by ``deadline`` (the
+    run's, on ``clock``); past it, it is not sent. A failure is recorded in ``error``, never
+    raised and never retried."""
+    record = RequestRecord(index, send_time=clock())
+    limit = min(timeout_s, deadline - record.send_time)
+    if limit <= 0:
+        record.finish_time, record.error = record.send_time, f"not sent: the run's {deadline:g} s had passed"
+        return record
+    try:
+        async with asyncio.timeout(limit), client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {_error_message(await response.aread())}"
+            elif body.get("stream"):
+                await _read_stream(response, record, clock)
+            else:
+                _read_completion(json.loads(await response.aread()), record)
+    except TimeoutError:
+        record.error = (f"timed out after {timeout_s:g} s" if limit == timeout_s
+                        else f"timed out: the run's {deadline:g} s passed")
+    except httpx.HTTPError as e:
+        record.error = f"connection failed: {type(e).__name__}: {e}"
+    except (ValueError, LookupError, TypeError) as e:  # JSON that is not a completion
+        record.error = f"malformed reply: {type(e).__name__}: {e}"
+    record.finish_time = clock()
+    return record
+
+
+def _error_message(content: bytes) -> str:
+    """The message of an OpenAI-style error body, else the body's start."""
+    try:
+        return json.loads(content)["error"]["message"]
+    except (ValueError, LookupError, TypeError):
+        return content[:200].decode(errors="replace")
+
+
+async def _read_stream(response: httpx.Response, record: RequestRecord, clock: Clock) -> None:
+    """Every token event's arrival and text, the finish reason and the usage, up to [DONE]."""
+    parser, usage, done = SSEParser(), None, False
+    async for chunk in response.aiter_bytes():
+        now = clock()
+        for data in parser.feed(chunk):
+            if data == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            for choice in event["choices"]:  # one event per token; the usage event has none
+                record.token_times.append(now)
+                record.text += choice["text"]
+                record.finish_reason = choice.get("finish_reason")  # the last token's event has it
+            usage = event.get("usage") or usage
+    _count_tokens(record, usage)
+    if not done:
+        record.error = f"the stream ended before data: [DONE] after {len(record.token_times)} tokens"
+
+
+def _read_completion(reply: dict, record: RequestRecord) -> None:
+    choice = reply["choices"][0]
+    record.text, record.finish_reason = choice["text"], choice["finish_reason"]
+    _count_tokens(record, reply["usage"])
+
+
+def _count_tokens(record: RequestRecord, usage: dict | None) -> None:
+    """Token counts from the server's usage; without it, one output token per token event."""
+    record.prompt_tokens = usage["prompt_tokens"] if usage else None
+    record.output_tokens = usage["completion_tokens"] if usage else len(record.token_times)
+
+
+async def run_load(url: str, bodies: Sequence[dict], rate: float | None = None, concurrency: int | None = None,
+                   seed: int = 0, api_key: str | None = None, timeout_s: float = RUN_TIMEOUT_S,
+                   request_timeout_s: float = REQUEST_TIMEOUT_S) -> LoadResult:
+    """Send ``bodies`` to the server at ``url`` (e.g. http://127.0.0.1:8000) either as Poisson
+    arrivals at ``rate`` requests/s (seeded, open loop) or keeping ``concurrency`` requests in
+    flight (closed loop). Each request may take ``request_timeout_s``, the run ``timeout_s``:
+    what is still running then fails as timed out, what was not yet sent fails as not sent."""
+    if (rate is None) == (concurrency is None):
+        raise ValueError(f"rate={rate}, concurrency={concurrency}: give exactly one of them")
+    if not bodies or (concurrency is not None and concurrency < 1) or not min(timeout_s, request_timeout_s) > 0:
+        raise ValueError(f"{len(bodies)} bodies and concurrency={concurrency} must be >= 1, "
+                         f"timeout_s={timeout_s} and request_timeout_s={request_timeout_s} > 0")
+    offsets = poisson_arrivals(len(bodies), rate, seed) if rate is not None else None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no queue in the client
+    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits, trust_env=False) as client:
+        start = time.perf_counter()  # once the client is set up (its TLS context alone takes tens of ms)
+
+        def clock() -> float:
+            return time.perf_counter() - start
+
+        def send(index: int) -> Awaitable[RequestRecord]:
+            return send_request(client, f"{url.rstrip('/')}/v1/completions", bodies[index], index,
+                                timeout_s=request_timeout_s, deadline=timeout_s, clock=clock)
+
+        if offsets is not None:
+            records = await _at_offsets(send, [min(t, timeout_s) for t in offsets], clock)
+        else:
+            records = await _at_concurrency(send, len(bodies), concurrency)
+        duration = clock()
+    return LoadResult(sorted(records, key=lambda r: r.index), duration)
+
+
+async def _at_offsets(send: Callable[[int], Awaitable[RequestRecord]], offsets: list[float],
+                      clock: Clock) -> list[RequestRecord]:
+    """Open loop: start request i at offsets[i], whether or not earlier ones have finished."""
+    tasks = []
+    for index, offset in enumerate(offsets):
+        await asyncio.sleep(max(0.0, offset - clock()))
+        tasks.append(asyncio.create_task(send(index)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _at_concurrency(send: Callable[[int], Awaitable[RequestRecord]], n: int,
+                          concurrency: int) -> list[RequestRecord]:
+    """Closed loop: ``concurrency`` workers, each sending the next request when its last is done."""
+    indices = iter(range(n))  # shared: each index is taken by exactly one worker
+
+    async def worker() -> list[RequestRecord]:
+        return [await send(index) for index in indices]
+
+    per_worker = await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+    return [record for records in per_worker for record in records]
+
+
+def system_prompt(chars: int) -> str:
+    """A long system prompt of ``chars`` characters for every prompt to share (``corpus_prompts``'
+    ``shared_prefix``): the held-out split's functions in file order, each followed by a blank
+    line, cut at ``chars``; the same on every call."""
+    if chars < 1:
+        raise ValueError(f"chars={chars} must be >= 1")
+    prompt = ""
+    for text in functions("validation"):
+        if len(prompt) >= chars:
+            return prompt[:chars]
+        prompt += text + "\n\n"
+    raise ValueError(f"chars={chars}: the held-out split has only {len(prompt)} characters of functions")
+
+
+def corpus_prompts(n: int, seed: int = 0, shared_prefix: str | None = None) -> list[str]:
+    """``n`` prompts: functions drawn (seeded, with replacement) from the held-out split, each cut
+    to its first ``PROMPT_LINES`` lines, each after ``shared_prefix`` when given."""
+    pool = functions("validation")
+    picks = torch.randint(len(pool), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [(shared_prefix or "") + "\n".join(pool[i].splitlines()[:PROMPT_LINES]) + "\n" for i in picks]
+
+
+def output_lengths(n: int, low: int = 16, high: int = 256, seed: int = 0) -> list[int]:
+    """``n`` output token counts, uniform in [low, high] (vLLM's random dataset), seeded."""
+    return uniform(low, high)(n, torch.Generator().manual_seed(seed))
+
+
+def completion_bodies(prompts: Sequence[str], lengths: Sequence[int], *, stream: bool = True,
+                      model: str | None = None, temperature: float = 0.0) -> list[dict]:
+    """One /v1/completions request per prompt, generating exactly its length (``ignore_eos``, as
+    serving benchmarks do); streamed ones ask for the usage event."""
+    if len(prompts) != len(lengths):
+        raise ValueError(f"{len(prompts)} prompts but {len(lengths)} output lengths: give one length per prompt")
+    extra = {"stream_options": {"include_usage": True}} if stream else {}
+    if model:
+        extra["model"] = model
+    return [{"prompt": p, "max_tokens": k, "temperature": temperature, "ignore_eos": True, "stream": stream} | extra
+            for p, k in zip(prompts, lengths)]
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict:
+    """A run's figures, as vLLM's ``benchmark_serving`` defines them (see the module docstring):
+    counts, throughputs and goodput per second of ``duration_s``, latency statistics in ms over
+    the completed requests, and how often each error occurred. Without an SLO, every completed
+    request is good; a one-token reply has no TPOT, and so meets any TPOT limit."""
+    if not duration_s > 0:
+        raise ValueError(f"duration_s={duration_s} must be > 0")
+    done = [r for r in records if r.error is None]
+    per_request = [request_metrics(r.send_time, r.token_times or [r.finish_time], r.finish_time) for r in done]
+    good = sum(_meets(m, slo_ttft_ms, slo_tpot_ms) for m in per_request)
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done) if all(r.prompt_tokens is not None for r in done) else None
+    return {"completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
+            "prompt_tokens": prompt, "output_tokens": output,
+            "request_throughput": len(done) / duration_s, "output_throughput": output / duration_s,
+            "total_token_throughput": None if prompt is None else (prompt + output) / duration_s,
+            "goodput": good / duration_s, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+            "errors": dict(Counter(r.error for r in records if r.error is not None))
+            } | latency_figures(per_request, PERCENTILES)
+
+
+def _meets(metrics: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    return ((slo_ttft_ms is None or metrics["ttft"] * 1e3 <= slo_ttft_ms)
+            and (slo_tpot_ms is None or metrics["tpot"] is None or metrics["tpot"] * 1e3 <= slo_tpot_ms))
+
+
+def format_report(summary: dict) -> str:
+    """The summary as a small table, for the command line and the notebook."""
+    total, stats = summary["total_token_throughput"], ("mean", "median", "p90", "p99")
+    slos = ", ".join(f"{name.upper()} <= {summary[f'slo_{name}_ms']:g} ms" for name in ("ttft", "tpot")
+                     if summary[f"slo_{name}_ms"] is not None)
+    lines = [f"requests    {summary['completed']} completed, {summary['failed']} failed "
+             f"in {summary['duration_s']:.2f} s",
+             f"throughput  {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s, "
+             + ("total tok/s unknown (no usage)" if total is None else f"{total:.1f} total tok/s"),
+             f"goodput     {summary['goodput']:.2f} req/s ({slos or 'no SLO: every completed request'})",
+             "ms    " + "".join(f"{stat:>10}" for stat in stats)]
+    lines += [f"{name.upper():<6}" + "".join(f"{summary[f'{stat}_{name}_ms']:>10.1f}" for stat in stats)
+              for name in ("ttft", "tpot", "itl", "e2e")]
+    lines += [f"error       {count} x {message}" for message, count in summary["errors"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit.loadgen URL``: load a completions server with corpus prompts, print the report."""
+    parser = argparse.ArgumentParser(prog="python -m labkit.loadgen", description=main.__doc__)
+    parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--requests", type=int, required=True)
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second (open loop)")
+    load.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
+    parser.add_argument("--min-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--shared-prefix-chars", type=int, default=0,
+                        help="start every prompt with one shared system prompt of this many characters")
+    parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--model")
+    parser.add_argument("--slo-ttft-ms", type=float)
+    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--api-key")
+    parser.add_argument("--seed", type=int, default=0, help="prompts; seed + 1: output lengths; seed + 2: arrivals")
+    parser.add_argument("--timeout-s", type=float, default=RUN_TIMEOUT_S, help="for the whole run")
+    parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
+    parser.add_argument("--json", type=Path, help="also write the summary and every record here")
+    args = parser.parse_args(argv)
+    prefix = system_prompt(args.shared_prefix_chars) if args.shared_prefix_chars else None
+    bodies = completion_bodies(corpus_prompts(args.requests, args.seed, prefix),
+                               output_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed + 1),
+                               stream=not args.no_stream, model=args.model)
+    result = asyncio.run(run_load(args.url, bodies, args.rate, args.concurrency, args.seed + 2, args.api_key,
+                                  args.timeout_s, args.request_timeout_s))
+    summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+    print(format_report(summary))
+    if args.json:
+        records = [asdict(r) for r in result.records]
+        args.json.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

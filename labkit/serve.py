@@ -1,0 +1,498 @@
+"""An OpenAI-compatible HTTP server on labkit's engine (FastAPI and uvicorn, as vLLM and SGLang use).
+
+    python -m labkit.serve --model target [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+A request's way through it: the JSON body is checked field by field (a 400 that names the field and
+what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose thread
+puts it in the continuous batch. Each sampled token comes back to the request's coroutine, which
+turns it into text incrementally (``IncrementalDetokenizer``: a token can end in the middle of a
+UTF-8 character), cuts the text at a stop string (``StopStrings``) and sends it, either as one
+server-sent event per token (``stream: true``, ending with ``data: [DONE]``) or whole at the end.
+
+Endpoints: ``POST /v1/completions``; ``POST /v1/chat/completions`` for a model whose folder has a
+chat template; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (``labkit.serve_metrics``).
+A client that disconnects mid-stream aborts its request, whose blocks return to the pool. A full
+waiting queue answers 503 with ``Retry-After``; with ``--api-key``, ``/v1/`` wants the bearer key.
+On SIGTERM the server stops admitting, lets what runs finish for ``--drain`` seconds, aborts the
+rest and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import secrets
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from numbers import Real
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tokenizers import Tokenizer
+
+from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, TokenEvent
+from labkit.detokenize import IncrementalDetokenizer, StopStrings
+from labkit.engine import Engine, Request, SchedulerConfig
+from labkit.generate import SamplingParams, eos_id_of
+from labkit.serve_metrics import CONTENT_TYPE, ServerMetrics
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+class APIError(Exception):
+    """An error the client caused (or a full queue): its status, message and the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the server serves: the name clients use, the tokenizer, the limits of the model."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_seq_len: int
+    chat_template: str | None = None
+
+
+@dataclass
+class Completion:
+    """A checked request: the prompt's token ids, how to sample, where to stop, how to answer."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+# checking a request body ----------------------------------------------------------------------------
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= value <= high:
+        raise APIError(f"{name}={value!r} is out of range: it must be a number from {low} to {high}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise APIError(f"{name}={value!r} is invalid: it must be an integer of at least {low}", name)
+    return value
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool) and value is not None:
+        raise APIError(f"{name}={value!r} must be true or false", name)
+    return bool(value)
+
+
+def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
+    if prompt is None:
+        raise APIError("the request has no prompt: give one as a string or a list of token ids", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one, as the openai client may send it
+    if isinstance(prompt, str):
+        ids = served.tokenizer.encode(prompt).ids
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < served.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary: ids must be in [0, {served.vocab_size})",
+                           "prompt")
+        ids = list(prompt)
+    else:
+        raise APIError("prompt must be one string or one list of token ids (this server takes one prompt "
+                       "per request)", "prompt")
+    if not ids:
+        raise APIError("the prompt is empty: give at least one token", "prompt")
+    return ids
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if not isinstance(stop, (str, list, type(None))):
+        raise APIError(f"stop={stop!r} must be a string or a list of strings", "stop")
+    try:
+        return StopStrings([] if stop is None else stop).stops
+    except ValueError as error:
+        raise APIError(f"stop={stop!r} is invalid: {error}", "stop") from None
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("n", 1) != 1:
+        raise APIError(f"n={body['n']!r}: this server returns one completion per request, n must be 1", "n")
+    if body.get("best_of") not in (None, 1):
+        raise APIError(f"best_of={body['best_of']!r} is not supported: leave it out or set it to 1", "best_of")
+    if body.get("logprobs") not in (None, False, 0):
+        raise APIError("logprobs are not supported by this server: leave the field out", "logprobs")
+    if body.get("echo"):
+        raise APIError("echo is not supported by this server: leave the field out", "echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise APIError(f"{name} is not supported by this server: leave it out or set it to 0", name)
+
+
+def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = None,
+                     max_tokens_field: str = "max_tokens") -> Completion:
+    """Check a completion request's fields; an ``APIError`` names the first that is wrong. ``prompt``:
+    token ids already made (a chat's rendered messages) instead of the body's ``prompt``."""
+    if not isinstance(body, dict):
+        raise APIError("the body must be a JSON object")
+    model = body.get("model")
+    if model not in (None, served.name):
+        raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model")
+    _check_unsupported(body)
+    ids = _prompt_ids(body.get("prompt"), served) if prompt is None else prompt
+    room = served.max_seq_len - len(ids) + 1  # the last new token is never fed back
+    if room < 1:
+        raise APIError(f"the prompt has {len(ids)} tokens, more than the context of {served.max_seq_len}", "prompt")
+    max_tokens = _integer(body, max_tokens_field, 16, 1)
+    if max_tokens > room:
+        raise APIError(f"{max_tokens_field}={max_tokens} is too many: the prompt's {len(ids)} tokens leave room for "
+                       f"at most {room} in a context of {served.max_seq_len}", max_tokens_field)
+    options = body.get("stream_options") or {}
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                            top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=_integer(body, "seed", None, 0),
+                            stop_at_eos=not _flag(body, "ignore_eos"))
+    return Completion(ids, params, _stops(body), _flag(body, "stream"),
+                      isinstance(options, dict) and _flag(options, "include_usage"))
+
+
+def chat_prompt(body: Any, served: ServedModel) -> list[int]:
+    """The token ids of a chat request's messages, through the model's chat template."""
+    if served.chat_template is None:
+        raise APIError(f"the model {served.name!r} has no chat template (its folder holds no tokenizer_config.json "
+                       "with a chat_template, nor a chat_template.jinja), so it cannot take chat messages: send a "
+                       "prompt to /v1/completions instead", "messages")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise APIError("messages must be a non-empty list of {\"role\": str, \"content\": str}", "messages")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = ImmutableSandboxedEnvironment().from_string(served.chat_template).render(
+        messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+    return _prompt_ids(text, served)
+
+
+# generating -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """Text to send, and, for the last piece of a request, why it ended and how many tokens it made."""
+
+    text: str
+    finish_reason: str | None = None
+    tokens: int = 0
+
+
+def pieces(engine: AsyncEngine, metrics: ServerMetrics, served: ServedModel, request_id: str,
+           completion: Completion) -> AsyncIterator[Piece]:
+    """The request's text, token by token (one piece per token; "" while a character is incomplete
+    or a stop string may be starting), then a last piece with the finish reason. Raises now, before
+    any answer is sent: ``QueueFull``, ``EngineStopped``, or ``ValueError`` for a request the engine
+    could never serve."""
+    request = Request(request_id, completion.prompt, completion.params)
+    return _pieces(engine.stream(request), request, metrics, served, completion)
+
+
+async def _pieces(events: AsyncIterator[TokenEvent], request: Request, metrics: ServerMetrics, served: ServedModel,
+                  completion: Completion) -> AsyncIterator[Piece]:
+    text, stops = IncrementalDetokenizer(served.tokenizer), StopStrings(completion.stops)
+    previous, count = None, 0
+    async with contextlib.aclosing(events):  # leaving early (a stop string, a client gone) aborts it
+        try:
+            async for event in events:
+                if event.token is None:  # aborted: the server is shutting down
+                    metrics.finish(request, "abort", previous)
+                    yield Piece(stops.flush(), "abort", count)
+                    return
+                metrics.token(request, event, previous)
+                previous, count = event.time, count + 1
+                new = text.add(event.token) + (text.flush() if event.finish_reason else "")
+                new, stopped = stops.add(new)
+                if stopped or event.finish_reason:
+                    reason = "stop" if stopped else event.finish_reason
+                    metrics.finish(request, reason, previous)
+                    yield Piece(new + ("" if stopped else stops.flush()), reason, count)
+                    return
+                yield Piece(new)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            metrics.finish(request, "abort", previous)
+            raise
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class Responder:
+    """Builds the answers of one endpoint: completions (``chat`` False) or chat completions."""
+
+    def __init__(self, served: ServedModel, chat: bool) -> None:
+        self.served, self.chat = served, chat
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prefix = "chatcmpl" if chat else "cmpl"
+
+    def choice(self, text: str, reason: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        key, message = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
+        return {"index": 0, key: message, "logprobs": None, "finish_reason": reason}
+
+    def head(self, request_id: str, chunk: bool) -> dict:
+        kind = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.served.name}
+
+    async def whole(self, request_id: str, completion: Completion, parts: AsyncIterator[Piece]) -> JSONResponse:
+        texts, last = [], Piece("")
+        async for last in parts:
+            texts.append(last.text)
+        body = self.head(request_id, chunk=False) | {"choices": [self.choice("".join(texts), last.finish_reason, False)],
+                                                     "usage": _usage(len(completion.prompt), last.tokens)}
+        return JSONResponse(body)
+
+    async def events(self, request_id: str, completion: Completion, parts: AsyncIterator[Piece]) -> AsyncIterator[str]:
+        head = self.head(request_id, chunk=True)
+        async with contextlib.aclosing(parts):
+            async for piece in parts:
+                yield _sse(head | {"choices": [self.choice(piece.text, piece.finish_reason, True)]})
+                if piece.finish_reason and completion.include_usage:
+                    yield _sse(head | {"choices": [], "usage": _usage(len(completion.prompt), piece.tokens)})
+        yield _sse("[DONE]")
+
+
+# the application ----------------------------------------------------------------------------------
+
+
+def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = None,
+               drain_s: float = 2.0) -> FastAPI:
+    """The FastAPI application serving ``served`` through ``engine``."""
+    metrics = ServerMetrics(lambda: engine.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown(drain_s)
+
+    app = FastAPI(title="labkit", lifespan=lifespan)
+    app.state.engine, app.state.served = engine, served
+
+    # a dependency of each /v1/ route, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
+    # connection so that a route can no longer see its client disconnect
+    def check_key(request: HTTPRequest) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError("a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                           status=401, kind="authentication_error")
+
+    app.add_exception_handler(APIError, lambda request, error: error.response())
+    v1 = [Depends(check_key)]
+
+    async def complete(request: HTTPRequest, chat: bool) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return APIError(f"the body is not valid JSON: {error}").response()
+        try:
+            prompt = chat_prompt(body, served) if chat else None
+            completion = parse_completion(body, served, prompt, "max_tokens" if not chat or "max_tokens" in body
+                                          else "max_completion_tokens")
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            parts = pieces(engine, metrics, served, request_id, completion)
+        except APIError as error:
+            return error.response()
+        except QueueFull as error:
+            return APIError(str(error), status=503, kind="server_busy").response()
+        except EngineStopped as error:
+            return APIError(str(error), status=503, kind="server_shutting_down").response()
+        except ValueError as error:
+            return APIError(str(error), "prompt").response()
+        responder = Responder(served, chat)
+        if completion.stream:  # Starlette cancels the stream when the client disconnects
+            return StreamingResponse(responder.events(request_id, completion, parts), media_type="text/event-stream")
+        return await _unless_disconnected(request, responder.whole(request_id, completion, parts))
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(request: HTTPRequest) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await complete(request, chat=True)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> dict:
+        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "labkit",
+                "max_model_len": served.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _unless_disconnected(request: HTTPRequest, answer: Awaitable[Response]) -> Response:
+    """``answer``, unless the client disconnects first: then it is cancelled (which aborts its request)."""
+    task = asyncio.ensure_future(answer)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nobody reads it: nginx's code for a client gone
+    return task.result()
+
+
+# the command line ---------------------------------------------------------------------------------
+
+
+def chat_template_of(folder: Path) -> str | None:
+    """A model folder's chat template: ``chat_template.jinja``, or ``tokenizer_config.json``'s."""
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text()
+    config = folder / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+    return template if isinstance(template, str) else None
+
+
+def decode_kernel(name: str):  # noqa: ANN201 - a DecodeKernel or None
+    """The engine's decode attention: "cpp" (labkit's C++ operator, built now), "triton" or "none"."""
+    if name == "cpp":
+        from labkit.kernels.paged_decode_cpu import build, paged_decode_cpu
+        build()
+        return paged_decode_cpu
+    if name == "triton":
+        from labkit.kernels import paged_decode
+        return paged_decode
+    return None
+
+
+def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
+    """Load the model and put an engine around it, as the command line asks."""
+    from labkit.load import CHECKPOINTS, load
+
+    model, tokenizer = load(args.model, args.device)
+    if tokenizer is None:
+        raise SystemExit(f"--model {args.model}: a model without a tokenizer (a shape: preset) cannot serve text")
+    folder = CHECKPOINTS / args.model if (CHECKPOINTS / args.model).is_dir() else Path(args.model).expanduser()
+    served = ServedModel(args.served_name or Path(args.model).name, tokenizer, model.config.vocab_size,
+                         model.config.max_seq_len, chat_template_of(folder))
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(model, args.num_blocks, args.block_size, config, prefix_caching=not args.no_prefix_caching,
+                    eos_id=eos_id_of(tokenizer), decode_kernel=decode_kernel(args.decode_kernel))
+    return AsyncEngine(engine, max_waiting=args.max_waiting), served
+
+
+class Server(uvicorn.Server):
+    """uvicorn, which on SIGTERM (or when ``parent_pid`` is gone) first tells the engine to drain, so
+    that open streams end and the process exits within a few seconds."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, drain_s: float, parent_pid: int | None = None) -> None:
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        timeout_graceful_shutdown=drain_s + 2))
+        self.engine: AsyncEngine = app.state.engine
+        self.drain_s, self.parent_pid = drain_s, parent_pid
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.loop is not None and not self.should_exit:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.engine.shutdown(self.drain_s)))
+        super().handle_exit(sig, frame)
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.parent_pid is not None:
+            threading.Thread(target=self._watch_parent, daemon=True).start()
+        await super().serve(sockets)
+
+    def _watch_parent(self) -> None:
+        """Exit when the process that started this server is gone (a notebook's kernel restarted)."""
+        while _alive(self.parent_pid) and not self.should_exit:
+            time.sleep(0.5)
+        self.handle_exit(signal.SIGTERM, None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    return True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m labkit.serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="target", help="a shipped checkpoint's name or a model folder")
+    parser.add_argument("--served-name", default=None, help="the model's name in the API (default: --model's)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("LABKIT_API_KEY"),
+                        help="bearer key /v1/ requests must carry (default: $LABKIT_API_KEY, or none)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: the best there is)")
+    parser.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks in the pool")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued before a 503")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--decode-kernel", choices=("none", "cpp", "triton"), default="none")
+    parser.add_argument("--drain", type=float, default=2.0, help="seconds running requests get on SIGTERM")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engine, served = build_engine(args)
+    app = create_app(engine, served, args.api_key, args.drain)
+    print(f"labkit serves {served.name!r} on http://{args.host}:{args.port}", flush=True)
+    Server(app, args.host, args.port, args.drain, args.parent_pid).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

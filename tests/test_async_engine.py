@@ -1,0 +1,313 @@
+"""The async engine in-process, no HTTP: a tiny float64 model behind an ``AsyncEngine``. Each
+request's tokens arrive on its own stream, in order, as the offline engine makes them; an abort
+while the request waits, prefills or decodes ends its stream with "abort" and frees its blocks;
+the event loop stays responsive while the engine computes; a full queue raises ``QueueFull``, a
+stopped engine ``EngineStopped``; a step that raises fails the live streams, and the engine serves
+the next request. Where a test needs the engine at a given point, a ``Gate`` around the runner
+lets the engine thread through one step at a time."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import threading
+import time
+from typing import AsyncIterator
+
+import pytest
+import torch
+
+from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, TokenEvent
+from labkit.engine import ABORTED, WAITING, Engine, Request, SchedulerConfig
+from labkit.generate import SamplingParams, stream
+from labkit.model import ModelConfig, Transformer
+
+from tiny_models import far_apart_model, one_torch_thread
+
+VOCAB = 64
+LIMIT_S = 10.0  # every wait of a test: a broken engine fails it instead of hanging it
+
+
+MODEL = far_apart_model(VOCAB)
+
+
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+
+def make_engine(model: Transformer = MODEL, num_blocks: int = 64, block_size: int = 4, eos_id: int | None = None,
+                **config: int) -> Engine:
+    return Engine(model, num_blocks, block_size, SchedulerConfig(**config), eos_id=eos_id)
+
+
+def params(n: int, **changes: object) -> SamplingParams:
+    return SamplingParams(**{"max_new_tokens": n, "stop_at_eos": False} | changes)
+
+
+def prompt(i: int, length: int) -> list[int]:
+    return [(7 * i + 3 * j + 1) % VOCAB for j in range(length)]
+
+
+def alone(request: Request) -> list[int]:
+    """The request's tokens generated on its own through the contiguous cache."""
+    return list(stream(MODEL, request.prompt, request.params))
+
+
+def all_free(engine: Engine) -> bool:
+    return engine.allocator.num_free == engine.allocator.num_blocks
+
+
+class Gate:
+    """Stands in for a runner's ``execute``: each step waits until the test lets it through, so the
+    test knows where the engine thread is (inside step k, nothing after it applied yet)."""
+
+    def __init__(self, execute) -> None:  # noqa: ANN001 - the runner's bound method
+        self.execute = execute
+        self.permits, self.entered = threading.Semaphore(0), threading.Semaphore(0)
+
+    def __call__(self, batch):  # noqa: ANN001, ANN204 - the runner's signature
+        self.entered.release()
+        if not self.permits.acquire(timeout=LIMIT_S):
+            raise RuntimeError("the test never let this step through")
+        return self.execute(batch)
+
+    def allow(self, steps: int = 1) -> None:
+        for _ in range(steps):
+            self.permits.release()
+
+    def open(self) -> None:
+        """Let every later step through."""
+        self.allow(10_000)
+
+    async def step_began(self) -> None:
+        assert await asyncio.to_thread(self.entered.acquire, timeout=LIMIT_S), "the engine thread ran no step"
+
+
+def gated(engine: Engine) -> Gate:
+    gate = Gate(engine.runner.execute)
+    engine.runner.execute = gate
+    return gate
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Engine, max_waiting: int = 256, gate: Gate | None = None) -> AsyncIterator[AsyncEngine]:
+    """An ``AsyncEngine`` around ``engine``, shut down at the end (its gate opened first)."""
+    served = AsyncEngine(engine, max_waiting)
+    try:
+        yield served
+    finally:
+        if gate is not None:
+            gate.open()
+        await served.shutdown(0.0)
+
+
+async def collect(served: AsyncEngine, request: Request) -> list[TokenEvent]:
+    return [event async for event in served.stream(request)]
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 3 * LIMIT_S))
+
+
+def test_each_stream_gets_its_requests_tokens_in_order_as_the_offline_engine_makes_them():
+    """Nine requests, greedy and seeded, joining a running batch at different times (four at most,
+    prompts chunked by 16), one stopping at its EOS: each stream is the offline engine's output."""
+    eos = alone(Request(0, prompt(0, 5), params(3)))[-1]  # request 0 stops at its third token, or before
+
+    def requests() -> list[Request]:  # fresh ones for each run
+        return [Request(i, prompt(i, 3 + 5 * i % 23),
+                        params(4 + 3 * i % 13, temperature=0.8 * (i % 2), seed=i, stop_at_eos=i == 0))
+                for i in range(9)]
+
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16, eos_id=eos)
+    offline = make_engine(**config).run(requests())
+
+    async def online() -> list[list[TokenEvent]]:
+        async with serving(make_engine(**config)) as served:
+            async def later(request: Request, delay_s: float) -> list[TokenEvent]:
+                await asyncio.sleep(delay_s)
+                return await collect(served, request)
+            return await asyncio.gather(*(later(r, 0.002 * r.request_id) for r in requests()))
+
+    for events, reference in zip(run(online()), offline):
+        assert [e.token for e in events] == reference.output
+        reason = "stop" if reference.request_id == 0 else "length"
+        assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [reason]
+        times = [e.time for e in events]
+        assert times == sorted(times)
+    assert offline[0].output[-1] == eos and len(offline[0].output) <= 3
+
+
+def test_aborting_a_waiting_request_ends_its_stream_and_the_running_one_goes_on():
+    engine = make_engine(max_num_seqs=1)
+    gate = gated(engine)
+    a, b = Request("a", prompt(1, 6), params(6)), Request("b", prompt(2, 6), params(6))
+
+    async def scenario() -> tuple[list[TokenEvent], list[TokenEvent]]:
+        async with serving(engine, gate=gate) as served:
+            streams = asyncio.create_task(collect(served, a)), asyncio.create_task(collect(served, b))
+            await gate.step_began()
+            gate.allow()
+            await gate.step_began()  # step 2: both added long since, one running (max_num_seqs=1)
+            assert b.status == WAITING and b in engine.scheduler.waiting
+            served.abort("b")
+            gate.open()
+            return await asyncio.gather(*streams)
+
+    events_a, events_b = run(scenario())
+    assert [(e.token, e.finish_reason) for e in events_b] == [(None, "abort")]
+    assert [e.token for e in events_a] == alone(a) and events_a[-1].finish_reason == "length"
+    assert b.status == ABORTED and not b.output and all_free(engine)
+
+
+def test_aborting_a_request_while_it_prefills_frees_its_blocks():
+    engine = make_engine(max_num_batched_tokens=4)  # a 40-token prompt takes 10 steps
+    gate = gated(engine)
+    request = Request("p", prompt(3, 40), params(5))
+
+    async def scenario() -> list[TokenEvent]:
+        async with serving(engine, gate=gate) as served:
+            events = asyncio.create_task(collect(served, request))
+            await gate.step_began()
+            gate.allow()
+            await gate.step_began()  # step 2: 4 of the 40 prompt tokens in the cache
+            assert 0 < request.num_computed < len(request.prompt) and not all_free(engine)
+            served.abort("p")
+            gate.open()
+            return await events
+
+    assert [(e.token, e.finish_reason) for e in run(scenario())] == [(None, "abort")]
+    assert request.status == ABORTED and not request.output and all_free(engine)
+
+
+def test_aborting_a_request_while_it_decodes_ends_its_stream_after_the_tokens_it_had():
+    engine = make_engine()
+    gate = gated(engine)
+    request = Request("d", prompt(4, 5), params(50))
+
+    async def scenario() -> list[TokenEvent]:
+        events = []
+        async with serving(engine, gate=gate) as served:
+            gate.allow(3)  # the prefill (first token) and two decodes
+            async for event in served.stream(request):
+                events.append(event)
+                if len(events) == 3:  # the thread waits inside step 4, whose token still comes
+                    served.abort("d")
+                    gate.open()
+        return events
+
+    events = run(scenario())
+    tokens = [e.token for e in events[:-1]]
+    assert len(tokens) in (3, 4) and tokens == alone(request)[:len(tokens)]
+    assert (events[-1].token, events[-1].finish_reason) == (None, "abort")
+    assert request.status == ABORTED and all_free(engine)
+
+
+def test_the_event_loop_stays_responsive_while_the_engine_computes():
+    """A timer of 5 ms, rearmed while four 512-token prompts run through a model big enough for
+    steps of tens of ms: were a step run on the event loop, each timer would fire a step late
+    (median lag ~ a step). With the engine in its thread the lag is the GIL's switch interval
+    (5 ms) at worst; the bounds (a fifth of a step at the median, half at the 90th percentile)
+    leave room for a loaded machine, whose steps slow down with it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                                        d_ff=1024, max_seq_len=1024)).eval()
+    engine = make_engine(model, num_blocks=256, block_size=16, max_num_batched_tokens=512)
+    execute, steps = engine.runner.execute, []
+
+    def timed(batch):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        tokens = execute(batch)
+        steps.append((time.perf_counter() - start, sum(n for _, n in batch.scheduled)))
+        return tokens
+
+    engine.runner.execute = timed
+
+    async def scenario() -> list[float]:
+        lags = []
+        async with serving(engine) as served:
+            requests = [Request(i, [(31 * i + j) % 512 for j in range(512)], params(4)) for i in range(4)]
+            streams = asyncio.gather(*(collect(served, r) for r in requests))
+            while not streams.done():
+                start = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append(time.perf_counter() - start - 0.005)
+            await streams
+        return lags
+
+    lags = run(scenario())
+    step = statistics.median(d for d, n in steps if n == 512)
+    assert step > 0.02, f"prefill steps of {step * 1e3:.1f} ms are too short to tell"
+    assert statistics.median(lags) < step / 5 and statistics.quantiles(lags, n=10)[-1] < step / 2, (
+        f"timer lag median {statistics.median(lags) * 1e3:.1f} ms, p90 "
+        f"{statistics.quantiles(lags, n=10)[-1] * 1e3:.1f} ms, against steps of {step * 1e3:.1f} ms")
+
+
+def test_a_full_queue_raises_queue_full_until_it_drains():
+    engine = make_engine()
+    gate = gated(engine)
+
+    async def scenario() -> list[list[TokenEvent]]:
+        async with serving(engine, max_waiting=2, gate=gate) as served:
+            first = asyncio.create_task(collect(served, Request("a", prompt(5, 4), params(3))))
+            await gate.step_began()  # the thread is held inside its first step: "a" counts as waiting
+            second = asyncio.create_task(collect(served, Request("b", prompt(6, 4), params(3))))
+            await asyncio.sleep(0)  # "b" admitted: two wait
+            with pytest.raises(QueueFull, match="max_waiting=2"):
+                await anext(served.stream(Request("c", prompt(7, 4), params(3))))
+            gate.open()
+            done = await asyncio.gather(first, second)
+            return done + [await collect(served, Request("c", prompt(7, 4), params(3)))]
+
+    assert all(len(events) == 3 and events[-1].finish_reason == "length" for events in run(scenario()))
+    assert all_free(engine)
+
+
+def test_shutdown_aborts_what_runs_and_a_stopped_engine_refuses_new_requests():
+    engine = make_engine()
+    gate = gated(engine)
+    request = Request("s", prompt(8, 5), params(100))
+
+    async def scenario() -> tuple[list[TokenEvent], AsyncEngine]:
+        served = AsyncEngine(engine)
+        events = []
+        gate.allow(2)
+        async for event in served.stream(request):
+            events.append(event)
+            if len(events) == 2:
+                gate.open()
+                await served.shutdown(0.0)  # no drain: what runs is aborted
+        with pytest.raises(EngineStopped, match="shutting down"):
+            await anext(served.stream(Request("late", prompt(9, 4), params(2))))
+        return events, served
+
+    events, served = run(scenario())
+    assert not served.alive and (events[-1].token, events[-1].finish_reason) == (None, "abort")
+    tokens = [e.token for e in events[:-1]]
+    assert 2 <= len(tokens) < 100 and tokens == alone(request)[:len(tokens)]
+    assert request.status == ABORTED and all_free(engine)
+
+
+def test_a_step_that_raises_fails_the_live_streams_and_the_engine_serves_on():
+    engine = make_engine()
+    execute, failures = engine.runner.execute, []
+
+    def fails_once_with_two(batch):  # noqa: ANN001, ANN202
+        if len(batch.scheduled) == 2 and not failures:  # the first step that runs both requests
+            failures.append(batch)
+            raise RuntimeError("boom (injected)")
+        return execute(batch)
+
+    engine.runner.execute = fails_once_with_two
+    a, b, c = (Request(name, prompt(i, 5), params(8)) for i, name in enumerate("abc"))
+
+    async def scenario() -> tuple[list, list[TokenEvent]]:
+        async with serving(engine) as served:
+            failed = await asyncio.gather(collect(served, a), collect(served, b), return_exceptions=True)
+            assert all_free(engine) and served.alive
+            return failed, await collect(served, c)
+
+    failed, events = run(scenario())
+    assert failures and all(isinstance(f, RuntimeError) and "boom (injected)" in str(f) for f in failed), failed
+    assert a.status == b.status == ABORTED
+    assert [e.token for e in events] == alone(c) and events[-1].finish_reason == "length"
