@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Hashable
+from typing import Hashable
 
 from labkit.engine import EngineCore, Request
 
@@ -52,7 +52,6 @@ class EngineStats:
     preemptions: int = 0
     generated_tokens: int = 0
     steps: int = 0
-    aborted: int = 0
 
 
 class QueueFull(RuntimeError):
@@ -61,6 +60,40 @@ class QueueFull(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new request."""
+
+
+class RequestStream:
+    """One request's tokens as they come: an async iterator of ``TokenEvent``, the last with the finish
+    reason (an engine failure raises). Closing it before the end (``aclose``, or dropping it: a client
+    gone) aborts the request, wherever it is."""
+
+    def __init__(self, engine: AsyncEngine, request_id: Hashable, sink: asyncio.Queue) -> None:
+        self._engine, self.request_id, self._sink = engine, request_id, sink
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            self._end(abort=False)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def __del__(self) -> None:
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self.request_id, abort)
 
 
 @dataclass
@@ -98,33 +131,25 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests added and not yet running (as of the last step)."""
-        return max(0, len(self._ids) - self.stats.running)
+        """Requests being served beyond the batch's cap (``max_num_seqs``): those must wait. Counted
+        on the event loop's side, so that a burst is counted before the engine thread sees it."""
+        return max(0, len(self._ids) - self.engine.scheduler.config.max_num_seqs)
 
-    def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
-        """Serve ``request``: an async iterator of a ``TokenEvent`` per sampled token, the last with
-        its finish reason; the request joins the engine when iteration starts. Closing the iterator
-        early (a client gone) aborts the request. Raises now: ``ValueError`` for a request the engine
-        could never serve, ``QueueFull`` or ``EngineStopped``."""
+    def stream(self, request: Request) -> RequestStream:
+        """Serve ``request``: it joins the engine at once, and the returned ``RequestStream`` yields a
+        ``TokenEvent`` per sampled token, the last with its finish reason. Raises ``ValueError`` for
+        a request the engine could never serve, ``QueueFull`` or ``EngineStopped``."""
         self._admit(request)
-        return self._events(request)
-
-    async def _events(self, request: Request) -> AsyncIterator[TokenEvent]:
-        loop, sink = asyncio.get_running_loop(), asyncio.Queue()
+        sink: asyncio.Queue = asyncio.Queue()
         self._ids.add(request.request_id)
-        self._inbox.put(("add", _Live(request, loop, sink)))
-        finished = False
-        try:
-            while not finished:
-                event = await sink.get()
-                if isinstance(event, BaseException):
-                    raise event
-                finished = event.finish_reason is not None
-                yield event
-        finally:
-            self._ids.discard(request.request_id)
-            if not finished:
-                self.abort(request.request_id)
+        self._inbox.put(("add", _Live(request, asyncio.get_running_loop(), sink)))
+        return RequestStream(self, request.request_id, sink)
+
+    def _release(self, request_id: Hashable, abort: bool) -> None:
+        """A stream has ended (``abort``: before its request finished, which must go)."""
+        self._ids.discard(request_id)
+        if abort:
+            self.abort(request_id)
 
     def _admit(self, request: Request) -> None:
         if not self.accepting or not self.alive:
@@ -154,32 +179,43 @@ class AsyncEngine:
     # the engine thread's side ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            stopping = self._apply(block=not self.engine.scheduler.has_work)
-            if self.engine.scheduler.has_work and not stopping:
-                self._step()
-        for request_id in list(self._live):
-            self._abort(request_id)
+        try:
+            stopping = False
+            while not stopping:
+                stopping = self._apply(block=not self.engine.scheduler.has_work)
+                if self.engine.scheduler.has_work and not stopping:
+                    self._step()
+        finally:  # stopped, or an error outside a step: no stream may be left waiting
+            self.accepting = False
+            for request_id in list(self._live):
+                self._abort(request_id)
+            while not self._inbox.empty():
+                kind, payload = self._inbox.get_nowait()
+                if kind == "add":
+                    self._send(payload, EngineStopped("the engine stopped before this request could start"))
 
     def _apply(self, block: bool) -> bool:
-        """Apply the commands posted since the last step (waiting for one when idle); True on stop."""
+        """Apply the commands posted since the last step, in order (waiting for one when idle);
+        True if one of them was stop. A request added after the stop is refused."""
         try:
             commands = [self._inbox.get(timeout=0.5)] if block else []
         except queue.Empty:
             commands = []
         while not self._inbox.empty():
             commands.append(self._inbox.get_nowait())
+        stopping = False
         for kind, payload in commands:
             if kind == "stop":
-                return True
-            if kind == "add":
+                stopping = True
+            elif kind == "add" and stopping:
+                self._send(payload, EngineStopped("the engine stopped before this request could start"))
+            elif kind == "add":
                 self._add(payload)
             else:
                 self._abort(payload)
         if commands:
             self._publish()
-        return False
+        return stopping
 
     def _add(self, live: _Live) -> None:
         try:
@@ -194,7 +230,7 @@ class AsyncEngine:
         if live is None:
             return
         self.engine.scheduler.abort(request_id)
-        self._publish(aborted=1)
+        self._publish()
         self._send(live, TokenEvent(None, self.engine.now(), "abort"))
 
     def _step(self) -> None:
@@ -231,8 +267,8 @@ class AsyncEngine:
             for i in range(live.sent, len(request.output)):
                 last = i == len(request.output) - 1 and request.finish_time is not None
                 reason = self._finish_reason(request) if last else None
-                outbox.setdefault(live.loop, []).append((live.sink, TokenEvent(request.output[i], request.token_times[i],
-                                                                               reason)))
+                event = TokenEvent(request.output[i], request.token_times[i], reason)
+                outbox.setdefault(live.loop, []).append((live.sink, event))
             live.sent = len(request.output)
             if request.finish_time is not None:
                 del self._live[request_id]

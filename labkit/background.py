@@ -63,9 +63,11 @@ class BackgroundServer:
                                             stdin=subprocess.DEVNULL)
         _RUNNING.add(self)
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:  # one client for all polls: a new one costs ~50 ms of CPU
+        # one client for all polls (a new one costs ~50 ms of CPU); no proxy from the environment
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
+                    self.stop()  # forgotten, its log kept in memory
                     raise RuntimeError(f"the server exited with code {self.process.returncode} before it answered:\n"
                                        f"{self.log()[-3000:]}")
                 if self._healthy(client):

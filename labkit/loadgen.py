@@ -1,19 +1,28 @@
 """A load generator for an OpenAI-compatible completions server, measuring from the client.
 
-A request is sent at ``s``; its streamed reply brings one server-sent event per generated token,
-the i-th arriving at t_i (i = 1 .. n), and the reply is complete at ``f``. Per request, with
-vLLM's ``benchmark_serving`` definitions (``labkit.metrics.request_metrics`` computes them):
+A request is sent at ``s``; its streamed reply brings server-sent token events (events with a
+choice; labkit's server sends one per generated token, others may merge several tokens into one),
+the i-th arriving at t_i (i = 1 .. m), and n output tokens in all (the server's usage, else m).
+Per request, with vLLM's ``benchmark_serving`` definitions (``labkit.metrics.request_metrics``
+computes TTFT, ITL and E2E):
 
     TTFT = t_1 - s                   time to first token: queueing + prefill + the first hop back
     TPOT = (E2E - TTFT) / (n - 1)    time per output token after the first (none when n = 1)
     ITL  = t_(i+1) - t_i             every gap between two token events, pooled over all requests
-    E2E  = f - s                     end-to-end latency: what the user waits for the whole answer
+    E2E  = t_m - s                   end-to-end latency: what the user waits for the whole answer
+
+The answer is whole at the arrival of its last token event, t_m, as vLLM's client takes it: the
+usage event, ``data: [DONE]`` and the closing of the connection that follow it are not waited
+for. TPOT divides by the tokens the server counted, not by the events: a server that sends two
+tokens per event shows ITLs twice the time per token, and the same TPOT as one that sends one.
 
 and for the run, over its duration D (the first send to the last reply): request throughput =
 completed / D, output token throughput = output tokens / D, total token throughput = (prompt +
 output tokens) / D, and goodput = the completed requests that meet every SLO given (TTFT <= its
 limit, TPOT <= its limit) / D. Latencies are reported as mean, median, p90 and p99 in ms.
-A reply that is not streamed shows its first text with its last: its TTFT is its E2E.
+A reply that is not streamed shows its first text with its last, when its body has arrived: its
+TTFT is its E2E, and it has no TPOT nor ITL. A reply that the server ends with the finish reason
+"abort" (labkit's server does when it shuts down) is a failed request, not a completed one.
 
 Why from the client: the engine's own clock starts when a request reaches its queue and stops
 when a token is sampled. The user also waits for the HTTP parsing, the tokenizing, the queue in
@@ -52,11 +61,11 @@ Clock = Callable[[], float]
 @dataclass
 class RequestRecord:
     """What the client saw of one request; times in seconds on the run's clock. A failed request
-    (an error status, a broken or malformed stream, a timeout, never sent) has ``error`` set."""
+    (an error status, a broken or malformed stream, an abort, a timeout, never sent) has ``error`` set."""
     index: int
     send_time: float
-    token_times: list[float] = field(default_factory=list)  # the arrival of each token's event
-    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # the arrival of each token event
+    finish_time: float | None = None  # the last token event's arrival (not streamed: the body's); failed: the end
     prompt_tokens: int | None = None  # from the server's usage; None when it sent none
     output_tokens: int = 0  # from the server's usage, else the number of token events
     text: str = ""
@@ -98,8 +107,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: i
                        clock: Clock = time.perf_counter) -> RequestRecord:
     """POST one completion ``body`` to ``url`` and record what the client saw, streamed or not
     (``body["stream"]``). The request may take ``timeout_s``, and must end by ``deadline`` (the
-    run's, on ``clock``); past it, it is not sent. A failure is recorded in ``error``, never
-    raised and never retried."""
+    run's, on ``clock``); past it, it is not sent. A failure, an aborted reply included, is
+    recorded in ``error``, never raised and never retried; ``finish_time`` is then when it was
+    seen, else when the answer was whole (the module docstring)."""
     record = RequestRecord(index, send_time=clock())
     limit = min(timeout_s, deadline - record.send_time)
     if limit <= 0:
@@ -112,7 +122,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: i
             elif body.get("stream"):
                 await _read_stream(response, record, clock)
             else:
-                _read_completion(json.loads(await response.aread()), record)
+                content = await response.aread()
+                record.finish_time = clock()
+                _read_completion(json.loads(content), record)
     except TimeoutError:
         record.error = (f"timed out after {timeout_s:g} s" if limit == timeout_s
                         else f"timed out: the run's {deadline:g} s passed")
@@ -120,7 +132,10 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, index: i
         record.error = f"connection failed: {type(e).__name__}: {e}"
     except (ValueError, LookupError, TypeError) as e:  # JSON that is not a completion
         record.error = f"malformed reply: {type(e).__name__}: {e}"
-    record.finish_time = clock()
+    if record.error is None and record.finish_reason == "abort":
+        record.error = f"aborted by the server after {record.output_tokens} tokens"
+    if record.error is not None:
+        record.finish_time = clock()
     return record
 
 
@@ -133,7 +148,8 @@ def _error_message(content: bytes) -> str:
 
 
 async def _read_stream(response: httpx.Response, record: RequestRecord, clock: Clock) -> None:
-    """Every token event's arrival and text, the finish reason and the usage, up to [DONE]."""
+    """Every token event's arrival and text, the finish reason and the usage, up to [DONE]; the
+    reply's finish time is its last token event's arrival."""
     parser, usage, done = SSEParser(), None, False
     async for chunk in response.aiter_bytes():
         now = clock()
@@ -142,14 +158,17 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, clock: C
                 done = True
                 continue
             event = json.loads(data)
-            for choice in event["choices"]:  # one event per token; the usage event has none
+            for choice in event["choices"]:  # a token event; the usage event has none
                 record.token_times.append(now)
+                record.finish_time = now
                 record.text += choice["text"]
                 record.finish_reason = choice.get("finish_reason")  # the last token's event has it
             usage = event.get("usage") or usage
     _count_tokens(record, usage)
     if not done:
         record.error = f"the stream ended before data: [DONE] after {len(record.token_times)} tokens"
+    elif not record.token_times:
+        record.error = "the stream ended at data: [DONE] without a token event"
 
 
 def _read_completion(reply: dict, record: RequestRecord) -> None:
@@ -264,11 +283,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ttft_ms: 
     """A run's figures, as vLLM's ``benchmark_serving`` defines them (see the module docstring):
     counts, throughputs and goodput per second of ``duration_s``, latency statistics in ms over
     the completed requests, and how often each error occurred. Without an SLO, every completed
-    request is good; a one-token reply has no TPOT, and so meets any TPOT limit."""
+    request is good; a one-token or not-streamed reply has no TPOT, and so meets any TPOT limit."""
     if not duration_s > 0:
         raise ValueError(f"duration_s={duration_s} must be > 0")
     done = [r for r in records if r.error is None]
-    per_request = [request_metrics(r.send_time, r.token_times or [r.finish_time], r.finish_time) for r in done]
+    per_request = [_latencies(r) for r in done]
     good = sum(_meets(m, slo_ttft_ms, slo_tpot_ms) for m in per_request)
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done) if all(r.prompt_tokens is not None for r in done) else None
@@ -279,6 +298,14 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ttft_ms: 
             "goodput": good / duration_s, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
             "errors": dict(Counter(r.error for r in records if r.error is not None))
             } | latency_figures(per_request, PERCENTILES)
+
+
+def _latencies(record: RequestRecord) -> dict:
+    """``request_metrics`` of a completed request, with its TPOT over the output tokens the server
+    counted rather than over its token events (vLLM's); no TPOT for a reply that was not streamed."""
+    metrics = request_metrics(record.send_time, record.token_times or [record.finish_time], record.finish_time)
+    n = record.output_tokens if record.token_times else 0
+    return metrics | {"tpot": (metrics["e2e"] - metrics["ttft"]) / (n - 1) if n > 1 else None}
 
 
 def _meets(metrics: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -301,6 +328,16 @@ def format_report(summary: dict) -> str:
               for name in ("ttft", "tpot", "itl", "e2e")]
     lines += [f"error       {count} x {message}" for message, count in summary["errors"].items()]
     return "\n".join(lines)
+
+
+def _finite(value: object) -> object:
+    """``value`` with every NaN or infinite float (a figure of a run with nothing to measure) made
+    None, which JSON writes as null: NaN is no JSON."""
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(summary))
     if args.json:
         records = [asdict(r) for r in result.records]
-        args.json.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+        args.json.write_text(json.dumps(_finite({"summary": summary, "records": records}), indent=1, allow_nan=False))
     return 0 if summary["completed"] else 1
 
 

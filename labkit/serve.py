@@ -11,7 +11,9 @@ server-sent event per token (``stream: true``, ending with ``data: [DONE]``) or 
 
 Endpoints: ``POST /v1/completions``; ``POST /v1/chat/completions`` for a model whose folder has a
 chat template; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (``labkit.serve_metrics``).
-A client that disconnects mid-stream aborts its request, whose blocks return to the pool. A full
+A client that disconnects aborts its request, whose blocks return to the pool. ``finish_reason`` is
+"stop" (EOS or a stop string) or "length", as OpenAI's, or "abort" (vLLM's: the server shut down
+before the request finished); a request the engine fails gets a 500 (streamed: an error event). A full
 waiting queue answers 503 with ``Retry-After``; with ``--api-key``, ``/v1/`` wants the bearer key.
 On SIGTERM the server stops admitting, lets what runs finish for ``--drain`` seconds, aborts the
 rest and exits.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -35,11 +38,12 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable
 
 import uvicorn
+from starlette.exceptions import HTTPException
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
-from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, TokenEvent
+from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
 from labkit.detokenize import IncrementalDetokenizer, StopStrings
 from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of
@@ -57,10 +61,12 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,13 @@ class Completion:
 # checking a request body ----------------------------------------------------------------------------
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
     value = body.get(name, default)
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= value <= high:
-        raise APIError(f"{name}={value!r} is out of range: it must be a number from {low} to {high}", name)
+    if (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)
+            or not (low < value if open_low else low <= value) or not value <= high):
+        where = f"in ({low}, {high}]" if open_low else f"from {low} to {high}"
+        raise APIError(f"{name}={value!r} is out of range: it must be a number {where}", name)
     return float(value)
 
 
@@ -144,7 +152,7 @@ def _stops(body: dict) -> list[str]:
 
 
 def _check_unsupported(body: dict) -> None:
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise APIError(f"n={body['n']!r}: this server returns one completion per request, n must be 1", "n")
     if body.get("best_of") not in (None, 1):
         raise APIError(f"best_of={body['best_of']!r} is not supported: leave it out or set it to 1", "best_of")
@@ -155,6 +163,9 @@ def _check_unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise APIError(f"{name} is not supported by this server: leave it out or set it to 0", name)
+    for name in ("suffix", "logit_bias"):
+        if body.get(name) not in (None, "", {}):
+            raise APIError(f"{name} is not supported by this server: leave the field out", name)
 
 
 def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = None,
@@ -176,11 +187,13 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
         raise APIError(f"{max_tokens_field}={max_tokens} is too many: the prompt's {len(ids)} tokens leave room for "
                        f"at most {room} in a context of {served.max_seq_len}", max_tokens_field)
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(f"stream_options={options!r} must be an object such as {{\"include_usage\": true}}",
+                       "stream_options")
     params = SamplingParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                            top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=_integer(body, "seed", None, 0),
-                            stop_at_eos=not _flag(body, "ignore_eos"))
-    return Completion(ids, params, _stops(body), _flag(body, "stream"),
-                      isinstance(options, dict) and _flag(options, "include_usage"))
+                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+                            seed=_integer(body, "seed", None, 0), stop_at_eos=not _flag(body, "ignore_eos"))
+    return Completion(ids, params, _stops(body), _flag(body, "stream"), _flag(options, "include_usage"))
 
 
 def chat_prompt(body: Any, served: ServedModel) -> list[int]:
@@ -194,11 +207,22 @@ def chat_prompt(body: Any, served: ServedModel) -> list[int]:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
         raise APIError("messages must be a non-empty list of {\"role\": str, \"content\": str}", "messages")
+    from jinja2 import TemplateError
+
+    try:
+        text = _template(served.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                      bos_token="", eos_token="")
+    except TemplateError as error:
+        raise APIError(f"the model's chat template failed on these messages: {error}", "messages") from None
+    return _prompt_ids(text, served)
+
+
+@functools.cache
+def _template(source: str) -> Any:
+    """A chat template, compiled once, in Jinja's sandbox (a template is code from the model's folder)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    text = ImmutableSandboxedEnvironment().from_string(served.chat_template).render(
-        messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
-    return _prompt_ids(text, served)
+    return ImmutableSandboxedEnvironment().from_string(source)
 
 
 # generating -------------------------------------------------------------------------------------
@@ -223,16 +247,16 @@ def pieces(engine: AsyncEngine, metrics: ServerMetrics, served: ServedModel, req
     return _pieces(engine.stream(request), request, metrics, served, completion)
 
 
-async def _pieces(events: AsyncIterator[TokenEvent], request: Request, metrics: ServerMetrics, served: ServedModel,
+async def _pieces(events: RequestStream, request: Request, metrics: ServerMetrics, served: ServedModel,
                   completion: Completion) -> AsyncIterator[Piece]:
     text, stops = IncrementalDetokenizer(served.tokenizer), StopStrings(completion.stops)
-    previous, count = None, 0
+    previous, count, reason = None, 0, None
     async with contextlib.aclosing(events):  # leaving early (a stop string, a client gone) aborts it
         try:
             async for event in events:
                 if event.token is None:  # aborted: the server is shutting down
-                    metrics.finish(request, "abort", previous)
-                    yield Piece(stops.flush(), "abort", count)
+                    reason = "abort"
+                    yield Piece(stops.flush(), reason, count)
                     return
                 metrics.token(request, event, previous)
                 previous, count = event.time, count + 1
@@ -240,13 +264,17 @@ async def _pieces(events: AsyncIterator[TokenEvent], request: Request, metrics: 
                 new, stopped = stops.add(new)
                 if stopped or event.finish_reason:
                     reason = "stop" if stopped else event.finish_reason
-                    metrics.finish(request, reason, previous)
                     yield Piece(new + ("" if stopped else stops.flush()), reason, count)
                     return
                 yield Piece(new)
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away
-            metrics.finish(request, "abort", previous)
-            raise
+        except EngineStopped as error:
+            reason = "abort"
+            raise APIError(str(error), status=503, kind="server_shutting_down") from None
+        except RuntimeError as error:  # a step failed: the engine goes on, this request cannot
+            reason = "error"
+            raise APIError(f"the request failed in the engine: {error}", status=500, kind="internal_error") from None
+        finally:  # counted once, whichever way it ended (a client gone: abort)
+            metrics.finish(request, reason or "abort", previous)
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -265,11 +293,14 @@ class Responder:
         self.object = "chat.completion" if chat else "text_completion"
         self.prefix = "chatcmpl" if chat else "cmpl"
 
-    def choice(self, text: str, reason: str | None, delta: bool) -> dict:
+    def choice(self, text: str, reason: str | None, delta: bool, first: bool = False) -> dict:
+        """One choice: a completion's text, or a chat's message (``delta``: a streamed chunk's, which
+        names the role in the first chunk only)."""
         if not self.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        key, message = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
-        return {"index": 0, key: message, "logprobs": None, "finish_reason": reason}
+        role = {"role": "assistant"} if first or not delta else {}
+        return {"index": 0, "delta" if delta else "message": role | {"content": text}, "logprobs": None,
+                "finish_reason": reason}
 
     def head(self, request_id: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -279,17 +310,24 @@ class Responder:
         texts, last = [], Piece("")
         async for last in parts:
             texts.append(last.text)
-        body = self.head(request_id, chunk=False) | {"choices": [self.choice("".join(texts), last.finish_reason, False)],
+        choice = self.choice("".join(texts), last.finish_reason, delta=False)
+        body = self.head(request_id, chunk=False) | {"choices": [choice],
                                                      "usage": _usage(len(completion.prompt), last.tokens)}
         return JSONResponse(body)
 
     async def events(self, request_id: str, completion: Completion, parts: AsyncIterator[Piece]) -> AsyncIterator[str]:
-        head = self.head(request_id, chunk=True)
+        """Server-sent events: one per piece, the usage if asked for, then ``[DONE]``; an error
+        after the stream has begun is sent as an event with OpenAI's error object, as vLLM does."""
+        head, first = self.head(request_id, chunk=True), True
         async with contextlib.aclosing(parts):
-            async for piece in parts:
-                yield _sse(head | {"choices": [self.choice(piece.text, piece.finish_reason, True)]})
-                if piece.finish_reason and completion.include_usage:
-                    yield _sse(head | {"choices": [], "usage": _usage(len(completion.prompt), piece.tokens)})
+            try:
+                async for piece in parts:
+                    yield _sse(head | {"choices": [self.choice(piece.text, piece.finish_reason, True, first)]})
+                    first = False
+                    if piece.finish_reason and completion.include_usage:
+                        yield _sse(head | {"choices": [], "usage": _usage(len(completion.prompt), piece.tokens)})
+            except APIError as error:
+                yield _sse(error.body())
         yield _sse("[DONE]")
 
 
@@ -318,6 +356,8 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
                            status=401, kind="authentication_error")
 
     app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(HTTPException, lambda request, error: APIError(  # 404, 405: in OpenAI's shape too
+        f"{request.method} {request.url.path}: {error.detail}", status=error.status_code).response())
     v1 = [Depends(check_key)]
 
     async def complete(request: HTTPRequest, chat: bool) -> Response:
@@ -325,11 +365,12 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             return APIError(f"the body is not valid JSON: {error}").response()
+        responder = Responder(served, chat)
         try:
             prompt = chat_prompt(body, served) if chat else None
             completion = parse_completion(body, served, prompt, "max_tokens" if not chat or "max_tokens" in body
                                           else "max_completion_tokens")
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            request_id = f"{responder.prefix}-{uuid.uuid4().hex}"
             parts = pieces(engine, metrics, served, request_id, completion)
         except APIError as error:
             return error.response()
@@ -337,9 +378,8 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
             return APIError(str(error), status=503, kind="server_busy").response()
         except EngineStopped as error:
             return APIError(str(error), status=503, kind="server_shutting_down").response()
-        except ValueError as error:
-            return APIError(str(error), "prompt").response()
-        responder = Responder(served, chat)
+        except ValueError as error:  # the engine's own check: more blocks than its pool has
+            return APIError(str(error), "max_tokens").response()
         if completion.stream:  # Starlette cancels the stream when the client disconnects
             return StreamingResponse(responder.events(request_id, completion, parts), media_type="text/event-stream")
         return await _unless_disconnected(request, responder.whole(request_id, completion, parts))
@@ -412,7 +452,10 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
     """Load the model and put an engine around it, as the command line asks."""
     from labkit.load import CHECKPOINTS, load
 
-    model, tokenizer = load(args.model, args.device)
+    try:
+        model, tokenizer = load(args.model, args.device)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"--model {args.model}: {error}") from None
     if tokenizer is None:
         raise SystemExit(f"--model {args.model}: a model without a tokenizer (a shape: preset) cannot serve text")
     folder = CHECKPOINTS / args.model if (CHECKPOINTS / args.model).is_dir() else Path(args.model).expanduser()
@@ -425,8 +468,8 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
 
 
 class Server(uvicorn.Server):
-    """uvicorn, which on SIGTERM (or when ``parent_pid`` is gone) first tells the engine to drain, so
-    that open streams end and the process exits within a few seconds."""
+    """uvicorn, which on SIGTERM or Ctrl-C (or when ``parent_pid`` is gone) first tells the engine to
+    drain, so that open streams end and the process exits, with code 0, within a few seconds."""
 
     def __init__(self, app: FastAPI, host: str, port: int, drain_s: float, parent_pid: int | None = None) -> None:
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
@@ -434,11 +477,20 @@ class Server(uvicorn.Server):
         self.engine: AsyncEngine = app.state.engine
         self.drain_s, self.parent_pid = drain_s, parent_pid
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.loop is not None and not self.should_exit:
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.engine.shutdown(self.drain_s)))
+            self.loop.call_soon_threadsafe(self._drain)
         super().handle_exit(sig, frame)
+
+    def _drain(self) -> None:
+        self.draining = self.loop.create_task(self.engine.shutdown(self.drain_s))
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # bound: say where (not before, when the port might be taken)
+            print(f"labkit serves {self.engine_name} on http://{self.config.host}:{self.config.port}", flush=True)
 
     async def serve(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -446,51 +498,69 @@ class Server(uvicorn.Server):
             threading.Thread(target=self._watch_parent, daemon=True).start()
         await super().serve(sockets)
 
+    async def _serve(self, sockets: Any = None) -> None:
+        await super()._serve(sockets)
+        # uvicorn raises the signal it handled again once it has shut down, so that the process
+        # dies of it; this server has drained and exits normally instead
+        getattr(self, "_captured_signals", []).clear()
+
     def _watch_parent(self) -> None:
         """Exit when the process that started this server is gone (a notebook's kernel restarted)."""
-        while _alive(self.parent_pid) and not self.should_exit:
+        while _alive(self.parent_pid):
+            if self.should_exit:
+                return
             time.sleep(0.5)
         self.handle_exit(signal.SIGTERM, None)
 
+    @property
+    def engine_name(self) -> str:
+        return repr(self.config.app.state.served.name)
+
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
         pass
-    return True
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m labkit.serve", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="target", help="a shipped checkpoint's name or a model folder")
-    parser.add_argument("--served-name", default=None, help="the model's name in the API (default: --model's)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("LABKIT_API_KEY"),
-                        help="bearer key /v1/ requests must carry (default: $LABKIT_API_KEY, or none)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: the best there is)")
-    parser.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks in the pool")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued before a 503")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--decode-kernel", choices=("none", "cpp", "triton"), default="none")
-    parser.add_argument("--drain", type=float, default=2.0, help="seconds running requests get on SIGTERM")
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser = argparse.ArgumentParser(prog="python -m labkit.serve", description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--model", default="target", help="a shipped checkpoint's name or a model folder (default: %(default)s)")
+    add("--served-name", help="the model's name in the API (when left out: the model's folder name)")
+    add("--host", default="127.0.0.1",
+        help="the address to listen on; 0.0.0.0 opens the server to the network (default: %(default)s)")
+    add("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
+    add("--api-key", help="the bearer key /v1/ requests must carry (when left out: $LABKIT_API_KEY if set, else none)")
+    add("--device", help="cpu or cuda (when left out: the best there is)")
+    add("--num-blocks", type=int, default=512, help="KV-cache blocks in the pool (default: %(default)s)")
+    add("--block-size", type=int, default=16, help="tokens per KV-cache block (default: %(default)s)")
+    add("--max-num-seqs", type=int, default=32, help="most sequences in a step's batch (default: %(default)s)")
+    add("--max-num-batched-tokens", type=int, default=512, help="most tokens in a step (default: %(default)s)")
+    add("--max-waiting", type=int, default=256,
+        help="requests queued beyond the batch before a 503 (default: %(default)s)")
+    add("--no-prefix-caching", action="store_true", help="recompute every prompt")
+    add("--decode-kernel", choices=("none", "cpp", "triton"), default="none",
+        help="decode attention: gather the blocks then SDPA, labkit's C++ operator, or Triton (default: %(default)s)")
+    add("--drain", type=float, default=2.0, help="seconds running requests get on SIGTERM (default: %(default)s)")
+    add("--parent-pid", type=int, help="exit when this process is gone")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine, served = build_engine(args)
-    app = create_app(engine, served, args.api_key, args.drain)
-    print(f"labkit serves {served.name!r} on http://{args.host}:{args.port}", flush=True)
-    Server(app, args.host, args.port, args.drain, args.parent_pid).run()
+    app = create_app(engine, served, args.api_key or os.environ.get("LABKIT_API_KEY"), args.drain)
+    try:
+        Server(app, args.host, args.port, args.drain, args.parent_pid).run()
+    except KeyboardInterrupt:  # a second Ctrl-C, while draining
+        return 130
     return 0
 
 

@@ -42,6 +42,8 @@ class EngineCollector:
             GaugeMetricFamily("labkit:kv_cache_usage_perc", "Fraction of KV-cache blocks used (0 to 1)", used),
             GaugeMetricFamily("labkit:prefix_cache_hit_rate", "Prompt tokens read from the prefix cache, of all "
                               "prompt tokens", s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0),
+            CounterMetricFamily("labkit:prompt_tokens", "Prompt tokens of the requests that got a first token",
+                                s.prompt_tokens),
             CounterMetricFamily("labkit:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                 s.prompt_tokens),
             CounterMetricFamily("labkit:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.cached_tokens),
@@ -57,14 +59,16 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats))
-        histogram = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)  # noqa: E731
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
         self.ttft = histogram("labkit:time_to_first_token_seconds", "Time to first token, from arrival")
         self.itl = histogram("labkit:inter_token_latency_seconds", "Time between two tokens of a request")
         self.e2e = histogram("labkit:e2e_request_latency_seconds", "Arrival to last token")
-        self.finished = Counter("labkit:request_success", "Requests finished, by reason", ["finished_reason"],
+        self.finished = Counter("labkit:request_success", "Requests ended, by reason: stop, length, abort (a "
+                                "client gone, or the server shutting down), error", ["finished_reason"],
                                 registry=self.registry)
-        self.prompt_tokens = Counter("labkit:prompt_tokens", "Prompt tokens of admitted requests",
-                                     registry=self.registry)
 
     def token(self, request: Request, event: TokenEvent, previous: float | None) -> None:
         """Record a token of ``request``; ``previous``: when its previous token came (None before
@@ -75,7 +79,7 @@ class ServerMetrics:
             self.itl.observe(event.time - previous)
 
     def finish(self, request: Request, reason: str, last_token: float | None) -> None:
-        """Record a request's end: why ("stop", "length", "abort"), and its latency if it had a token."""
+        """Record a request's end: why ("stop", "length", "abort", "error"), and its latency if it had a token."""
         self.finished.labels(reason).inc()
         if last_token is not None:
             self.e2e.observe(last_token - request.arrival_time)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import linecache
 
 from labkit import notebook
+from labkit.check import FAILED, run_cases
 from labkit.exercises import get
 
 
@@ -26,3 +27,22 @@ def define(source: str, name: str):
     namespace: dict = {}
     exec(compile(source, filename, "exec"), namespace)
     return namespace[name]
+
+
+def fails(ex_id: str, fn, case: str, hint: str):
+    """``fn`` fails ``ex_id`` first at the case whose label starts with ``case``, and the message holds ``hint``."""
+    result = run_cases(get(ex_id), fn)
+    assert result.status == FAILED, (ex_id, case, result.verdict())
+    first = result.message.split("case ", 1)[1]
+    assert first.split("(", 1)[1].startswith(case), (case, result.message)
+    assert hint in result.message, (hint, result.message)
+    return result
+
+
+def mistake(root, ex_id: str, right, wrong):
+    """The solution of ``ex_id`` with ``right`` replaced by ``wrong`` (or each of several, given as tuples)."""
+    source = cells("solutions", root)[ex_id]
+    for r, w in zip(*((right, wrong) if isinstance(right, tuple) else ((right,), (wrong,)))):
+        assert r in source, (ex_id, r)
+        source = source.replace(r, w)
+    return define(source, get(ex_id).function)

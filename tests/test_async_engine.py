@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import pytest
 import torch
 
-from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, TokenEvent
+from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream, TokenEvent
 from labkit.engine import ABORTED, WAITING, Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, stream
 from labkit.model import ModelConfig, Transformer
@@ -100,8 +100,12 @@ async def serving(engine: Engine, max_waiting: int = 256, gate: Gate | None = No
         await served.shutdown(0.0)
 
 
+async def read(stream: RequestStream) -> list[TokenEvent]:
+    return [event async for event in stream]
+
+
 async def collect(served: AsyncEngine, request: Request) -> list[TokenEvent]:
-    return [event async for event in served.stream(request)]
+    return await read(served.stream(request))
 
 
 def run(coroutine):
@@ -244,20 +248,17 @@ def test_the_event_loop_stays_responsive_while_the_engine_computes():
 
 
 def test_a_full_queue_raises_queue_full_until_it_drains():
-    engine = make_engine()
-    gate = gated(engine)
+    """A burst is counted as it arrives, before the engine thread has seen any of it: with one
+    sequence a batch and two waiting allowed, the fourth request of a burst is refused."""
+    engine = make_engine(max_num_seqs=1)
 
     async def scenario() -> list[list[TokenEvent]]:
-        async with serving(engine, max_waiting=2, gate=gate) as served:
-            first = asyncio.create_task(collect(served, Request("a", prompt(5, 4), params(3))))
-            await gate.step_began()  # the thread is held inside its first step: "a" counts as waiting
-            second = asyncio.create_task(collect(served, Request("b", prompt(6, 4), params(3))))
-            await asyncio.sleep(0)  # "b" admitted: two wait
+        async with serving(engine, max_waiting=2) as served:
+            burst = [served.stream(Request(name, prompt(5 + i, 4), params(3))) for i, name in enumerate("abc")]
             with pytest.raises(QueueFull, match="max_waiting=2"):
-                await anext(served.stream(Request("c", prompt(7, 4), params(3))))
-            gate.open()
-            done = await asyncio.gather(first, second)
-            return done + [await collect(served, Request("c", prompt(7, 4), params(3)))]
+                served.stream(Request("d", prompt(8, 4), params(3)))
+            done = await asyncio.gather(*(read(stream) for stream in burst))
+            return done + [await collect(served, Request("d", prompt(8, 4), params(3)))]
 
     assert all(len(events) == 3 and events[-1].finish_reason == "length" for events in run(scenario()))
     assert all_free(engine)
@@ -278,7 +279,7 @@ def test_shutdown_aborts_what_runs_and_a_stopped_engine_refuses_new_requests():
                 gate.open()
                 await served.shutdown(0.0)  # no drain: what runs is aborted
         with pytest.raises(EngineStopped, match="shutting down"):
-            await anext(served.stream(Request("late", prompt(9, 4), params(2))))
+            served.stream(Request("late", prompt(9, 4), params(2)))
         return events, served
 
     events, served = run(scenario())

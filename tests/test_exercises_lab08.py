@@ -5,27 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, run_cases
+from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
 from labkit.exercises import get
 from labkit.exercises.lab08 import compiled_whole
 
-from exercise_cells import cells, define
-
-
-def _fails(ex_id, fn, case, hint):
-    """``fn`` fails ``ex_id`` first at the case whose label starts with ``case``, and the message holds ``hint``."""
-    result = run_cases(get(ex_id), fn)
-    assert result.status == FAILED, (ex_id, case, result.verdict())
-    first = result.message.split("case ", 1)[1]
-    assert first.split("(", 1)[1].startswith(case), (case, result.message)
-    assert hint in result.message, (hint, result.message)
-    return result
-
-
-def _mistake(root, ex_id, right, wrong):
-    source = cells("solutions", root)[ex_id]
-    assert right in source, (ex_id, right)
-    return define(source.replace(right, wrong), get(ex_id).function)
+from exercise_cells import cells, define, fails, mistake
 
 
 def test_lab08_static_plan_mistakes_fail(root):
@@ -39,13 +23,13 @@ def test_lab08_static_plan_mistakes_fail(root):
         ("torch.arange(max_len,", "torch.arange(8,", "another max_len", "from max_len, the argument"),
     ]
     for right, wrong, case, hint in mistakes:
-        _fails("ex08.1", _mistake(root, "ex08.1", right, wrong), case, hint)
+        fails("ex08.1", mistake(root, "ex08.1", right, wrong), case, hint)
 
 
 def test_the_model_run_catches_padding_in_the_last_real_slot(root):
     """Through the model, padding written to slot max_len - 1 overwrites the key of a row's last token, written
     in the same step: the comparison with the contiguous cache sees it, whatever the value cases say."""
-    wrong = _mistake(root, "ex08.1", "positions, max_len)", "positions, max_len - 1)")
+    wrong = mistake(root, "ex08.1", "positions, max_len)", "positions, max_len - 1)")
     scenario = get("ex08.1").cases()[-1]
     with pytest.raises(AssertionError, match="row 0's token at position 7 gets other logits"):
         scenario.run(wrong)
@@ -79,11 +63,11 @@ def test_lab08_advance_mistakes_fail():
         return torch.tensor([p if d else p + 1 for p, d in zip(positions.tolist(), done)]), torch.tensor(done)
 
     compiles = "compiles whole"
-    _fails("ex08.2", item, compiles, "read into Python (.item(), .tolist()")
+    fails("ex08.2", item, compiles, "read into Python (.item(), .tolist()")
     assert "line" in run_cases(get("ex08.2"), item).message  # the line that stopped the capture
-    _fails("ex08.2", branch, compiles, "a Python if, while, and, or, or not decides on a tensor's value")
-    _fails("ex08.2", boolean_mask, compiles, "`positions[~finished] += 1`")
-    _fails("ex08.2", tolist, compiles, "read into Python")
+    fails("ex08.2", branch, compiles, "a Python if, while, and, or, or not decides on a tensor's value")
+    fails("ex08.2", boolean_mask, compiles, "`positions[~finished] += 1`")
+    fails("ex08.2", tolist, compiles, "read into Python")
 
     def old_finished(tokens, positions, finished, eos_id):  # moves a row that has just finished
         return torch.where(finished, positions, positions + 1), finished | (tokens == eos_id)
@@ -99,10 +83,10 @@ def test_lab08_advance_mistakes_fail():
     def fixed_eos(tokens, positions, finished, eos_id):
         finished = finished | (tokens == 2)
         return torch.where(finished, positions, positions + 1), finished
-    _fails("ex08.2", old_finished, "rows that produce eos", "use the updated finished")
-    _fails("ex08.2", replaced, "finished rows stay finished", "do not replace it")
-    _fails("ex08.2", in_place, "finished rows stay finished", "changed its argument finished in place")
-    _fails("ex08.2", fixed_eos, "eos_id is an argument", "compare with eos_id")
+    fails("ex08.2", old_finished, "rows that produce eos", "use the updated finished")
+    fails("ex08.2", replaced, "finished rows stay finished", "do not replace it")
+    fails("ex08.2", in_place, "finished rows stay finished", "changed its argument finished in place")
+    fails("ex08.2", fixed_eos, "eos_id is an argument", "compare with eos_id")
 
 
 def test_the_compile_check_sees_a_function_fixed_since_and_repeats_its_verdict():
@@ -149,6 +133,6 @@ def test_lab08_pad_batch_mistakes_fail():
          "raise ValueError"),
     ]
     for fn, case, hint in mistakes:
-        _fails("ex08.3", fn, case, hint)
+        fails("ex08.3", fn, case, hint)
     assert run_cases(get("ex08.3"), lambda t, p, s: pad(t, p, smallest(t.shape[0], s)) if [
         b for b in s if b >= t.shape[0]] else (_ for _ in ()).throw(ValueError("none fits"))).status == PASSED

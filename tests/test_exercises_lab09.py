@@ -8,36 +8,17 @@ import time
 import numpy as np
 import pytest
 
-from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, run_cases
+from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
 from labkit.exercises import get, lab09
 from labkit.exercises.lab09 import FakeEngine
 
-from exercise_cells import cells, define
+from exercise_cells import cells, define, fails, mistake
 
 
 @pytest.fixture
 def quick(monkeypatch):
     """Scenarios of ex09.4 that hang give up after 0.2 s instead of 1 s."""
     monkeypatch.setattr(lab09, "SCENARIO_LIMIT_S", 0.2)
-
-
-def _fails(ex_id, fn, case, hint):
-    """``fn`` fails ``ex_id`` first at the case whose label starts with ``case``, and the message holds ``hint``."""
-    result = run_cases(get(ex_id), fn)
-    assert result.status == FAILED, (ex_id, case, result.verdict())
-    first = result.message.split("case ", 1)[1]
-    assert first.split("(", 1)[1].startswith(case), (case, result.message)
-    assert hint in result.message, (hint, result.message)
-    return result
-
-
-def _mistake(root, ex_id, right, wrong):
-    """The solution with ``right`` replaced by ``wrong`` (or each of several, given as tuples)."""
-    source = cells("solutions", root)[ex_id]
-    for r, w in zip(*((right, wrong) if isinstance(right, tuple) else ((right,), (wrong,)))):
-        assert r in source, (ex_id, r)
-        source = source.replace(r, w)
-    return define(source, get(ex_id).function)
 
 
 def test_lab09_parse_stream_mistakes_fail(root):
@@ -71,13 +52,13 @@ def test_lab09_parse_stream_mistakes_fail(root):
          "with usage", "raised IndexError"),
     ]
     for right, wrong, case, hint in mistakes:
-        _fails("ex09.1", _mistake(root, "ex09.1", right, wrong), case, hint)
+        fails("ex09.1", mistake(root, "ex09.1", right, wrong), case, hint)
 
 
 def test_a_parser_that_decodes_each_chunk_fails_on_a_character_cut_between_chunks(root):
     solution = define(cells("solutions", root)["ex09.1"], "parse_stream")
     per_chunk = lambda chunks: solution([c.decode() if isinstance(c, bytes) else c for c in chunks])  # noqa: E731
-    _fails("ex09.1", per_chunk, "bytes, a chunk cut inside a UTF-8 character", "decode whole lines")
+    fails("ex09.1", per_chunk, "bytes, a chunk cut inside a UTF-8 character", "decode whole lines")
 
 
 def test_lab09_stream_text_mistakes_fail(root):
@@ -96,8 +77,8 @@ def test_lab09_stream_text_mistakes_fail(root):
                 pending = pending[error.start:]
         return pieces + [pending.decode(errors="replace")]
 
-    _fails("ex09.2", each_alone, "an accent cut between two tokens", "never emit U+FFFD")
-    _fails("ex09.2", up_to_the_error, "invalid bytes never become a character", "become U+FFFD at once")
+    fails("ex09.2", each_alone, "an accent cut between two tokens", "never emit U+FFFD")
+    fails("ex09.2", up_to_the_error, "invalid bytes never become a character", "become U+FFFD at once")
     mistakes = [
         ("ready = len(pending) - incomplete(pending)", "ready = 0", "ASCII", "nothing is held back"),
         ('pieces.append(pending.decode("utf-8", errors="replace"))  #', 'pieces.append("")  #',
@@ -110,7 +91,7 @@ def test_lab09_stream_text_mistakes_fail(root):
          "invalid bytes never become a character", "become U+FFFD at once"),
     ]
     for right, wrong, case, hint in mistakes:
-        _fails("ex09.2", _mistake(root, "ex09.2", right, wrong), case, hint)
+        fails("ex09.2", mistake(root, "ex09.2", right, wrong), case, hint)
 
 
 def test_the_pieces_expected_are_the_whole_decode_and_emitted_early():
@@ -139,7 +120,7 @@ def test_lab09_serving_metrics_mistakes_fail(root):
          "count it as meeting the TPOT limit"),
     ]
     for right, wrong, case, hint in mistakes:
-        _fails("ex09.3", _mistake(root, "ex09.3", right, wrong), case, hint)
+        fails("ex09.3", mistake(root, "ex09.3", right, wrong), case, hint)
 
 
 def test_the_figures_worked_out_by_hand_are_numpys():
@@ -213,7 +194,7 @@ def test_lab09_router_mistakes_fail(root, quick):
          "one request of three tokens", "run() had not returned"),
     ]
     for right, wrong, case, hint in mistakes:
-        result = _fails("ex09.4", _mistake(root, "ex09.4", right, wrong), case, hint)
+        result = fails("ex09.4", mistake(root, "ex09.4", right, wrong), case, hint)
         assert "hint:" in result.message, result.message
 
 
@@ -236,14 +217,14 @@ def test_a_router_with_one_queue_for_all_requests_fails():
         def abort(self, request_id):
             self.engine.abort(request_id)
             self.queue.put_nowait(None)
-    _fails("ex09.4", OneQueue, "three requests", "each request needs a queue of its own")
+    fails("ex09.4", OneQueue, "three requests", "each request needs a queue of its own")
 
 
 def test_a_router_that_never_awaits_is_stopped_and_fails(root, quick):
-    spins = _mistake(root, "ex09.4", "while self.engine.has_unfinished():\n",
+    spins = mistake(root, "ex09.4", "while self.engine.has_unfinished():\n",
                      "while True:\n            if not self.engine.has_unfinished():\n                continue\n")
     start = time.perf_counter()
-    result = _fails("ex09.4", spins, "one request of three tokens", "without giving the event loop a turn")
+    result = fails("ex09.4", spins, "one request of three tokens", "without giving the event loop a turn")
     assert time.perf_counter() - start < 6 * (3 * lab09.SCENARIO_LIMIT_S + 1), result.message
     assert run_cases(get("ex09.4"), define(_router(root), "StreamRouter")).status == PASSED  # no thread left behind
 

@@ -23,6 +23,7 @@ from labkit.loadgen import (PROMPT_LINES, RequestRecord, SSEParser, completion_b
                             main, output_lengths, poisson_arrivals, run_load, send_request, summarize, system_prompt)
 
 TOKEN_DELAY_S = 0.004
+LINGER_S = 0.1  # how long prompt "linger" waits after its last token event, before [DONE] and after it
 
 
 def token_text(i: int) -> str:
@@ -46,8 +47,10 @@ class FakeServer:
 
     def app(self) -> FastAPI:
         """/v1/completions: prompt "bad" gets a 400, "busy" a 503, "drop" a connection broken after
-        three tokens, "nodone" a stream without [DONE]; any other prompt max_tokens tokens, one
-        every TOKEN_DELAY_S, some events split across two writes, the last two events in one."""
+        three tokens, "nodone" a stream without [DONE], "abort" a stream whose last token has the
+        finish reason "abort", "linger" a stream that waits LINGER_S after its last token event and
+        again after [DONE]; any other prompt max_tokens tokens, one every TOKEN_DELAY_S, some
+        events split across two writes, the last two events in one."""
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -80,8 +83,9 @@ class FakeServer:
                 await asyncio.sleep(TOKEN_DELAY_S)
                 if prompt == "drop" and i == 3:
                     raise RuntimeError("the fake server breaks the connection")
+                reason = "abort" if prompt == "abort" else "length"
                 event = sse({"choices": [{"index": 0, "text": token_text(i),
-                                          "finish_reason": "length" if i == n - 1 else None}]})
+                                          "finish_reason": reason if i == n - 1 else None}]})
                 if i % 3 == 1:  # split mid-line, the halves written apart
                     yield event[:9]
                     await asyncio.sleep(0.001)
@@ -90,8 +94,12 @@ class FakeServer:
                     yield event
         finally:
             self.in_flight -= 1  # before [DONE]: a client that saw it finds the count down
+        if prompt == "linger":
+            await asyncio.sleep(LINGER_S)
         if prompt != "nodone":
             yield (sse({"choices": [], "usage": usage}) if usage else b"") + sse("[DONE]")
+        if prompt == "linger":
+            await asyncio.sleep(LINGER_S)
 
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -173,18 +181,35 @@ def test_streamed_and_plain_records(server):
             assert r.token_times[-1] - r.token_times[0] >= 0.8 * (n - 1) * TOKEN_DELAY_S
 
 
+def test_a_reply_is_whole_at_its_last_token_event(server):
+    url, _ = server
+    bodies = completion_bodies(["linger"], [3]) + completion_bodies(["linger"], [3], stream=False)
+    streamed, plain = load(url, bodies, concurrency=2).records
+    assert streamed.error is None and len(streamed.token_times) == 3
+    assert streamed.finish_time == streamed.token_times[-1]  # not [DONE], LINGER_S later, nor the close
+    assert streamed.finish_time - streamed.send_time < LINGER_S
+    metrics = summarize([streamed], 1.0)
+    assert metrics["mean_e2e_ms"] == pytest.approx((streamed.token_times[-1] - streamed.send_time) * 1e3)
+    assert plain.error is None and plain.finish_time > plain.send_time and not plain.token_times
+
+
 def test_failures_are_recorded_not_raised_nor_retried(server):
     url, fake = server
-    bodies = completion_bodies(["bad", "busy", "drop", "nodone", "fine"], [4, 4, 8, 4, 4])
+    bodies = completion_bodies(["bad", "busy", "drop", "nodone", "abort", "empty", "fine"], [4, 4, 8, 4, 3, 0, 4])
     records = load(url, bodies, concurrency=2).records
     assert records[0].error == "HTTP 400: max_tokens=0 must be >= 1"
     assert records[1].error == "HTTP 503: the waiting queue is full (2 requests): retry later"
     assert records[2].error.startswith("connection failed: RemoteProtocolError") and len(records[2].token_times) == 3
     assert records[3].error == "the stream ended before data: [DONE] after 4 tokens"
-    assert records[4].error is None
-    assert all(fake.prompts[p] == 1 for p in ("bad", "busy", "drop", "nodone"))  # each sent once
+    assert records[4].error == "aborted by the server after 3 tokens" and records[4].finish_reason == "abort"
+    assert records[5].error == "the stream ended at data: [DONE] without a token event"
+    assert records[6].error is None
+    assert all(fake.prompts[p] == 1 for p in ("bad", "busy", "drop", "nodone", "abort", "empty"))  # each sent once
     assert all(r.finish_time >= r.send_time for r in records)
-    records = load(unserved_url(), bodies[4:], concurrency=1).records
+    summary = summarize(records, 1.0)
+    assert summary["completed"] == 1 and summary["failed"] == 6
+    assert summary["errors"]["aborted by the server after 3 tokens"] == 1
+    records = load(unserved_url(), bodies[-1:], concurrency=1).records
     assert records[0].error.startswith("connection failed: ConnectError")
 
 
@@ -299,6 +324,17 @@ def test_summarize_by_hand():
         assert text in report
 
 
+def test_tpot_counts_the_servers_tokens_not_its_events():
+    merged = RequestRecord(0, 0.0, [0.1, 0.3], 0.3, 2, 5)  # 5 tokens in 2 events: TPOT (300 - 100) / 4
+    no_usage = RequestRecord(1, 0.0, [0.1, 0.2, 0.4], 0.4, None, 3)  # one token per event: TPOT 300 / 2
+    plain = RequestRecord(2, 0.0, [], 0.5, 2, 6)  # not streamed: no TPOT
+    summary = summarize([merged, no_usage, plain], 1.0)
+    assert summary["mean_tpot_ms"] == pytest.approx((50 + 150) / 2)
+    assert summary["mean_itl_ms"] == pytest.approx((200 + 100 + 200) / 3)  # the gaps between events
+    assert summary["mean_e2e_ms"] == pytest.approx(400)
+    assert summarize([merged], 1.0, slo_tpot_ms=60)["goodput"] == 1  # 50 ms per token, though 200 ms per event
+
+
 def test_summarize_a_run_that_failed_or_lacks_usage():
     summary = summarize(synthetic_run()[3:4], duration_s=1.0)
     assert summary["completed"] == 0 and summary["goodput"] == 0 and summary["mean_ttft_ms"] != summary["mean_ttft_ms"]
@@ -325,5 +361,12 @@ def test_command_line_end_to_end(server, tmp_path, capsys):
     assert [r["output_tokens"] for r in saved["records"]] == output_lengths(6, 2, 5, seed=8)
     prompts = corpus_prompts(6, seed=7, shared_prefix=system_prompt(200))
     assert all(fake.prompts[p] == prompts.count(p) for p in prompts)
-    assert main([unserved_url(), "--requests", "1", "--rate", "1"]) == 1
+    failed = tmp_path / "failed.json"
+    assert main([unserved_url(), "--requests", "1", "--rate", "1", "--json", str(failed)]) == 1
     assert "0 completed, 1 failed" in capsys.readouterr().out
+
+    def no_nan(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    saved = json.loads(failed.read_text(), parse_constant=no_nan)  # strict JSON: no NaN nor Infinity
+    assert saved["summary"]["mean_ttft_ms"] is None and saved["summary"]["failed"] == 1

@@ -352,6 +352,67 @@ def test_clients_that_hang_up_abort_their_requests_and_the_others_complete(http,
     assert metric(text, ABORTED) - aborted_before == len(hang_up)
 
 
+def test_a_stop_string_cuts_the_text_ends_the_request_and_frees_its_blocks(http, target, target_model):
+    """The text ends right before the stop string, streamed or not; the request is counted once,
+    as "stop", and its blocks come back at once."""
+    model, tokenizer = target_model
+    ids = tokenizer.encode("def add(a, b):").ids
+    full = tokenizer.decode(list(stream(model, ids, SamplingParams(max_new_tokens=40, temperature=0.0),
+                                        eos_id=eos_id_of(tokenizer))))
+    stop = full.strip()[:3]  # a string the greedy text holds after its first characters
+    cut = full[:full.index(stop)]
+    stopped_before = metric(settled_metrics(http, target.url), 'labkit:request_success_total{finished_reason="stop"}')
+    body = {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop, "never seen"]}
+    whole = post(http, target, body).json()
+    assert (whole["choices"][0]["text"], whole["choices"][0]["finish_reason"]) == (cut, "stop")
+
+    async def read_one() -> Stream:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            return await read_stream(client, target.url, body | {"stream": True})
+
+    streamed = run(read_one())
+    assert "".join(streamed.texts) == cut and streamed.done
+    text = settled_metrics(http, target.url)
+    assert_idle(text)
+    assert metric(text, 'labkit:request_success_total{finished_reason="stop"}') - stopped_before == 2
+
+
+def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tiny_folder):
+    """In process (no HTTP server): a step that raises fails the requests it held with a 500 in
+    OpenAI's shape (streamed: an error event, then [DONE]); the engine goes on serving."""
+    from labkit.async_engine import AsyncEngine
+    from labkit.serve import ServedModel, create_app
+
+    model, tokenizer = labkit.load(str(tiny_folder), device="cpu")
+    engine = Engine(model, 64, 16, SchedulerConfig(max_num_seqs=4))
+    served = ServedModel("tiny", tokenizer, model.config.vocab_size, model.config.max_seq_len)
+    execute, failures = engine.runner.execute, []
+
+    def failing_once(batch):
+        if not failures:
+            failures.append(batch)
+            raise RuntimeError("a kernel crashed")
+        return execute(batch)
+
+    async def scenario() -> list[httpx.Response]:
+        async_engine = AsyncEngine(engine)
+        engine.runner.execute = failing_once
+        transport = httpx.ASGITransport(app=create_app(async_engine, served))
+        body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://labkit", timeout=TIMEOUT) as client:
+                return [await client.post("/v1/completions", json=b) for b in (body, body | {"stream": True}, body)]
+        finally:
+            await async_engine.shutdown(0.0)
+
+    failed, streamed, served_after = run(scenario())
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error"
+    assert "a kernel crashed" in failed.json()["error"]["message"]
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")  # the second fails, or not
+    assert served_after.status_code == 200 and served_after.json()["usage"]["completion_tokens"] == 4
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
 def test_a_client_gone_before_its_answer_aborts_the_request_streamed_or_not(http, target, jobs):
     """A non-streamed request has no stream to cancel: the server checks that its client is still
     there; a streamed one whose client leaves before its first token is cancelled by Starlette."""
@@ -364,7 +425,7 @@ def test_a_client_gone_before_its_answer_aborts_the_request_streamed_or_not(http
     text = settled_metrics(http, target.url, lambda text: metric(text, ABORTED) >= aborted_before + 2)
     assert_idle(text)
     assert metric(text, ABORTED) - aborted_before == 2
-    assert metric(text, "labkit:e2e_request_latency_seconds_count") < 1000  # sanity: the metric exists
+    assert metric(text, "labkit:e2e_request_latency_seconds_count") > 0
 
 
 def vm_rss_kb(pid: int) -> int:
