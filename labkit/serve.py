@@ -349,7 +349,7 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
 
     # a dependency of each /v1/ route, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
     # connection so that a route can no longer see its client disconnect
-    def check_key(request: HTTPRequest) -> None:
+    async def check_key(request: HTTPRequest) -> None:  # async: a plain def would take a worker thread
         given = request.headers.get("authorization", "")
         if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise APIError("a valid API key is needed: send the header 'Authorization: Bearer <key>'",
