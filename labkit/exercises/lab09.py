@@ -227,8 +227,8 @@ class FakeEngine:
         self.waiting.append(_FakeRequest(request_id, first, n_tokens))
 
     def abort(self, request_id: str) -> bool:
-        """Remove a request, waiting or running; whether there was one (as ``Engine.abort``, an unknown id is
-        no error)."""
+        """Remove a request, waiting or running; whether there was one (as with the engine's
+        ``Scheduler.abort``, an unknown id is no error)."""
         for queue in (self.waiting, self.running):
             for request in queue:
                 if request.request_id == request_id:
