@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Hashable
 
-from labkit.engine import EngineCore, Request
+from labkit.engine import EngineCore, Request, stopped_at_eos
 
 
 @dataclass(frozen=True)
@@ -266,17 +266,13 @@ class AsyncEngine:
             new += len(request.output) - live.sent
             for i in range(live.sent, len(request.output)):
                 last = i == len(request.output) - 1 and request.finish_time is not None
-                reason = self._finish_reason(request) if last else None
+                reason = ("stop" if stopped_at_eos(request, self.engine.eos_id) else "length") if last else None
                 event = TokenEvent(request.output[i], request.token_times[i], reason)
                 outbox.setdefault(live.loop, []).append((live.sink, event))
             live.sent = len(request.output)
             if request.finish_time is not None:
                 del self._live[request_id]
         return first, new, outbox
-
-    def _finish_reason(self, request: Request) -> str:
-        eos = self.engine.eos_id
-        return "stop" if request.params.stop_at_eos and eos is not None and request.output[-1] == eos else "length"
 
     def _send(self, live: _Live, item: TokenEvent | BaseException) -> None:
         _post(live.loop, [(live.sink, item)])

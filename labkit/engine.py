@@ -332,10 +332,14 @@ def check_unique_ids(requests: Sequence[Request]) -> None:
         seen.add(request.request_id)
 
 
+def stopped_at_eos(request: Request, eos_id: int | None) -> bool:
+    """Whether the request's newest token is EOS and the request stops there."""
+    return request.params.stop_at_eos and eos_id is not None and request.output[-1] == eos_id
+
+
 def is_finished(request: Request, eos_id: int | None) -> bool:
     """Whether the request's newest token ends it: EOS (if it stops there), or its length."""
-    stopped = request.params.stop_at_eos and eos_id is not None and request.output[-1] == eos_id
-    return stopped or len(request.output) >= request.params.max_new_tokens
+    return stopped_at_eos(request, eos_id) or len(request.output) >= request.params.max_new_tokens
 
 
 class Runner(Protocol):

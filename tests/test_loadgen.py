@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from labkit.background import free_port
 from labkit.corpus import functions
 from labkit.loadgen import (PROMPT_LINES, RequestRecord, SSEParser, completion_bodies, corpus_prompts, format_report,
                             main, output_lengths, poisson_arrivals, run_load, send_request, summarize, system_prompt)
@@ -133,9 +134,7 @@ def load(url: str, bodies: list[dict], **kwargs):
 
 def unserved_url() -> str:
     """The URL of a port of 127.0.0.1 that nothing listens on (it was free a moment ago)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 # ---------------------------------------------------------------- server-sent events
