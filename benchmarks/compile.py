@@ -61,8 +61,16 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     return {"steps": steps, "compile_s": getattr(compiled, "compile_s", float("nan"))}
 
 
-MATMUL_NAMES = ("aten::mm", "aten::addmm", "aten::bmm", "gemm", "nvjet", "cutlass")
-ATTENTION_NAMES = ("scaled_dot_product", "flash", "sdpa", "fmha")
+# what each profiler row is, by its name, the first kind that matches: attention first, because
+# some attention kernels carry a matmul library's name too (fmha_cutlassF_...)
+KINDS = {"attention": ("scaled_dot_product", "flash", "sdpa", "fmha"),
+         "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "gemm", "gemv", "nvjet", "cutlass", "xmma"),
+         "guards": ("TorchDynamo Cache Lookup",), "generated": ("CompiledFxGraph",)}
+
+
+def kind_of(name: str) -> str:
+    """The kind of a profiler row (a ``KINDS`` key), or "rest"."""
+    return next((kind for kind, names in KINDS.items() if any(n in name for n in names)), "rest")
 
 
 def profile_split(steps: dict, device: torch.device, calls: int = 50) -> None:
@@ -79,13 +87,11 @@ def profile_split(steps: dict, device: torch.device, calls: int = 50) -> None:
             for _ in range(calls):
                 step()
             synchronize(device)
-        rows = [(a.key, a.self_device_time_total if gpu else a.self_cpu_time_total) for a in prof.key_averages()]
-        share = lambda names: sum(t for k, t in rows if any(n in k for n in names)) / calls / 1e3
-        total = sum(t for _, t in rows) / calls / 1e3
-        split = {"matmul": share(MATMUL_NAMES), "attention": share(ATTENTION_NAMES),
-                 "guards": share(("TorchDynamo Cache Lookup",)), "generated": share(("CompiledFxGraph",))}
-        print(f"  {label:<18}{'GPU busy' if gpu else 'CPU'} {total:.3f} ms per step: " +
-              ", ".join(f"{k} {v:.3f}" for k, v in split.items() if v) + f", rest {total - sum(split.values()):.3f}")
+        split = dict.fromkeys([*KINDS, "rest"], 0.0)
+        for row in prof.key_averages():
+            split[kind_of(row.key)] += (row.self_device_time_total if gpu else row.self_cpu_time_total) / calls / 1e3
+        print(f"  {label:<18}{'GPU busy' if gpu else 'CPU'} {sum(split.values()):.3f} ms per step: " +
+              ", ".join(f"{k} {v:.3f}" for k, v in split.items() if v or k == "rest"))
 
 
 def reference_bandwidth(device: torch.device, step_bytes: float) -> tuple[float, str]:

@@ -88,13 +88,26 @@ class Timing:
         if not self.noisy:
             return ""
         return (f"{self.label}: the spread is large (IQR {self.spread_s / self.median_s:.0%} of the median), so the "
-                "median is not a reliable time: other programs were probably using the CPU. Close what you can "
-                "and rerun; meanwhile the minimum, the least disturbed run, is the better estimate.")
+                f"median is not a reliable time: {_disturbance(self.device)}. Rerun it; meanwhile the minimum, the "
+                "least disturbed run, is the better estimate.")
 
     def __str__(self) -> str:
         line = (f"{self.label}: median {format_seconds(self.median_s)} (min {format_seconds(self.min_s)}, "
                 f"IQR {format_seconds(self.spread_s)}, n={len(self.times_s)}) on {self.device}")
         return line + (f"\n  warning: {self.warning}" if self.noisy else "")
+
+
+def _accelerated(device: str) -> bool:
+    """Whether a timing's device (as ``device_name`` writes it) is a GPU: its time is launched from the CPU."""
+    return device.startswith(("cuda", "mps"))
+
+
+def _disturbance(device: str) -> str:
+    """What most likely disturbed a timing on ``device``, in plain words."""
+    if _accelerated(device):
+        return ("the CPU thread that launches the GPU's work was held up (by other programs, or by Python itself), "
+                "or the GPU changed its clock speed")
+    return "other programs were probably using the CPU; close what you can"
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,9 @@ def trust(expectations: Mapping[str, bool], timings: Sequence[Timing] = ()) -> b
         return True
     noisy = [t.label for t in timings if t.noisy]
     busy = (f" The timings of {', '.join(noisy)} spread widely: the machine was busy." if noisy else "")
-    print("WARNING: this measurement is not trustworthy: rerun it (close other programs first)." + busy)
+    on_cpu = not any(_accelerated(t.device) for t in timings)
+    print(f"WARNING: this measurement is not trustworthy: rerun it{' (close other programs first)' if on_cpu else ''}."
+          + busy)
     for claim in failed:
         print(f"  should hold, but the measurement says otherwise: {claim}")
     return False

@@ -57,7 +57,8 @@ _compiled: dict[tuple, Callable] = {}
 
 def _compiled_decode(model: Transformer, cache: StaticKVCache) -> Callable:
     mode = mode_for(model.device)
-    key = (mode, model.config, model.dtype, str(model.device), cache.batch_size, cache.max_len)
+    # the config's repr, not the config: a Llama-3 config holds a dict (rope_scaling), which does not hash
+    key = (mode, repr(model.config), model.dtype, str(model.device), cache.batch_size, cache.max_len)
     if key not in _compiled:
         fresh = types.FunctionType(_decode.__code__.replace(), _decode.__globals__, _decode.__name__)
         _compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, mode=mode)

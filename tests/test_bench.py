@@ -150,6 +150,9 @@ def test_a_timing_reports_its_minimum_and_warns_when_its_spread_is_large():
     busy = Timing("busy", "cpu", (1.0, 1.0, 1.6, 2.4, 1.1, 3.0))  # one-sided: a busy machine only adds time
     assert busy.noisy and "median is not a reliable time" in busy.warning and "minimum" in busy.warning
     assert f"warning: {busy.warning}" in str(busy)
+    assert "other programs" in busy.warning and "launches" not in busy.warning
+    on_gpu = Timing("busy", "cuda:0 (NVIDIA H100 80GB HBM3)", busy.times_s)
+    assert "launches the GPU's work" in on_gpu.warning and "close what you can" not in on_gpu.warning
     assert "2.00x by the minima" in str(Comparison(Timing("a", "cpu", (2.0, 4.0, 3.0)), busy))
 
 

@@ -1,6 +1,8 @@
 """Compiled and CUDA-graphed decode steps: the same logits and tokens as eager, or a clear refusal."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,6 +42,15 @@ def test_each_set_of_shapes_gets_a_compiled_function_of_its_own(model):
         return compiling._compiled_decode(model, StaticKVCache(CONFIG, batch, length))
     assert function_for(1, 256) is function_for(1, 256)
     assert len({id(function_for(b, n)) for b in (1, 2) for n in (256, 512)}) == 4
+
+
+def test_a_llama3_config_with_rope_scaling_gets_its_compiled_function():
+    """Llama-3's rope_scaling is a dict: the compiled functions' key must still hash."""
+    config = dataclasses.replace(CONFIG, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 128})
+    llama3 = Transformer(config).eval()
+    function = compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256))
+    assert function is compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256))
 
 
 def test_compiled_generation_is_the_eager_generation(model):
