@@ -286,3 +286,11 @@ def test_in_vs_code_the_notebook_it_names_is_graded(tmp_path, monkeypatch):
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"user_ns": {"__vsc_ipynb_file__": str(mine)}}))
     assert this_notebook("00_welcome.ipynb") == mine
+
+
+def test_a_notebook_number_may_carry_a_letter():
+    """A second notebook of one lab (06b, after 06) is a lab of its own to the grader."""
+    from labkit.grade import lab_of_name
+    assert lab_of_name("03_paged-Copy1.ipynb") == "03"
+    assert lab_of_name("06b_fast_quantized_decode.ipynb") == "06b"
+    assert lab_of_name("notes.ipynb") is None and lab_of_name("6_x.ipynb") is None

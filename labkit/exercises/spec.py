@@ -87,8 +87,8 @@ class Exercise:
 
     @property
     def lab(self) -> str:
-        """The notebook number this exercise belongs to: ``ex03.2`` -> ``03``."""
-        return self.id[2:4]
+        """The notebook this exercise belongs to: ``ex03.2`` -> ``03``, ``ex06b.1`` -> ``06b``."""
+        return self.id[2:].split(".")[0]
 
 
 def _numbers_of_scalars(got: Any, expected: Any) -> Any:
