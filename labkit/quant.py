@@ -277,18 +277,22 @@ def quantize_model(model: Transformer, scheme: Scheme = Scheme(), method: str = 
                    calibration: Tensor | None = None, head: bool = False) -> Transformer:
     """A copy of ``model`` whose blocks' Linear layers are QuantLinear (and the LM head too if
     ``head``; a tied embedding then reads the same quantized table). ``method`` is ``"rtn"``
-    (round to nearest) or ``"gptq"``, which needs ``calibration`` token ids ``[n, length]``."""
-    if method not in ("rtn", "gptq"):
-        raise ValueError(f"method={method!r}: choose 'rtn' or 'gptq'")
-    if method == "gptq" and (calibration is None or calibration.dim() != 2):
-        raise ValueError("GPTQ needs calibration token ids shaped [n, length]")
+    (round to nearest), ``"gptq"`` or ``"awq"`` (``labkit.awq``'s scales folded into the blocks,
+    then round to nearest; a quantized head is rounded unscaled); the last two need ``calibration`` token ids ``[n, length]``."""
+    if method not in ("rtn", "gptq", "awq"):
+        raise ValueError(f"method={method!r}: choose 'rtn', 'gptq' or 'awq'")
+    if method != "rtn" and (calibration is None or calibration.dim() != 2):
+        raise ValueError(f"{method.upper()} needs calibration token ids shaped [n, length]")
     tied = model.lm_head.weight is model.embed.weight
     quantized = copy.deepcopy(model)
-    if method == "rtn":
+    if method == "gptq":
+        _calibrate_gptq(quantized, calibration, scheme, head)
+    else:
+        if method == "awq":
+            from labkit.awq import scale_model  # labkit.awq builds on this module's quantize
+            scale_model(quantized, calibration, scheme)
         for parent, name in _targets(quantized, head):
             setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), scheme))
-    else:
-        _calibrate_gptq(quantized, calibration, scheme, head)
     if head and tied:
         quantized.embed = QuantEmbedding(quantized.lm_head)
     return quantized

@@ -14,6 +14,8 @@ from labkit.exercises import EXERCISES, for_lab, get
 from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, table, this_notebook,
                           write_reports)
 
+from exercise_cells import solutions_with_pending
+
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
 BROKEN_EX1 = {
     "loops": "def matmul_intensity(m, n, k, b=2):\n    while True:\n        pass\n",
@@ -50,12 +52,13 @@ def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00
     notebook.write(nb, folder / student / name)
 
 
-def test_solutions_score_full_points_and_stubs_zero(root):
-    # Every lab's solutions go through the grader (setup cells, a fresh process, the time limit).
+def test_solutions_score_full_points_and_stubs_zero(root, tmp_path):
+    # Every lab's solutions go through the grader (setup cells, a fresh process, the time limit),
+    # those of a notebook not written yet from its cells in tests/pending_cells/.
     # Of the stubs, lab 00's do: a stub's setup cells are its solution's (labkit.release changes
     # only the solution regions), and tests/test_exercises.py checks that every released stub,
     # of every lab, scores nothing.
-    book = grade([root / "solutions", root / "notebooks" / "00_welcome.ipynb"])
+    book = grade([solutions_with_pending(root, tmp_path / "solutions"), root / "notebooks" / "00_welcome.ipynb"])
     assert set(book["solutions"]) == set(book["notebooks"]) == set(EXERCISES)
     assert {r.status for r in book["solutions"].values()} == {"passed"}
     stubs = {ex_id: r for ex_id, r in book["notebooks"].items() if get(ex_id).lab == "00"}

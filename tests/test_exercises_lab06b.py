@@ -1,0 +1,135 @@
+"""Exercises of notebook 06b: the solutions pass (and other right answers: fp16 weights, float64 arithmetic), stubs
+score nothing, plausible mistakes fail at the case that tests them with a hint that helps, and the cases hold
+what their labels promise. The solutions are the cells in tests/pending_cells/ until the notebook is written."""
+from __future__ import annotations
+
+import torch
+
+from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
+from labkit.exercises import get, lab06b
+
+from exercise_cells import cells, define, fails, mistake
+
+
+def _solution(root, ex_id):
+    return define(cells("solutions", root)[ex_id], get(ex_id).function)
+
+
+def test_lab06b_solutions_pass_and_stubs_are_not_attempted(root):
+    for ex_id in ("ex06b.1", "ex06b.2", "ex06b.3"):
+        assert run_cases(get(ex_id), _solution(root, ex_id)).status == PASSED, ex_id
+
+        def stub(*args, **kwargs):
+            raise NotImplementedError("replace this line with your code")
+        result = run_cases(get(ex_id), stub)
+        assert result.status == NOT_ATTEMPTED and result.points == 0, result.verdict()
+
+
+def test_lab06b_int4_row_dot_mistakes_fail(root):
+    mistakes = [  # (what the solution says, the slip, the case it fails first, what the message must say)
+        ("(2 * j, byte & 0x0F), (2 * j + 1, byte >> 4)", "(2 * j, byte >> 4), (2 * j + 1, byte & 0x0F)",
+         "four codes by hand", "column 0's code (5) in its low 4 bits"),
+        ("(code - zeros[group])", "code", "one group of 64", "never left out"),
+        ("(code - zeros[group]) * scales[group]", "(code * scales[group] - zeros[group])", "one group of 64",
+         "code * scale - zero is wrong"),
+        ("group = column // group_size", "group = j // group_size", "g32, 128 columns",
+         "byte j // group_size is the group of the wrong columns"),
+        ("enumerate(packed_row.tolist())", "enumerate(packed_row)", "g128 symmetric",  # uint8 codes minus 8 wrap
+         "in uint8 arithmetic 3 - 8 is 251"),
+        ("zeros = [8] * len(scales) if zeros_row is None else", "zeros =", "g128 symmetric", "every zero point is 8"),
+    ]
+    for right, wrong, case, hint in mistakes:
+        fails("ex06b.1", mistake(root, "ex06b.1", right, wrong), case, hint)
+
+
+def test_a_vectorised_int4_row_dot_with_fp16_weights_passes():
+    """What a GPU kernel does: the weights made in fp16, the products summed in fp32."""
+    def int4_row_dot(packed_row, scales_row, zeros_row, x, group_size):
+        codes = torch.stack([packed_row & 0x0F, packed_row >> 4], -1).flatten().half()
+        zeros = torch.full_like(scales_row, 8) if zeros_row is None else zeros_row
+        group = torch.arange(len(codes)) // group_size
+        return ((codes - zeros[group]) * scales_row[group]).float() @ x
+    assert run_cases(get("ex06b.1"), int4_row_dot).status == PASSED
+
+
+def test_lab06b_awq_search_mistakes_fail(root):
+    planted = "a planted salient channel"
+    mistakes = [
+        ("(rows / s)", "(rows * s)", planted, "alpha: you chose 0, where every scale is 1"),
+        ("error < best[0]", "error > best[0]", planted, "alpha: 1 gives an output error of"),
+        ("quantize(weight * s, scheme)", "quantize(weight, scheme)", planted, "it is W diag(s), W's columns times s"),
+        ("s = s / (s.max() * s.min()).sqrt()", "s = s", "the planted layer again", "divided by sqrt(max(s) * min(s))"),
+        ("s = s / (s.max() * s.min()).sqrt()", "s = s / s.max()", "the planted layer again", "straddle 1"),
+        ("mean_abs = rows.abs().mean(0)", "mean_abs = x.abs().mean(0)", "g32, three salient channels",
+         "flatten x to [rows, in]"),
+        ("for k in range(grid + 1):\n        alpha = k / grid", "for k in range(21):\n        alpha = k / 20",
+         "g32, three salient channels", "from the argument grid"),
+    ]
+    for right, wrong, case, hint in mistakes:
+        fails("ex06b.2", mistake(root, "ex06b.2", right, wrong), case, hint)
+
+
+def test_the_awq_cases_have_one_best_alpha_and_the_planted_channel_is_protected():
+    """labkit.awq computes the error from the Hessian, the solution from x itself: equal but for float
+    rounding, so each case's best alpha beats the next best by far more than that."""
+    from labkit.awq import awq_scales, output_error, rtn_scaled
+    from labkit.quant import hessian
+
+    for case in get("ex06b.2").cases():
+        weight, x, scheme, grid = case.args
+        rows = x.reshape(-1, x.shape[-1])
+        errors = sorted(output_error(weight, rtn_scaled(weight, awq_scales(rows.abs().mean(0), k / grid), scheme),
+                                     hessian(rows)) for k in range(grid + 1))
+        assert errors[1] > errors[0] * 1.002, case.label
+    weight, x, scheme, grid = get("ex06b.2").cases()[0].args
+    scales, alpha = lab06b.reference_awq(weight, x, scheme, grid)
+    assert alpha > 0 and int(scales.argmax()) == 5
+
+
+def _gptq_solution_with(root, u_of):
+    solution = _solution(root, "ex06b.3")
+    return lambda weight, u, scale, zero, bits: solution(weight, u_of(u), scale, zero, bits)
+
+
+def test_lab06b_gptq_columns_mistakes_fail(root):
+    spreads = "row i of u, which is given"
+    mistakes = [
+        ("        w[:, i + 1:] -= err[:, None] * u[i, i + 1:]\n", "", "correlated inputs",  # RTN
+         "these are the codes of rounding each weight to nearest (RTN)"),
+        ("u[i, i + 1:]", "u[i + 1:, i]", "correlated inputs", spreads),  # u's column: zero below the diagonal
+        (" / u[i, i]", "", "u from a layer's Hessian", "divided by u[i, i]"),
+        (".clamp(0, 2 ** bits - 1)", "", "correlated inputs", "the clamp to 0..2^bits - 1 did not keep"),
+        ("w = weight.clone().float()", "w = weight", "correlated inputs", "changed its argument weight in place"),
+    ]
+    for right, wrong, case, hint in mistakes:
+        fails("ex06b.3", mistake(root, "ex06b.3", right, wrong), case, hint)
+
+    def factor_of_h(u):  # the upper Cholesky factor of H, not of its inverse
+        return torch.linalg.cholesky(torch.linalg.inv(u.double().T @ u.double()), upper=True).float()
+    fails("ex06b.3", _gptq_solution_with(root, factor_of_h), "correlated inputs", spreads)
+
+
+def test_right_gptq_answers_pass_however_they_compute(root):
+    """float64 arithmetic rounds a weight at a .5 boundary differently now and then, which the judge allows; an
+    update of the columns before i as well (W -= err * u[i]) changes nothing, since u[i, :i] is 0 and those
+    columns' codes are taken already, so it is not a mistake."""
+    assert run_cases(get("ex06b.3"), _gptq_solution_with(root, lambda u: u.double())).status == PASSED
+    source = cells("solutions", root)["ex06b.3"].replace("w = weight.clone().float()", "w = weight.clone().double()")
+    assert run_cases(get("ex06b.3"), define(source, "gptq_columns")).status == PASSED
+    whole_row = mistake(root, "ex06b.3", "w[:, i + 1:] -= err[:, None] * u[i, i + 1:]", "w -= err[:, None] * u[i]")
+    assert run_cases(get("ex06b.3"), whole_row).status == PASSED
+
+
+def test_the_gptq_cases_are_what_their_labels_say():
+    from labkit.quant import Scheme, gptq, quantize
+
+    cases = get("ex06b.3").cases()
+    assert torch.equal(cases[0].args[1], torch.eye(len(cases[0].args[1])))
+    assert (cases[1].args[1].diagonal() == 1).all() and not (cases[2].args[1].diagonal() == 1).all()
+    assert cases[-1].args[0].shape[1] > 128  # past gptq's block: the last columns are updated in one matmul
+    for case in cases[1:]:  # RTN is wrong in most rows of every case but the first
+        weight, u, scale, zero, bits = case.args
+        assert torch.equal(u, torch.triu(u)) and (u.diagonal() > 0).all(), case.label
+        h = torch.linalg.inv(u.double().T @ u.double())  # the (damped) Hessian whose factor u is
+        codes = gptq(weight, h, Scheme(bits, None), damp=0)[0]
+        assert (codes != quantize(weight, Scheme(bits, None))[0]).any(1).float().mean() > 0.5, case.label
