@@ -86,3 +86,42 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: 
                          f"name), got {lengths.tolist()}")
     if first < 0 or last >= num_blocks:
         raise ValueError(f"block_tables name blocks {first}..{last}, but the pools hold blocks 0..{num_blocks - 1}")
+
+
+def check_int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
+                      dtypes: tuple[torch.dtype, ...] = DTYPES, max_rows: int | None = None) -> None:
+    """What a fused INT4 matmul kernel (the CPU's in C++, or Triton's) needs: activations ``x``
+    ``[..., in]`` of one of ``dtypes``, whose leading dimensions hold 1 to ``max_rows`` rows in all;
+    ``packed`` uint8 ``[out, in / 2]``, two 4-bit codes a byte (``quant.pack_int4``); fp16 ``scales``
+    and ``zeros`` ``[out, in / group_size]`` (``zeros`` None: a symmetric grid); ``group_size`` a
+    multiple of 8 dividing ``in``; one device; contiguous tensors; no gradient to record. ValueError
+    naming the first problem found. (It runs at every call of a layer, so it reads only shapes and flags.)"""
+    weights = (packed, scales) if zeros is None else (packed, scales, zeros)
+    if x.dim() < 1 or any(t.dim() != 2 for t in weights):
+        raise ValueError(f"expected x [..., in], packed [out, in / 2], scales and zeros [out, groups], got x "
+                         f"{tuple(x.shape)}, packed {tuple(packed.shape)}, scales {tuple(scales.shape)}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"x is {x.dtype}; this kernel takes {', '.join(map(str, dtypes))}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("x requires grad, and the fused kernel has no backward: call it under torch.no_grad()")
+    rows, in_features, out_features = x.shape[:-1].numel(), x.shape[-1], packed.shape[0]
+    if not 1 <= rows <= (max_rows or rows):
+        raise ValueError(f"x has {rows} rows; the fused kernel takes 1 to {max_rows} (decode, or a few tokens): "
+                         f"dequantize and use F.linear for more")
+    if packed.dtype != torch.uint8 or packed.shape[1] * 2 != in_features:
+        raise ValueError(f"packed must be uint8 [out, in / 2] = [{out_features}, {in_features / 2:g}] (two 4-bit "
+                         f"codes a byte), got {packed.dtype} {tuple(packed.shape)}")
+    if not is_int(group_size) or group_size < 8 or group_size % 8 or in_features % group_size:
+        raise ValueError(f"group_size={group_size!r} must be a multiple of 8 that divides in_features={in_features}")
+    expected = (out_features, in_features // group_size)
+    for name, tensor in (("scales", scales), ("zeros", zeros)):
+        if tensor is not None and (tensor.dtype != torch.float16 or tensor.shape != expected):
+            raise ValueError(f"{name} must be float16 [out, in / group_size] = {list(expected)}, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+    if any(t.device != x.device for t in weights):
+        raise ValueError(f"the tensors are on different devices: x on {x.device}, the weight's on "
+                         f"{sorted({str(t.device) for t in weights})}")
+    for name, tensor in (("x", x), ("packed", packed), ("scales", scales), ("zeros", zeros)):
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (strides {tensor.stride()}); .contiguous() makes a copy "
+                             f"that is")

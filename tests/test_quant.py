@@ -16,7 +16,8 @@ from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer
 from labkit.quant import (QuantEmbedding, QuantLinear, Scheme, dequantize, gptq, hessian, pack_int4, quantize,
-                          quantize_model, unpack_int4, weight_bytes)
+                          quantize_model, unpack_int4, use_fused, weight_bytes)
+from labkit.kernels.int4_linear import int4_linear
 
 
 def reference_group(values: list[float], bits: int, symmetric: bool) -> tuple[list[int], float, float]:
@@ -111,6 +112,31 @@ def test_quant_linear_is_f_linear_on_the_dequantized_weight(scheme, bytes_per_ro
     assert relative < (0.12 if scheme.bits == 4 else 0.01)
     with pytest.raises(ValueError, match="bias"):
         QuantLinear.from_linear(nn.Linear(128, 4), scheme)
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 64), Scheme(4, 32, True), Scheme(4, None)])
+def test_a_decode_step_takes_the_fused_kernel_and_agrees_with_the_pytorch_path(scheme, monkeypatch):
+    from labkit import quant
+    layer = QuantLinear.from_linear(nn.Linear(128, 40, bias=False), scheme)
+    calls = []
+    monkeypatch.setattr(quant, "int4_linear", lambda *args, **kwargs: calls.append(1) or int4_linear(*args, **kwargs))
+    for shape in [(1, 1, 128), (4, 1, 128), (8, 128)]:  # one token, four sequences' tokens, eight rows: fused
+        x = torch.randn(shape)
+        fused = layer(x)
+        layer.fused = False
+        torch.testing.assert_close(fused, layer(x), rtol=1e-5, atol=1e-5)
+        layer.fused = True
+    assert len(calls) == 3
+    layer(torch.randn(9, 128))  # a prefill's rows: dequantized in PyTorch
+    assert len(calls) == 3
+
+
+def test_greedy_generation_is_the_same_through_either_path(small):
+    quantized = quantize_model(small, Scheme(4, 32), head=True)
+    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    fused = [list(stream(quantized, p, params)) for p in ([5, 9, 2, 7], [3, 3, 8])]
+    assert use_fused(quantized, False) is quantized and not quantized.blocks[0].mlp.down.fused
+    assert [list(stream(quantized, p, params)) for p in ([5, 9, 2, 7], [3, 3, 8])] == fused
 
 
 def dequantized_copy(model: Transformer) -> Transformer:

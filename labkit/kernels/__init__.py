@@ -10,6 +10,8 @@ Without triton installed the package still imports: ``MISSING`` says what is mis
 kernels raise it when called. ``labkit.kernels.tiled`` (the same algorithm in plain PyTorch)
 needs no Triton at all, nor does ``labkit.kernels.paged_decode_cpu``, the paged decode step in
 C++ for the engine on a CPU (imported on its own: it builds with a C++ compiler on first use).
+``labkit.kernels.int4_linear`` (also imported on its own) is the fused INT4 linear layer for decode:
+``int4_matmul_cpu`` (C++) on a CPU, ``int4_matmul`` (Triton) on a GPU.
 """
 from __future__ import annotations
 

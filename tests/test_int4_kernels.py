@@ -1,0 +1,193 @@
+"""The fused INT4 dequantize-and-multiply kernels against ``F.linear`` with the dequantized weight:
+the CPU's C++ operator (through ``int4_linear``, as ``QuantLinear`` calls it) and the Triton kernel
+(in the interpreter on a CPU, so on small shapes). The C++ operator is built on first use (about
+10 s, then cached on disk)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import kernels, quant
+from labkit.kernels.int4_linear import int4_linear, why_not_int4_linear
+from labkit.kernels.int4_matmul import int4_matmul
+from labkit.kernels.int4_matmul_cpu import int4_matmul_cpu
+
+DEVICE = "cpu" if kernels.interpreted() else "cuda"
+
+
+def _layer(out_features, in_features, group_size, symmetric, seed=0):
+    """A random layer's packed codes, fp16 scales and zeros (None if symmetric), and its dequantized weight."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    codes, scales, zeros = quant.quantize(weight, quant.Scheme(4, group_size, symmetric))
+    return quant.pack_int4(codes), scales, None if symmetric else zeros, quant.dequantize(codes, scales, zeros)
+
+
+def _inputs(rows, in_features, seed=1):
+    """Activations of both signs, a few of them large (as outlier channels are)."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    x[:, ::37] *= 300.0
+    return x
+
+
+def _assert_matches(y, x, weight, tolerance):
+    expected = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_cpu_kernel_matches_the_dequantized_reference(symmetric, group_size, rows):
+    in_features = 384  # None: one group per row (per-channel)
+    packed, scales, zeros, weight = _layer(45, in_features, group_size, symmetric)
+    x = _inputs(rows, in_features)
+    assert why_not_int4_linear(x, packed, scales, zeros, group_size or in_features) is None
+    y = int4_linear(x, packed, scales, zeros, group_size or in_features)
+    assert y.shape == (rows, 45) and y.dtype == torch.float32
+    _assert_matches(y, x, weight, 2e-6)
+
+
+@pytest.mark.parametrize("out_features,in_features,group_size,rows", [
+    (7, 200, 8, 8),  # the smallest group, eight rows, a row of codes that is not a whole number of 64-byte blocks
+    (9, 264, 24, 3),  # groups of 24: the 16 words of a block straddle group boundaries unevenly
+    (3, 4096, 64, 1),  # a long row
+])
+def test_cpu_kernel_on_uneven_shapes(out_features, in_features, group_size, rows):
+    packed, scales, zeros, weight = _layer(out_features, in_features, group_size, symmetric=False, seed=in_features)
+    x = _inputs(rows, in_features)
+    _assert_matches(int4_matmul_cpu(x, packed, scales, zeros, group_size), x, weight, 2e-6)
+
+
+def test_leading_dimensions_are_rows_and_stay():
+    packed, scales, zeros, weight = _layer(33, 256, 64, symmetric=False)
+    x = _inputs(6, 256).view(2, 3, 256)
+    y = int4_linear(x, packed, scales, zeros, 64)
+    assert y.shape == (2, 3, 33)
+    _assert_matches(y, x, weight, 2e-6)
+    _assert_matches(int4_linear(x[0, 0], packed, scales, zeros, 64), x[0, 0], weight, 2e-6)  # one vector
+
+
+def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_any_thread_count():
+    layer = quant.QuantLinear.from_linear(torch.nn.Linear(256, 77, bias=False), quant.Scheme(4, 64, False))
+    x = _inputs(2, 256)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outputs.append(int4_linear(x, layer.packed, layer.scales, layer.zeros, 64))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*outputs)
+    _assert_matches(outputs[0], x, layer.dequantized_weight(), 2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_features,in_features,group_size,symmetric,rows,blocks", [
+    (37, 128, 64, False, 1, (None, None)),  # decode: one row; outputs not a multiple of the tile
+    (20, 96, 32, True, 3, (32, 64)),  # symmetric; inputs not a multiple of the tile
+])
+def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
+                                                         rows, blocks):
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton 3.7's interpreter multiplies bf16 wrongly in tl.dot (by about 1e10)")
+    packed, scales, zeros, weight = _layer(out_features, in_features, group_size, symmetric)
+    x = _inputs(rows, in_features).to(dtype)
+    on_device = [t if t is None else t.to(DEVICE) for t in (x, packed, scales, zeros)]
+    y = int4_matmul(*on_device, group_size, *blocks)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    # the weights are rounded to x's dtype, as QuantLinear's PyTorch path rounds them; fp32 on a GPU runs in fp32
+    _assert_matches(y.cpu(), x, weight, {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype])
+
+
+def _bad_inputs():
+    """(the call's inputs changed one at a time, what the error must say)"""
+    packed, scales, zeros, _ = _layer(45, 384, 64, symmetric=False)
+    x = _inputs(1, 384)
+    good = dict(x=x, packed=packed, scales=scales, zeros=zeros, group_size=64)
+    wide = torch.zeros(45, 2, 6, dtype=torch.float16)
+    return [({**good, **change}, message) for change, message in [
+        (dict(x=x.double()), r"x is torch.float64; this kernel takes torch.float32"),
+        (dict(x=x.half()), r"x is torch.float16; this kernel takes torch.float32"),
+        (dict(x=_inputs(9, 384)), r"x has 9 rows; the fused kernel takes 1 to 8"),
+        (dict(x=x.clone().requires_grad_()), r"x requires grad"),
+        (dict(packed=quant.unpack_int4(packed)), r"packed must be uint8 \[out, in / 2\] = \[45, 192\]"),
+        (dict(packed=packed.to(torch.int8)), r"packed must be uint8"),
+        (dict(group_size=12), r"group_size=12 must be a multiple of 8 that divides in_features=384"),
+        (dict(group_size=256), r"group_size=256 must be a multiple of 8"),
+        (dict(scales=scales.float()), r"scales must be float16 \[out, in / group_size\] = \[45, 6\], got "
+                                      r"torch.float32"),
+        (dict(zeros=zeros[:, :5]), r"zeros must be float16 \[out, in / group_size\] = \[45, 6\]"),
+        (dict(x=torch.randn(2, 768)[:, ::2]), r"x must be contiguous"),
+        (dict(scales=wide[:, 0]), r"scales must be contiguous"),
+        (dict(x=x.to("meta")), r"no fused INT4 kernel for meta"),
+        (dict(packed=packed.to("meta")), r"different devices: x on cpu, the weight's on \['cpu', 'meta'\]"),
+        (dict(x=torch.ones(())), r"expected x \[\.\.\., in\]"),
+    ]]
+
+
+@pytest.mark.parametrize("inputs,message", _bad_inputs(), ids=lambda v: v[:40] if isinstance(v, str) else "")
+def test_bad_inputs_are_refused_by_name(inputs, message):
+    assert why_not_int4_linear(**inputs) is not None
+    with pytest.raises(ValueError, match=message):
+        int4_linear(**inputs)
+
+
+def test_the_registered_operator_checks_what_it_reads_by_itself():
+    """Called directly, past the Python checks, the operator still reads nothing outside the tensors."""
+    packed, scales, zeros, _ = _layer(45, 384, 64, symmetric=False)
+    x = _inputs(1, 384)
+    int4_matmul_cpu(x, packed, scales, zeros, 64)  # builds it
+    op = torch.ops.labkit.int4_matmul
+    with pytest.raises(RuntimeError, match="expected packed \\[out, in / 2\\]"):
+        op(x, packed[:, :100], scales, zeros, 64)
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        op(_inputs(9, 384), packed, scales, zeros, 64)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        op(torch.randn(2, 768)[:, ::2], packed, scales, zeros, 64)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+def test_both_cpu_operators_load_in_either_order():
+    """Both libraries add operators to the namespace `labkit`: this one as a fragment, so that it
+    loads before or after the paged decode operator's."""
+    ran = _python("import torch\nfrom labkit.kernels import int4_matmul_cpu, paged_decode_cpu\n"
+                  "int4_matmul_cpu.build()\npaged_decode_cpu.build()\n"
+                  "print(hasattr(torch.ops.labkit, 'int4_matmul'), hasattr(torch.ops.labkit, 'paged_decode'))")
+    assert ran.stdout == "True True\n", ran.stderr[-3000:]
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from labkit.kernels.int4_matmul import int4_matmul_kernel
+
+for capability, dtype in ((90, "fp16"), (80, "bf16")):
+    pointers = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": f"*{dtype}"}
+    constexprs = dict(HAS_ZEROS=True, ROWS=16, BLOCK_N=64, BLOCK_K=256, PRECISION="tf32")
+    kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+             for name in int4_matmul_kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(int4_matmul_kernel.arg_names)
+               if kinds[name] != "constexpr"}
+    compiled = triton.compile(ASTSource(fn=int4_matmul_kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
+                              target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
+    print("int4", capability, dtype, "cubin" in compiled.asm, "mma" in compiled.asm["ptx"])
+"""
+
+
+def test_the_triton_kernel_compiles_for_hopper_and_ampere_gpus():
+    """Without a GPU, Triton still compiles the kernel for a named GPU: the path the interpreter never
+    takes (tl.dot's tile shapes, the types), with its two products on tensor cores."""
+    ran = _python(_COMPILE, TRITON_INTERPRET="0")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.split("\n")[:2] == ["int4 90 fp16 True True", "int4 80 bf16 True True"], ran.stdout
