@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from labkit.model import Block, ModelConfig, Transformer
-from labkit.quant import Scheme, dequantize, hessian, quantize
+from labkit.quant import Scheme, dequantize, hessian, hooked, quantize
 
 KINDS = ("attn.wqkv", "attn.wo", "mlp.gate_up", "mlp.down")  # a block's projections, in the order they run
 
@@ -60,13 +60,9 @@ def input_statistics(model: Transformer, calibration: Tensor, batch_size: int = 
 
     names = [f"blocks.{i}.{kind}" for i in range(len(model.blocks)) for kind in KINDS]
     hooks = [model.get_submodule(name).register_forward_pre_hook(recorder(name)) for name in names]
-    try:
-        with torch.no_grad():
-            for chunk in calibration.split(batch_size):
-                model(chunk)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with hooked(hooks):
+        for chunk in calibration.split(batch_size):
+            model(chunk)
     return {name: (abs_sum / rows, h / rows) for name, (abs_sum, h, rows) in sums.items()}
 
 

@@ -49,7 +49,7 @@ from labkit.corpus import token_ids
 from labkit.device import device_name
 from labkit.load import CHECKPOINTS
 from labkit.model import Transformer
-from labkit.quant import Scheme, output_errors, quantize_model
+from labkit.quant import Scheme, hooked, output_errors, quantize_model
 from labkit.train import paired_difference, random_batch, window_losses
 
 SCHEME = Scheme(4, 128)  # the lab's default grid (asymmetric) at the group size real INT4 models ship
@@ -86,12 +86,8 @@ def _at_norms(model: Transformer, tokens: Tensor, reduce) -> dict[str, tuple[Ten
     norms = {f"blocks.{i}.{kind}": getattr(block, kind) for i, block in enumerate(model.blocks)
              for kind in ("attn_norm", "mlp_norm")}
     hooks = [norm.register_forward_hook(recorder(name)) for name, norm in norms.items()]
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with hooked(hooks):
+        model(tokens)
     return found
 
 

@@ -33,7 +33,9 @@ compare the two: the outputs agree within float rounding.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +252,18 @@ def gptq(weight: Tensor, h: Tensor, scheme: Scheme, damp: float = 0.01, block: i
     return codes, torch.stack(scales, 1).half(), torch.stack(zeros, 1).half()
 
 
+@contextmanager
+def hooked(handles: list) -> Iterator[None]:
+    """Run the block without gradients, then remove the hooks ``handles`` (from ``register_forward_hook``
+    and the like), even if it raised: a model is never left recording."""
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _targets(model: Transformer, head: bool) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of each Linear to quantize, in the order the model runs them."""
     found = [(parent, name) for block in model.blocks for parent in (block.attn, block.mlp)
@@ -282,16 +296,12 @@ def _calibrate_gptq(model: Transformer, calibration: Tensor, scheme: Scheme, hea
     hooks = [getattr(p, n).register_forward_pre_hook(record) for p, n in targets.values()]
     positions = torch.arange(calibration.shape[1], device=calibration.device)[None]
     rope = model.rotary(positions)
-    try:
-        with torch.no_grad():
-            xs = [model.embed(chunk) for chunk in calibration.split(batch_size)]
-            for block in model.blocks:
-                xs = run(lambda x: block(x, positions, rope, None), xs)
-            if head:
-                run(lambda x: model.lm_head(model.norm(x)), xs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with hooked(hooks):
+        xs = [model.embed(chunk) for chunk in calibration.split(batch_size)]
+        for block in model.blocks:
+            xs = run(lambda x: block(x, positions, rope, None), xs)
+        if head:
+            run(lambda x: model.lm_head(model.norm(x)), xs)
 
 
 def quantize_model(model: Transformer, scheme: Scheme = Scheme(), method: str = "rtn",
@@ -326,12 +336,8 @@ def output_errors(model: Transformer, quantized: Transformer, tokens: Tensor) ->
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(names[id(m)], args[0]))
              for m in model.modules() if id(m) in names]
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with hooked(hooks):
+        model(tokens)
     errors = {}
     for name, x in inputs.items():
         layer = quantized.get_submodule(name)
