@@ -10,8 +10,15 @@ stays fp16 unless the scheme says "+ head"). Printed per scheme:
   scheme), its change against fp16 weights, and the mean per-window loss difference against fp16
   with its standard error (the windows are paired, so this is the test of whether a change is real);
 Then GPTQ against rounding at g128: the share of RTN's perplexity increase it recovers, and each
-projection's relative output error on held-out validation text; and one decode step (context 128)
-for fp32, INT8 and INT4 weights, dequantized in PyTorch on this device.
+projection's relative output error on held-out validation text. Then decode speed, steps timed in
+turn: one decode step of the target (context 128) with fp32 weights, INT8 and INT4 g64 dequantized
+in PyTorch, and INT4 g64 through the fused kernel (``labkit.kernels.int4_linear``), whose greedy
+output must equal the PyTorch path's; and the same weight formats on a stack of layers with
+Llama-3.1-8B's block shapes (random weights, ``--stack-blocks`` blocks: larger than any CPU cache,
+so a step reads its weights from memory, as decode does on a GPU). On a CUDA GPU, also the Triton
+kernel against bf16 ``F.linear`` at batch 1 on a Llama-2-7B-shaped MLP layer. Last, the outlier
+model (``labkit.outliers``) at INT4 g128: RTN, GPTQ and AWQ against its fp32 perplexity
+(``--skip-outliers`` leaves it out: it takes a few minutes).
 """
 from __future__ import annotations
 
@@ -19,16 +26,20 @@ import argparse
 import copy
 import datetime
 import math
+from typing import Callable
 
 import torch
 
 import labkit
-from labkit.bench import measure
+from labkit.bench import alternate
 from labkit.corpus import token_ids
 from labkit.device import device_name
 from labkit.generate import decode_step
-from labkit.quant import QuantLinear, Scheme, output_errors, quantize_model, weight_bytes
-from labkit.train import random_batch, window_losses
+from labkit.generate import SamplingParams, stream
+from labkit.model import ModelConfig
+from labkit.quant import QuantLinear, Scheme, output_errors, quantize_model, use_fused, weight_bytes
+from labkit.shapes import SHAPES
+from labkit.train import paired_difference, random_batch, window_losses
 
 SCHEMES = {
     "INT8 per-channel sym": (Scheme(8, None, True), "rtn", False),
@@ -43,10 +54,109 @@ SCHEMES = {
 }
 
 
+DTYPE = "fp32"  # the full-precision weights the quantized formats are compared with, on a CPU
+
+
 def projection_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of the quantized layers as stored, and the same layers' weights at fp16."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     return sum(m.nbytes for m in layers), sum(2 * m.in_features * m.out_features for m in layers)
+
+
+def block_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of a block's four projections: wqkv, wo, gate_up, down."""
+    head_dim = config.d_model // config.n_heads
+    qkv = (config.n_heads + 2 * config.n_kv_heads) * head_dim
+    return [(config.d_model, qkv), (config.n_heads * head_dim, config.d_model), (config.d_model, 2 * config.d_ff),
+            (config.d_ff, config.d_model)]
+
+
+def layer_stack(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> dict:
+    """A decode step through random layers of these shapes, batch 1, in each weight format: a
+    callable per format (the quantized ones sharing their codes) and the bytes of each format's weights."""
+    generator = torch.Generator(device).manual_seed(0)
+    linears = [torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype) for n_in, n_out in shapes]
+    for linear in linears:
+        torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
+    xs = [torch.randn(1, n_in, device=device, dtype=dtype, generator=generator) for n_in, _ in shapes]
+    int8 = [QuantLinear.from_linear(linear, Scheme(8, None, True)) for linear in linears]
+    int4 = [QuantLinear.from_linear(linear, Scheme(4, 64)) for linear in linears]
+    unfused = [copy.copy(layer) for layer in int4]  # the same buffers, the PyTorch path
+    use_fused(torch.nn.ModuleList(int8 + unfused), False)
+
+    def step(layers: list) -> Callable[[], list]:
+        return lambda: [layer(x) for layer, x in zip(layers, xs)]
+    formats = {DTYPE: linears, "INT8 per-channel (PyTorch)": int8, "INT4 g64 (PyTorch)": unfused,
+               "INT4 g64 (fused)": int4}
+    nbytes = {name: sum(layer.weight.nbytes if isinstance(layer, torch.nn.Linear) else layer.nbytes
+                        for layer in layers) for name, layers in formats.items()}
+    return {"steps": {name: step(layers) for name, layers in formats.items()}, "bytes": nbytes}
+
+
+
+def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.Module, repeats: int,
+                 stack_blocks: int) -> dict[str, float]:
+    """Decode steps timed in turn on the target and on a larger-than-cache stack; the fused/fp32 ratios."""
+    unfused = use_fused(copy.deepcopy(int4), False)
+    use_fused(int8, False)
+    params = SamplingParams(max_new_tokens=48, stop_at_eos=False)
+    same = list(stream(int4, [5, 9, 2, 7], params)) == list(stream(unfused, [5, 9, 2, 7], params))
+    steps = {DTYPE: model, "INT8 per-channel (PyTorch)": int8, "INT4 g64 (PyTorch)": unfused, "INT4 g64 (fused)": int4}
+    timed = alternate({name: decode_step(m, 128) for name, m in steps.items()}, warmup=5, repeats=repeats,
+                      device="cpu")
+    print(f"\none decode step of the target at context 128, timed in turn ({repeats} repeats; greedy output of the "
+          f"fused INT4 model {'identical to' if same else 'DIFFERENT from'} the PyTorch path's, 48 tokens):")
+    print(f"  {'weights':<28}{'median':>9}{'min':>9}{'vs ' + DTYPE:>9}")
+    for name, t in timed.items():
+        print(f"  {name:<28}{t.median_s * 1e3:7.2f} ms{t.min_s * 1e3:7.2f} ms{timed[DTYPE].median_s / t.median_s:8.2f}x")
+    shapes = block_shapes(SHAPES["Llama-3.1-8B"]) * stack_blocks
+    stack = layer_stack(shapes, torch.float32, torch.device("cpu"))
+    slow = {name: fn for name, fn in stack["steps"].items() if "PyTorch" in name}
+    fast = alternate({name: fn for name, fn in stack["steps"].items() if name not in slow}, warmup=2,
+                     repeats=max(repeats // 2, 5), device="cpu")
+    fast |= alternate(slow, warmup=1, repeats=3, device="cpu")  # seconds each: dequantizing 10^8 weights
+    print(f"\na stack of {stack_blocks} Llama-3.1-8B-shaped blocks' projections ({len(shapes)} layers, random "
+          f"weights), batch 1, timed in turn:")
+    print(f"  {'weights':<28}{'MB':>8}{'median':>11}{'vs ' + DTYPE:>9}{'GB/s':>7}")
+    for name in stack["steps"]:
+        t, nbytes = fast[name], stack["bytes"][name]
+        print(f"  {name:<28}{nbytes / 1e6:8.0f}{t.median_s * 1e3:8.1f} ms{fast[DTYPE].median_s / t.median_s:8.2f}x"
+              f"{nbytes / t.median_s / 1e9:7.1f}")
+    return {"target": timed[DTYPE].median_s / timed["INT4 g64 (fused)"].median_s,
+            "stack": fast[DTYPE].median_s / fast["INT4 g64 (fused)"].median_s, "identical": same}
+
+
+def gpu_layer(repeats: int) -> None:
+    """On CUDA: the Triton INT4 kernel against bf16 F.linear at batch 1, a Llama-2-7B MLP layer (4096 -> 11008)."""
+    device = torch.device("cuda")
+    linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.bfloat16)
+    layer = QuantLinear.from_linear(linear, Scheme(4, 64))
+    x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
+    timed = alternate({"bf16 F.linear": lambda: linear(x), "INT4 g64 (Triton)": lambda: layer(x)}, warmup=10,
+                      repeats=repeats * 10, device=device)
+    print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, bf16 against INT4 g64:")
+    for name, t in timed.items():
+        print(f"  {name:<20}{t.median_s * 1e6:8.1f} us")
+    print(f"  goal >= 2.5x: {timed['bf16 F.linear'].median_s / timed['INT4 g64 (Triton)'].median_s:.2f}x")
+
+
+def outlier_figures(windows: int, calibration: int) -> dict[str, float]:
+    """The outlier model at INT4 g128 (``labkit.outliers.measure``): perplexities, RTN's loss increase
+    with its standard error, and the share of it GPTQ and AWQ recover."""
+    from labkit import outliers
+    stats = outliers.measure(windows, calibration)
+    losses = stats["losses"]
+    ppl = {name: math.exp(losses[name].mean().item()) for name in ("fp32", "RTN", "GPTQ", "AWQ")}
+    print(f"\nthe outlier model (labkit.outliers: {len(outliers.CHANNELS)} channels x{outliers.FACTOR:g}), INT4 g128 "
+          f"asym, {windows} windows, {calibration} calibration windows:")
+    recovered = {}
+    for name in ("RTN", "GPTQ", "AWQ"):
+        gap, error = paired_difference(losses[name], losses["fp32"])
+        recovered[name] = (ppl["RTN"] - ppl[name]) / (ppl["RTN"] - ppl["fp32"])
+        print(f"  {name:<5} perplexity {ppl[name]:8.3f} (fp32 {ppl['fp32']:.3f}), loss {gap:+.4f} +- {error:.4f} "
+              f"nats per window" + (f", recovers {recovered[name]:.0%} of RTN's increase" if name != "RTN" else ""))
+    rtn_gap, rtn_error = paired_difference(losses["RTN"], losses["fp32"])
+    return {"rtn_sigmas": rtn_gap / rtn_error, "gptq": recovered["GPTQ"], "awq": recovered["AWQ"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=128, help="validation windows of 256 tokens")
     parser.add_argument("--calibration", type=int, default=32, help="GPTQ calibration windows of 256 tokens")
     parser.add_argument("--repeats", type=int, default=15, help="timed decode steps per model")
+    parser.add_argument("--stack-blocks", type=int, default=2, help="Llama-3.1-8B-shaped blocks in the stack")
+    parser.add_argument("--outlier-windows", type=int, default=128, help="validation windows for the outlier model")
+    parser.add_argument("--skip-outliers", action="store_true", help="leave out the outlier model")
     args = parser.parse_args(argv)
     model, tokenizer = labkit.load("target", device="cpu")
     val_ids, train_ids = token_ids(tokenizer, "validation"), token_ids(tokenizer, "train")
@@ -91,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
           f"error on held-out text is {share.median():.2f} of RTN's (median over {len(share)} layers, "
           f"{share.min():.2f} to {share.max():.2f})")
 
-    print(f"\none decode step at context 128, weights dequantized in PyTorch ({args.repeats} repeats, median):")
-    for name in ("fp32", "INT8 per-channel sym", "INT4 g64 asym RTN"):
-        m = model if name == "fp32" else models[name]
-        step = measure(decode_step(m, 128), warmup=5, repeats=args.repeats, device="cpu").median_s
-        print(f"  {name:<22}{step * 1e3:7.2f} ms")
+    speed = decode_speed(model, models["INT8 per-channel sym"], models["INT4 g64 asym RTN"], args.repeats,
+                         args.stack_blocks)
+    if torch.cuda.is_available():
+        gpu_layer(args.repeats)
+    outlier = None if args.skip_outliers else outlier_figures(args.outlier_windows, args.calibration)
 
     g64 = "INT4 g64 asym RTN"
     print("\ngoals:")
@@ -104,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  INT4 g64 perplexity <= 5% above fp16: {ppl[g64] / ppl['fp16'] - 1:+.3%} "
           f"({ppl[g64 + ' + head'] / ppl['fp16'] - 1:+.3%} with the head)")
     print(f"  GPTQ recovers >= half of RTN's increase at g128: {recovered:.0%}")
+    print(f"  fused INT4 g64 decode step at least as fast as fp32 on the target: {speed['target']:.2f}x; at least "
+          f"2x on the stack larger than the cache: {speed['stack']:.2f}x; greedy output unchanged: "
+          f"{'yes' if speed['identical'] else 'NO'}")
+    if outlier:
+        print(f"  outlier model, g128: RTN's loss increase {outlier['rtn_sigmas']:.1f} standard errors; GPTQ recovers "
+              f"{outlier['gptq']:.0%}, AWQ {outlier['awq']:.0%} of RTN's perplexity increase (goal: each >= 50%)")
     return 0
 
 

@@ -146,10 +146,13 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = codes.shape
         if scheme.bits != 4:  # pack_int4 checks 4-bit codes
             check_codes(codes, scheme.bits)
-        self.register_buffer("packed", pack_int4(codes) if scheme.bits == 4 else codes.to(torch.uint8))
-        self.register_buffer("scales", scales.half())
+        # contiguous, whatever the layout of the weight they came from (a checkpoint may hold a transpose):
+        # the fused kernel reads them row by row
+        packed = pack_int4(codes) if scheme.bits == 4 else codes.to(torch.uint8)
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales", scales.half().contiguous())
         # a symmetric grid's zero is the fixed 2^(bits-1): nothing to store
-        self.register_buffer("zeros", None if scheme.symmetric else zeros.half())
+        self.register_buffer("zeros", None if scheme.symmetric else zeros.half().contiguous())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: Scheme) -> QuantLinear:

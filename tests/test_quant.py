@@ -129,6 +129,10 @@ def test_a_decode_step_takes_the_fused_kernel_and_agrees_with_the_pytorch_path(s
     assert len(calls) == 3
     layer(torch.randn(9, 128))  # a prefill's rows: dequantized in PyTorch
     assert len(calls) == 3
+    transposed = nn.Linear(128, 40, bias=False)
+    transposed.weight = nn.Parameter(torch.randn(128, 40).T)  # a checkpoint's layout may be a transpose
+    QuantLinear.from_linear(transposed, scheme)(torch.randn(1, 128))
+    assert len(calls) == 4
 
 
 def test_greedy_generation_is_the_same_through_either_path(small):
