@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import multiprocessing.context
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -58,17 +57,11 @@ class Submission:
     lab: str
 
 
-def lab_of_name(name: str) -> str | None:
-    """The notebook number a file name gives: ``03_paged-Copy1.ipynb`` -> ``03``, ``06b_fast.ipynb`` -> ``06b``."""
-    match = re.match(r"(\d\d[a-z]?)_", name)
-    return match.group(1) if match else None
-
-
 def _lab_of(path: Path) -> str | None:
     """The notebook number: the file name's (``03_paged-Copy1.ipynb``) if it holds any of that
     notebook's exercises, or else that of most of its exercises (said on stderr where the name
     gives another), or else the name's."""
-    named = lab_of_name(path.name)
+    named = notebook.lab_of_name(path.name)
     try:
         ids = [i for c in notebook.read(path)["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
     except ValueError:
@@ -257,7 +250,7 @@ def this_notebook(name: str) -> Path:
     for told in (os.environ.get("JPY_SESSION_NAME", ""), _vscode_notebook()):
         if told.endswith(".ipynb") and Path(told).is_file():
             return Path(told)
-    lab = lab_of_name(name)
+    lab = notebook.lab_of_name(name)
     candidates = sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab and not _an_output_of_nbconvert(p)),
                         key=lambda p: p.stat().st_mtime)
     if len(candidates) > 1:
@@ -285,7 +278,7 @@ def grade_this(name: str) -> None:
     path = this_notebook(name)
     if not path.is_file():
         print(f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no notebook "
-              f"with lab {lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the folder it runs in, or grade it "
+              f"with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the folder it runs in, or grade it "
               "from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
         return
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))

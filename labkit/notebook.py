@@ -6,6 +6,7 @@ lists of lines), so a notebook saved by JupyterLab and one written here diff cle
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,10 @@ def exercise_id(cell: Cell) -> str | None:
 
 def code_cells(nb: Notebook, tag: str) -> list[Cell]:
     return [c for c in nb["cells"] if c.get("cell_type") == "code" and tag in tags(c)]
+
+
+def lab_of_name(name: str) -> str | None:
+    """The notebook number a file name gives: ``03_paged-Copy1.ipynb`` -> ``03``, ``06b_fast.ipynb`` ->
+    ``06b`` (a second notebook of lab 06); None for a name that starts with no number."""
+    match = re.match(r"(\d\d[a-z]?)_", name)
+    return match.group(1) if match else None

@@ -80,7 +80,7 @@ def release_notebook(nb: notebook.Notebook, name: str) -> notebook.Notebook:
 
 def planned(solutions: Path, notebooks: Path) -> dict[Path, str]:
     """Every student notebook a release writes, with its text."""
-    sources = sorted(solutions.glob("[0-9][0-9]_*.ipynb"))
+    sources = sorted(p for p in solutions.glob("*.ipynb") if notebook.lab_of_name(p.name))
     if not sources:
         raise FileNotFoundError(f"no instructor notebooks (NN_name.ipynb) in {solutions}")
     return {notebooks / src.name: notebook.dumps(release_notebook(notebook.read(src), src.name))
@@ -93,7 +93,7 @@ def stale(solutions: Path, notebooks: Path) -> list[str]:
     problems = [f"{path} is out of date" for path, text in plan.items()
                 if not path.exists() or path.read_text(encoding="utf-8") != text]
     problems += [f"{path} has no instructor notebook in {solutions}"
-                 for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")) if path not in plan]
+                 for path in sorted(notebooks.glob("*.ipynb")) if notebook.lab_of_name(path.name) and path not in plan]
     return problems
 
 

@@ -1,6 +1,6 @@
 """Exercises of notebook 06b: the solutions pass (and other right answers: fp16 weights, float64 arithmetic), stubs
 score nothing, plausible mistakes fail at the case that tests them with a hint that helps, and the cases hold
-what their labels promise. The solutions are the cells in tests/pending_cells/ until the notebook is written."""
+what their labels promise."""
 from __future__ import annotations
 
 import torch

@@ -14,7 +14,6 @@ from labkit.exercises import EXERCISES, for_lab, get
 from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, table, this_notebook,
                           write_reports)
 
-from exercise_cells import solutions_with_pending
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
 BROKEN_EX1 = {
@@ -52,13 +51,12 @@ def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00
     notebook.write(nb, folder / student / name)
 
 
-def test_solutions_score_full_points_and_stubs_zero(root, tmp_path):
-    # Every lab's solutions go through the grader (setup cells, a fresh process, the time limit),
-    # those of a notebook not written yet from its cells in tests/pending_cells/.
+def test_solutions_score_full_points_and_stubs_zero(root):
+    # Every lab's solutions go through the grader (setup cells, a fresh process, the time limit).
     # Of the stubs, lab 00's do: a stub's setup cells are its solution's (labkit.release changes
     # only the solution regions), and tests/test_exercises.py checks that every released stub,
     # of every lab, scores nothing.
-    book = grade([solutions_with_pending(root, tmp_path / "solutions"), root / "notebooks" / "00_welcome.ipynb"])
+    book = grade([root / "solutions", root / "notebooks" / "00_welcome.ipynb"])
     assert set(book["solutions"]) == set(book["notebooks"]) == set(EXERCISES)
     assert {r.status for r in book["solutions"].values()} == {"passed"}
     stubs = {ex_id: r for ex_id, r in book["notebooks"].items() if get(ex_id).lab == "00"}
@@ -293,7 +291,7 @@ def test_in_vs_code_the_notebook_it_names_is_graded(tmp_path, monkeypatch):
 
 def test_a_notebook_number_may_carry_a_letter():
     """A second notebook of one lab (06b, after 06) is a lab of its own to the grader."""
-    from labkit.grade import lab_of_name
+    from labkit.notebook import lab_of_name
     assert lab_of_name("03_paged-Copy1.ipynb") == "03"
     assert lab_of_name("06b_fast_quantized_decode.ipynb") == "06b"
     assert lab_of_name("notes.ipynb") is None and lab_of_name("6_x.ipynb") is None

@@ -106,6 +106,15 @@ def test_the_repository_is_released_and_holds_no_outputs(root):
     assert "BEGIN SOLUTION" not in student and "flops = 2 * m * n * k" not in student
 
 
+def test_every_instructor_notebook_has_its_current_student_copy(root):
+    """Each solutions/*.ipynb, whatever its number (06b too), has the student copy a release of it writes."""
+    for path in sorted(root.glob("solutions/*.ipynb")):
+        student = root / "notebooks" / path.name
+        assert student.exists(), f"{path.name} has no student copy in notebooks/"
+        released = notebook.dumps(release_notebook(notebook.read(path), path.name))
+        assert student.read_text(encoding="utf-8") == released, f"notebooks/{path.name} is out of date"
+
+
 def test_every_notebook_is_valid_with_a_unique_id_per_cell(root):
     """nbformat 4.5 requires cell ids (their absence is a warning now, an error in later nbformat): a cell
     pasted into an instructor notebook by hand must get one, and the release copies it."""
