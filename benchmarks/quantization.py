@@ -16,7 +16,7 @@ in PyTorch, and INT4 g64 through the fused kernel (``labkit.kernels.int4_linear`
 output must equal the PyTorch path's; and the same weight formats on a stack of layers with
 Llama-3.1-8B's block shapes (random weights, ``--stack-blocks`` blocks: larger than any CPU cache,
 so a step reads its weights from memory, as decode does on a GPU). On a CUDA GPU, also the Triton
-kernel against bf16 ``F.linear`` at batch 1 on a Llama-2-7B-shaped MLP layer. Last, the outlier
+kernel against fp16 ``F.linear`` at batch 1 on a Llama-2-7B-shaped MLP layer (50 calls a CUDA graph). Last, the outlier
 model (``labkit.outliers``) at INT4 g128: RTN, GPTQ and AWQ against its fp32 perplexity
 (``--skip-outliers`` leaves it out: it takes a few minutes).
 """
@@ -36,6 +36,7 @@ from labkit.corpus import token_ids
 from labkit.device import device_name
 from labkit.generate import decode_step
 from labkit.generate import SamplingParams, stream
+from labkit.kernels.int4_linear import why_not_int4_linear
 from labkit.model import ModelConfig
 from labkit.quant import QuantLinear, Scheme, output_errors, quantize_model, use_fused, weight_bytes
 from labkit.shapes import SHAPES
@@ -71,6 +72,17 @@ def block_shapes(config: ModelConfig) -> list[tuple[int, int]]:
             (config.d_ff, config.d_model)]
 
 
+def check_fused(layers: list, xs: list | None = None) -> None:
+    """Stop, saying why, unless every INT4 layer takes the fused kernel for a decode step's input
+    (else the "fused" rows would time the PyTorch path under the fused kernel's name)."""
+    for i, layer in enumerate(layers):
+        x = xs[i] if xs else torch.zeros(1, layer.in_features)
+        reason = why_not_int4_linear(x, layer.packed, layer.scales, layer.zeros,
+                                     layer.scheme.group_size or layer.in_features)
+        if reason:
+            raise SystemExit(f"the fused INT4 kernel does not apply to layer {i} here, so it cannot be timed: {reason}")
+
+
 def layer_stack(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> dict:
     """A decode step through random layers of these shapes, batch 1, in each weight format: a
     callable per format (the quantized ones sharing their codes) and the bytes of each format's weights."""
@@ -82,7 +94,8 @@ def layer_stack(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch
     int8 = [QuantLinear.from_linear(linear, Scheme(8, None, True)) for linear in linears]
     int4 = [QuantLinear.from_linear(linear, Scheme(4, 64)) for linear in linears]
     unfused = [copy.copy(layer) for layer in int4]  # the same buffers, the PyTorch path
-    use_fused(torch.nn.ModuleList(int8 + unfused), False)
+    use_fused(torch.nn.ModuleList(unfused), False)
+    check_fused(int4, xs)
 
     def step(layers: list) -> Callable[[], list]:
         return lambda: [layer(x) for layer, x in zip(layers, xs)]
@@ -98,7 +111,7 @@ def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.M
                  stack_blocks: int) -> dict[str, float]:
     """Decode steps timed in turn on the target and on a larger-than-cache stack; the fused/fp32 ratios."""
     unfused = use_fused(copy.deepcopy(int4), False)
-    use_fused(int8, False)
+    check_fused([m for m in int4.modules() if isinstance(m, QuantLinear)])
     params = SamplingParams(max_new_tokens=48, stop_at_eos=False)
     same = list(stream(int4, [5, 9, 2, 7], params)) == list(stream(unfused, [5, 9, 2, 7], params))
     steps = {DTYPE: model, "INT8 per-channel (PyTorch)": int8, "INT4 g64 (PyTorch)": unfused, "INT4 g64 (fused)": int4}
@@ -126,18 +139,37 @@ def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.M
             "stack": fast[DTYPE].median_s / fast["INT4 g64 (fused)"].median_s, "identical": same}
 
 
-def gpu_layer(repeats: int) -> None:
-    """On CUDA: the Triton INT4 kernel against bf16 F.linear at batch 1, a Llama-2-7B MLP layer (4096 -> 11008)."""
+def graphed(call: Callable[[], object], times: int) -> Callable[[], None]:
+    """``times`` calls recorded as one CUDA graph, replayed: what a kernel costs without Python's
+    launch overhead, which at batch 1 would dwarf a layer of tens of microseconds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up (Triton compiles here) on a side stream, as capture wants
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(times):
+            call()
+    return graph.replay
+
+
+def gpu_layer(repeats: int, calls: int = 50) -> None:
+    """On CUDA: the Triton INT4 kernel against fp16 F.linear at batch 1 on a Llama-2-7B MLP layer
+    (4096 -> 11008), each as ``calls`` calls in one CUDA graph, so that the kernels are timed, not their launches."""
+    from labkit.kernels.int4_matmul import int4_matmul
     device = torch.device("cuda")
-    linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.float16)
     layer = QuantLinear.from_linear(linear, Scheme(4, 64))
-    x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
-    timed = alternate({"bf16 F.linear": lambda: linear(x), "INT4 g64 (Triton)": lambda: layer(x)}, warmup=10,
-                      repeats=repeats * 10, device=device)
-    print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, bf16 against INT4 g64:")
+    x = torch.randn(1, 4096, device=device, dtype=torch.float16)
+    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight), calls),
+             "INT4 g64 (Triton)": graphed(lambda: int4_matmul(x, layer.packed, layer.scales, layer.zeros, 64), calls)}
+    timed = alternate(steps, warmup=3, repeats=repeats, device=device)
+    print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, fp16 against INT4 g64, {calls} calls per graph:")
     for name, t in timed.items():
-        print(f"  {name:<20}{t.median_s * 1e6:8.1f} us")
-    print(f"  goal >= 2.5x: {timed['bf16 F.linear'].median_s / timed['INT4 g64 (Triton)'].median_s:.2f}x")
+        print(f"  {name:<20}{t.median_s / calls * 1e6:8.1f} us a call")
+    print(f"  goal >= 2.5x: {timed['fp16 F.linear'].median_s / timed['INT4 g64 (Triton)'].median_s:.2f}x")
 
 
 def outlier_figures(windows: int, calibration: int) -> dict[str, float]:

@@ -17,8 +17,7 @@ The recipe, ``outlier_model(model)``:
   the outliers sit in the channels the model already leans on most, the same in every layer;
 - factor ``FACTOR`` = 16 at both norms of every block (attn_norm before wqkv, mlp_norm before
   gate_up), which with their existing lead puts those channels at tens of times the median
-  channel (the card prints the measured ratios), as in real models. 16 is about where rounding
-  starts to delete those columns (below it RTN hurts far less, above it hardly more). A power of
+  channel (the card prints the measured ratios), as in real models. A power of
   two: only the exponents move, so the rescaled weights are exact in fp32, bf16 and fp16, and
   the logits are the target's exactly;
 - the final norm stays as it is: its projection is the LM head, tied to the embedding, whose

@@ -178,7 +178,8 @@ class QuantLinear(nn.Module):
     fused = True  # take the fused INT4 kernel where it applies (``use_fused``); else dequantize in PyTorch
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and self.scheme.bits == 4:
+        # under torch.compile, the PyTorch path: Inductor fuses the dequantization into the matmul itself
+        if self.fused and self.scheme.bits == 4 and not torch.compiler.is_compiling():
             group = self.scheme.group_size or self.in_features
             if why_not_int4_linear(x, self.packed, self.scales, self.zeros, group) is None:
                 return int4_linear(x, self.packed, self.scales, self.zeros, group, check=False)
@@ -221,6 +222,13 @@ def hessian(inputs: Tensor) -> Tensor:
     return 2 * x.T @ x / len(x)
 
 
+def inverse_hessian_factor(h: Tensor, damp: float = 0.01) -> Tensor:
+    """U, the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in float32 (computed in float64):
+    the damping keeps H invertible where inputs are few or correlated."""
+    h = h.double() + damp * h.diagonal().double().mean() * torch.eye(len(h), dtype=torch.float64, device=h.device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+
+
 def gptq(weight: Tensor, h: Tensor, scheme: Scheme, damp: float = 0.01, block: int = 128
          ) -> tuple[Tensor, Tensor, Tensor]:
     """GPTQ for one weight ``[out, in]`` given its input Hessian ``[in, in]``: codes, scales and
@@ -235,8 +243,7 @@ def gptq(weight: Tensor, h: Tensor, scheme: Scheme, damp: float = 0.01, block: i
     dead = h.diagonal() == 0  # an input that was always 0: its column cannot matter
     h[dead, dead] = 1
     w[:, dead] = 0
-    h += damp * h.diagonal().mean() * torch.eye(in_features, dtype=h.dtype, device=h.device)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    u = inverse_hessian_factor(h, damp)
     codes = torch.empty(out_features, in_features, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for start in range(0, in_features, block):

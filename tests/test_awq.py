@@ -50,6 +50,8 @@ def test_folding_any_scales_leaves_the_function_unchanged(small, calibration, ki
 def test_scale_model_changes_the_weights_but_not_the_logits(small, calibration):
     folded = copy.deepcopy(small)
     scales = scale_model(folded, calibration, SCHEME)
+    assert not torch.equal(folded.blocks[0].attn.wqkv.weight, small.blocks[0].attn.wqkv.weight)
+    assert not torch.equal(folded.blocks[0].attn_norm.weight, small.blocks[0].attn_norm.weight)
     assert set(scales) == {f"blocks.{i}.{kind}" for i in range(2) for kind in KINDS}
     assert scales["blocks.0.attn.wqkv"].argmax() in (5, 40)  # the planted outliers get the largest scales
     with torch.no_grad():

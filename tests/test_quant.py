@@ -135,12 +135,35 @@ def test_a_decode_step_takes_the_fused_kernel_and_agrees_with_the_pytorch_path(s
     assert len(calls) == 4
 
 
-def test_greedy_generation_is_the_same_through_either_path(small):
+def test_greedy_generation_is_the_same_through_either_path(small, monkeypatch):
+    from labkit import quant
+    calls = []
+    monkeypatch.setattr(quant, "int4_linear", lambda *args, **kwargs: calls.append(1) or int4_linear(*args, **kwargs))
     quantized = quantize_model(small, Scheme(4, 32), head=True)
     params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
     fused = [list(stream(quantized, p, params)) for p in ([5, 9, 2, 7], [3, 3, 8])]
+    assert len(calls) >= 2 * 7 * 9  # every projection and the head, at each of the 7 decode steps of each prompt
     assert use_fused(quantized, False) is quantized and not quantized.blocks[0].mlp.down.fused
     assert [list(stream(quantized, p, params)) for p in ([5, 9, 2, 7], [3, 3, 8])] == fused
+
+
+def test_a_quantized_layer_traces_whole_under_torch_compile():
+    """Dynamo cannot trace the fused kernel's checks: compiled, a layer dequantizes in PyTorch (which Inductor
+    fuses into the matmul itself), with no graph break."""
+    layer = QuantLinear.from_linear(nn.Linear(64, 24, bias=False), Scheme(4, 32))
+    x = torch.randn(1, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_hooked_removes_its_hooks_even_when_the_run_raises():
+    from labkit.quant import hooked
+    layer = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        with hooked([layer.register_forward_hook(lambda *args: None)]):
+            raise RuntimeError("boom")
+    assert not layer._forward_hooks
 
 
 def dequantized_copy(model: Transformer) -> Transformer:

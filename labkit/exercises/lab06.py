@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 
 from labkit.exercises.spec import Case, Exercise, Scenario, assert_equal_tensors
-from labkit.quant import QuantLinear, Scheme, dequantize, pack_int4, quantize, unpack_int4
+from labkit.quant import QuantLinear, Scheme, dequantize, pack_int4, quantize, unpack_int4, use_fused
 
 
 def reference_group(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, float, float, torch.Tensor]:
@@ -122,10 +122,11 @@ class SealedQuantLinear(QuantLinear):
 
 def sealed_layer(out_features: int, in_features: int, scheme: Scheme, seed: int
                  ) -> tuple[SealedQuantLinear, QuantLinear]:
-    """A random layer, sealed for the exercise, and the same layer unsealed for the expected output."""
+    """A random layer, sealed for the exercise, and the same layer unsealed for the expected output, which
+    dequantizes in PyTorch as the exercise does (not the fused kernel, which would also be built for it)."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
     quantized = quantize(weight, scheme)
-    return SealedQuantLinear(*quantized, scheme), QuantLinear(*quantized, scheme)
+    return SealedQuantLinear(*quantized, scheme), use_fused(QuantLinear(*quantized, scheme), False)
 
 
 def _forward_cases() -> list[Case]:

@@ -33,7 +33,7 @@ ex06b.3  ``gptq_columns(weight, u, scale, zero, bits) -> codes``
     other way there; one code off changes the rest of its row).
 
 The references: ex06b.1's is ``quant.dequantize`` in float64, ex06b.2's ``awq.search_scales``, ex06b.3's
-``quant.gptq`` (whose H^-1 factor ``_inverse_hessian_factor`` reproduces, for the cases built from inputs).
+``quant.gptq`` (whose H^-1 factor, ``quant.inverse_hessian_factor``, the cases built from inputs use).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ from torch import Tensor
 
 from labkit.awq import awq_scales, output_error, rtn_scaled, search_scales
 from labkit.exercises.spec import Case, Exercise, _short
-from labkit.quant import Scheme, dequantize, gptq, group_params, hessian, pack_int4, quantize, unpack_int4
+from labkit.quant import (Scheme, dequantize, gptq, group_params, hessian, inverse_hessian_factor, pack_int4, quantize,
+                          unpack_int4)
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,6 @@ def _awq_cases() -> list[Case]:
 # ex06b.3 -----------------------------------------------------------------------------------------
 
 
-def _inverse_hessian_factor(h: Tensor, damp: float = 0.01) -> Tensor:
-    """The upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, computed as ``quant.gptq`` does."""
-    h = h.double().clone()
-    h += damp * h.diagonal().mean() * torch.eye(len(h), dtype=h.dtype)
-    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-
-
 def _codes_judge(expected: Tensor, rtn: Tensor, bits: int) -> Callable[[Any], None]:
     """Codes of ``bits`` equal to ``expected`` in all rows but one in eight (at least one row may differ)."""
     out_features, in_features = expected.shape
@@ -286,7 +280,7 @@ def _gptq_cases() -> list[Case]:
          "a wider layer: every column's error reaches every column after it, up to the last"),
     ]:
         weight, h = _layer(seed, *shape)
-        cases.append(_gptq_case(label, weight, h, _inverse_hessian_factor(h), bits, 0.01, hint))
+        cases.append(_gptq_case(label, weight, h, inverse_hessian_factor(h), bits, 0.01, hint))
     return cases
 
 

@@ -40,12 +40,9 @@ all on zmm registers. Built as torch would for AVX2 (``ATEN_CPU_CAPABILITY=avx2`
 registers; without vector extensions (``default``), SSE on xmm. All three builds give the same
 results to float rounding.
 
-Measured on this 2-core Xeon (2026-11-26, other work running beside it; medians, alternating; by a
-script outside the repository until ``benchmarks/quantization.py`` times the decode step): the
-target model's linear layers for one decode step (8 blocks x 4 projections, batch 1) took 2.5 ms
-fused, 4.5 ms with fp32 weights (1.8x as fast) and 44 ms dequantizing in PyTorch, on 1 thread;
-2.4 against 3.2 ms on 2 threads (1.3x). A 4096 x 14336 layer: 7.9 against 21 ms (2.7x); four of
-them (940 MB in fp32, beyond any cache): 28 against 69 ms (2.4x). Group sizes must be multiples of
+BENCHMARKS.md (issue 35's section) records what it gains: ``benchmarks/quantization.py`` times a
+decode step with it against fp32 and the PyTorch path, on the target and on layers larger than
+the cache. Group sizes must be multiples of
 8 (a word's codes share a group); ``in`` need not fill whole blocks (the last is padded with zeros).
 
 It is compiled the first time ``build`` is called (``labkit.kernels.cpp_build``: a C++ compiler with
