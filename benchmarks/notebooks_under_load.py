@@ -8,13 +8,16 @@ A student's laptop runs a browser, an editor and a video call beside the noteboo
 kernel as JupyterLab would (nbclient; the executed copy goes to ``--out``, never over the
 source), stops the spinning processes, and prints every line of the notebook's output that
 states a timing, a speedup, a warning or a verdict, so that one can read whether the figures
-support the text or are flagged as not trustworthy. ``--default-threads`` is the counter-experiment:
+support the text or are flagged as not trustworthy. ``--keep-going`` runs every cell even after one
+raises, and lists the cells that did (with ``--busy 0``: how a lent GPU machine ran the notebooks'
+GPU branches once, each notebook's seconds and errors in one pass). ``--default-threads`` is the counter-experiment:
 the notebooks keep torch's default thread count instead of choosing one by measurement (what
 they did before issue 31), so that one sees what the physics checks say then.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import re
 import time
@@ -28,7 +31,8 @@ from labkit import bench
 from labkit.device import device_name
 
 # the lines worth reading: timings, ratios, warnings, verdicts
-INTERESTING = re.compile(r"(\d\s?(ms|us|s)\b|x as fast|speedup|WARNING|warning|trust|thread|should hold|faster|slower)")
+INTERESTING = re.compile(r"(\d\s?(ms|us|s)\b|x as fast|speedup|WARNING|warning|trust|thread|should hold|faster|slower|"
+                         r"ERROR in cell)")
 
 
 # the counter-experiment's first cell: choose_threads keeps torch's default and says so
@@ -40,35 +44,45 @@ def keep_default(step, **kwargs):
 bench.choose_threads = keep_default"""
 
 
-def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool) -> tuple[float, list[str]]:
-    """Execute the notebook at ``path`` beside ``busy`` spinning processes; seconds and its printed lines."""
+def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool, keep_going: bool = False
+        ) -> tuple[float, list[str]]:
+    """Execute the notebook at ``path`` beside ``busy`` spinning processes; seconds and its printed lines
+    (with ``keep_going``, every cell runs, and each error is a line of its own)."""
     nb = nbformat.read(path, as_version=4)
     if default_threads:
         nb.cells.insert(0, nbformat.v4.new_code_cell(KEEP_DEFAULT_THREADS))
-    client = NotebookClient(nb, timeout=timeout_s, resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=timeout_s, allow_errors=keep_going,
+                            resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    with bench.busy_cpus(busy, max_seconds=4 * 3600):  # as long as the run, however slow
+    load = bench.busy_cpus(busy, max_seconds=4 * 3600) if busy else contextlib.nullcontext()  # as long as the run
+    with load:
         client.execute()
     seconds = time.perf_counter() - start
     nbformat.write(nb, out / path.name)
     lines = [line for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", [])
              for line in output.get("text", "").splitlines()]
-    return seconds, lines
+    errors = [f"ERROR in cell {index}: {output['ename']}: {output['evalue'][:300]}"
+              for index, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for output in cell.get("outputs", []) if output.get("output_type") == "error"]
+    return seconds, lines + errors
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the notebook")
+    parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the notebook (0: none)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/under_load"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     parser.add_argument("--default-threads", action="store_true", help="keep torch's default thread count")
+    parser.add_argument("--keep-going", action="store_true", help="run every cell even after one raises")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     threads = "torch's default threads" if args.default_threads else "threads chosen by the notebooks"
-    print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  {args.busy} busy processes, {threads}")
+    gpu = f"  {device_name('cuda')}" if torch.cuda.is_available() else ""
+    print(f"{datetime.date.today()}  {device_name('cpu')}{gpu}  torch {torch.__version__}  {args.busy} busy processes, "
+          f"{threads}")
     for path in args.notebooks:
-        seconds, lines = run(path, args.out, args.busy, args.timeout, args.default_threads)
+        seconds, lines = run(path, args.out, args.busy, args.timeout, args.default_threads, args.keep_going)
         print(f"\n== {path} ran in {seconds:.0f} s beside {args.busy} busy processes (executed copy: {args.out / path.name})")
         for line in lines:
             if INTERESTING.search(line):
