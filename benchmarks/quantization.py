@@ -37,10 +37,9 @@ from labkit.device import device_name
 from labkit.generate import decode_step
 from labkit.generate import SamplingParams, stream
 from labkit.kernels.int4_linear import why_not_int4_linear
-from labkit.model import ModelConfig
 from labkit.quant import QuantLinear, Scheme, output_errors, quantize_model, use_fused, weight_bytes
-from labkit.shapes import SHAPES
-from labkit.train import paired_difference, random_batch, window_losses
+from labkit.shapes import SHAPES, projection_shapes
+from labkit.train import random_batch, window_losses
 
 SCHEMES = {
     "INT8 per-channel sym": (Scheme(8, None, True), "rtn", False),
@@ -64,14 +63,6 @@ def projection_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return sum(m.nbytes for m in layers), sum(2 * m.in_features * m.out_features for m in layers)
 
 
-def block_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) of a block's four projections: wqkv, wo, gate_up, down."""
-    head_dim = config.d_model // config.n_heads
-    qkv = (config.n_heads + 2 * config.n_kv_heads) * head_dim
-    return [(config.d_model, qkv), (config.n_heads * head_dim, config.d_model), (config.d_model, 2 * config.d_ff),
-            (config.d_ff, config.d_model)]
-
-
 def check_fused(layers: list, xs: list | None = None) -> None:
     """Stop, saying why, unless every INT4 layer takes the fused kernel for a decode step's input
     (else the "fused" rows would time the PyTorch path under the fused kernel's name)."""
@@ -83,14 +74,14 @@ def check_fused(layers: list, xs: list | None = None) -> None:
             raise SystemExit(f"the fused INT4 kernel does not apply to layer {i} here, so it cannot be timed: {reason}")
 
 
-def layer_stack(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> dict:
+def layer_stack(shapes: list[tuple[str, int, int]], dtype: torch.dtype, device: torch.device) -> dict:
     """A decode step through random layers of these shapes, batch 1, in each weight format: a
     callable per format (the quantized ones sharing their codes) and the bytes of each format's weights."""
     generator = torch.Generator(device).manual_seed(0)
-    linears = [torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype) for n_in, n_out in shapes]
+    linears = [torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype) for _, n_out, n_in in shapes]
     for linear in linears:
         torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
-    xs = [torch.randn(1, n_in, device=device, dtype=dtype, generator=generator) for n_in, _ in shapes]
+    xs = [torch.randn(1, n_in, device=device, dtype=dtype, generator=generator) for _, _, n_in in shapes]
     int8 = [QuantLinear.from_linear(linear, Scheme(8, None, True)) for linear in linears]
     int4 = [QuantLinear.from_linear(linear, Scheme(4, 64)) for linear in linears]
     unfused = [copy.copy(layer) for layer in int4]  # the same buffers, the PyTorch path
@@ -122,7 +113,7 @@ def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.M
     print(f"  {'weights':<28}{'median':>9}{'min':>9}{'vs ' + DTYPE:>9}")
     for name, t in timed.items():
         print(f"  {name:<28}{t.median_s * 1e3:7.2f} ms{t.min_s * 1e3:7.2f} ms{timed[DTYPE].median_s / t.median_s:8.2f}x")
-    shapes = block_shapes(SHAPES["Llama-3.1-8B"]) * stack_blocks
+    shapes = projection_shapes(SHAPES["Llama-3.1-8B"]) * stack_blocks
     stack = layer_stack(shapes, torch.float32, torch.device("cpu"))
     slow = {name: fn for name, fn in stack["steps"].items() if "PyTorch" in name}
     fast = alternate({name: fn for name, fn in stack["steps"].items() if name not in slow}, warmup=2,
@@ -139,32 +130,22 @@ def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.M
             "stack": fast[DTYPE].median_s / fast["INT4 g64 (fused)"].median_s, "identical": same}
 
 
-def graphed(call: Callable[[], object], times: int) -> Callable[[], None]:
-    """``times`` calls recorded as one CUDA graph, replayed: what a kernel costs without Python's
-    launch overhead, which at batch 1 would dwarf a layer of tens of microseconds."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up (Triton compiles here) on a side stream, as capture wants
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(times):
-            call()
-    return graph.replay
-
-
 def gpu_layer(repeats: int, calls: int = 50) -> None:
     """On CUDA: the Triton INT4 kernel against fp16 F.linear at batch 1 on a Llama-2-7B MLP layer
     (4096 -> 11008), each as ``calls`` calls in one CUDA graph, so that the kernels are timed, not their launches."""
+    from labkit.cuda_graphs import record
     from labkit.kernels.int4_matmul import int4_matmul
     device = torch.device("cuda")
+
+    def graphed(call: Callable[[], object]) -> Callable[[], None]:
+        """``calls`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
+        return record(lambda: [call() for _ in range(calls)], device)[0].replay
+
     linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.float16)
     layer = QuantLinear.from_linear(linear, Scheme(4, 64))
     x = torch.randn(1, 4096, device=device, dtype=torch.float16)
-    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight), calls),
-             "INT4 g64 (Triton)": graphed(lambda: int4_matmul(x, layer.packed, layer.scales, layer.zeros, 64), calls)}
+    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight)),
+             "INT4 g64 (Triton)": graphed(lambda: int4_matmul(x, layer.packed, layer.scales, layer.zeros, 64))}
     timed = alternate(steps, warmup=3, repeats=repeats, device=device)
     print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, fp16 against INT4 g64, {calls} calls per graph:")
     for name, t in timed.items():
@@ -177,18 +158,15 @@ def outlier_figures(windows: int, calibration: int) -> dict[str, float]:
     with its standard error, and the share of it GPTQ and AWQ recover."""
     from labkit import outliers
     stats = outliers.measure(windows, calibration)
-    losses = stats["losses"]
-    ppl = {name: math.exp(losses[name].mean().item()) for name in ("fp32", "RTN", "GPTQ", "AWQ")}
+    ppl = outliers.perplexities(stats)
     print(f"\nthe outlier model (labkit.outliers: {len(outliers.CHANNELS)} channels x{outliers.FACTOR:g}), INT4 g128 "
           f"asym, {windows} windows, {calibration} calibration windows:")
-    recovered = {}
-    for name in ("RTN", "GPTQ", "AWQ"):
-        gap, error = paired_difference(losses[name], losses["fp32"])
-        recovered[name] = (ppl["RTN"] - ppl[name]) / (ppl["RTN"] - ppl["fp32"])
+    figures = {name: outliers.against_fp32(stats, name) for name in ("RTN", "GPTQ", "AWQ")}
+    for name, (gap, error, recovered) in figures.items():
         print(f"  {name:<5} perplexity {ppl[name]:8.3f} (fp32 {ppl['fp32']:.3f}), loss {gap:+.4f} +- {error:.4f} "
-              f"nats per window" + (f", recovers {recovered[name]:.0%} of RTN's increase" if name != "RTN" else ""))
-    rtn_gap, rtn_error = paired_difference(losses["RTN"], losses["fp32"])
-    return {"rtn_sigmas": rtn_gap / rtn_error, "gptq": recovered["GPTQ"], "awq": recovered["AWQ"]}
+              f"nats per window" + (f", recovers {recovered:.0%} of RTN's increase" if recovered is not None else ""))
+    rtn_gap, rtn_error, _ = figures["RTN"]
+    return {"rtn_sigmas": rtn_gap / rtn_error, "gptq": figures["GPTQ"][2], "awq": figures["AWQ"][2]}
 
 
 def main(argv: list[str] | None = None) -> int:

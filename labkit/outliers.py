@@ -161,16 +161,29 @@ def measure(windows: int, calibration_windows: int) -> dict:
             "date": str(datetime.date.today())}
 
 
+def perplexities(stats: dict) -> dict[str, float]:
+    """The perplexity of each of ``measure``'s models, by name."""
+    return {name: math.exp(v.mean().item()) for name, v in stats["losses"].items()}
+
+
+def against_fp32(stats: dict, name: str) -> tuple[float, float, float | None]:
+    """For the outlier model's weights ``name`` (fp32, RTN, GPTQ or AWQ): the mean per-window loss minus
+    fp32's, its standard error, and the share of RTN's perplexity increase taken back (None for fp32, RTN)."""
+    losses, ppl = stats["losses"], perplexities(stats)
+    gap, error = paired_difference(losses[name], losses["fp32"]) if name != "fp32" else (0.0, 0.0)
+    recovered = (ppl["RTN"] - ppl[name]) / (ppl["RTN"] - ppl["fp32"]) if name in ("GPTQ", "AWQ") else None
+    return gap, error, recovered
+
+
 def card(stats: dict) -> str:
     """MODEL_CARD.md of the outlier model, from ``measure``'s figures."""
-    losses, ppl = stats["losses"], {name: math.exp(v.mean().item()) for name, v in stats["losses"].items()}
+    losses, ppl = stats["losses"], perplexities(stats)
     rows = []
     for name in ("fp32", "RTN", "GPTQ", "AWQ"):
-        gap, error = paired_difference(losses[name], losses["fp32"]) if name != "fp32" else (0.0, 0.0)
-        recovered = (f"{(ppl['RTN'] - ppl[name]) / (ppl['RTN'] - ppl['fp32']):.0%}"
-                     if name in ("GPTQ", "AWQ") else "")
+        gap, error, recovered = against_fp32(stats, name)
         rows.append(f"| {name if name == 'fp32' else f'INT4 g128 {name}'} | {ppl[name]:.3f} | "
-                    f"{ppl[name] / ppl['fp32'] - 1:+.2%} | {gap:+.4f} +- {error:.4f} | {recovered} |")
+                    f"{ppl[name] / ppl['fp32'] - 1:+.2%} | {gap:+.4f} +- {error:.4f} | "
+                    f"{'' if recovered is None else f'{recovered:.0%}'} |")
     target_gap, target_error = paired_difference(losses["target RTN"], losses["target"])
     kinds = list(next(iter(stats["errors"].values())))
     error_rows = [f"| {name} | " + " | ".join(f"{stats['errors'][name][k]:.2%}" for k in kinds) + " |"

@@ -121,6 +121,15 @@ def build_shape(shape: str | ModelConfig, device: torch.device | str | None = No
     return model.eval()
 
 
+def projection_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """(kind, out, in) of each projection of a block, in the order they run: what a decode step
+    multiplies by, layer after layer (the weights ``[out, in]`` of ``attn.wqkv``, ``attn.wo``,
+    ``mlp.gate_up`` and ``mlp.down``)."""
+    qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    return [("attn.wqkv", qkv, config.d_model), ("attn.wo", config.d_model, config.n_heads * config.head_dim),
+            ("mlp.gate_up", 2 * config.d_ff, config.d_model), ("mlp.down", config.d_model, config.d_ff)]
+
+
 def shape_name(config: ModelConfig) -> str | None:
     """The name of the shape a config has (at any max_seq_len); None for a config of none of them."""
     return next((name for name, c in SHAPES.items() if replace(c, max_seq_len=config.max_seq_len) == config), None)

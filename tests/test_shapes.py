@@ -111,3 +111,11 @@ def test_on_a_gpu_the_timing_shape_is_the_largest_that_leaves_room(monkeypatch):
     for free_gb, expected in ((80, "Llama-3.1-8B"), (24, "Llama-3.2-3B"), (8, "Llama-3.2-1B"), (4, None)):
         monkeypatch.setattr(shapes, "free_bytes", lambda device, free=free_gb: free * 1e9)
         assert shapes.timing_shape("cuda") == expected, free_gb
+
+
+def test_projection_shapes_are_the_blocks_weights():
+    from labkit.shapes import projection_shapes
+    config = ModelConfig(vocab_size=64, d_model=48, n_layers=1, n_heads=6, n_kv_heads=2, d_ff=80, max_seq_len=32)
+    block = Transformer(config).blocks[0]
+    assert projection_shapes(config) == [(kind, *block.get_submodule(kind).weight.shape)
+                                         for kind in ("attn.wqkv", "attn.wo", "mlp.gate_up", "mlp.down")]

@@ -67,11 +67,10 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     """``x @ W.T`` for the INT4 weight W = (code - zero) * scale (``quant.dequantize``), never built:
     ``x`` ``[..., in]`` with at most 8 rows in all, to ``[..., out]`` in x's dtype. ValueError with
     ``why_not_int4_linear``'s reason where it does not apply; ``check=False`` skips that check, for a
-    caller that has just had None from it."""
+    caller that has just had None from it (which has also built the C++ operator)."""
     if check and (reason := why_not_int4_linear(x, packed, scales, zeros, group_size)):
         raise ValueError(reason)
-    if x.device.type == "cpu":
-        build()
+    if x.device.type == "cpu":  # built (or found not to build) by the check: _cpu_build_problem
         return torch.ops.labkit.int4_matmul(x, packed, scales, zeros, group_size)
     from labkit.kernels.int4_matmul import int4_matmul  # here: it needs Triton, which a CPU may lack
     return int4_matmul(x, packed, scales, zeros, group_size)
