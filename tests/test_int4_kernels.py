@@ -97,8 +97,6 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
 ])
 def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
                                                          rows, blocks):
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("Triton 3.7's interpreter multiplies bf16 wrongly in tl.dot (by about 1e10)")
     packed, scales, zeros, weight = _layer(out_features, in_features, group_size, symmetric)
     x = _inputs(rows, in_features).to(dtype)
     on_device = [t if t is None else t.to(DEVICE) for t in (x, packed, scales, zeros)]
@@ -177,21 +175,21 @@ from labkit.kernels.int4_matmul import int4_matmul_kernel
 
 for capability, dtype in ((90, "fp16"), (80, "bf16")):
     pointers = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": f"*{dtype}"}
-    constexprs = dict(HAS_ZEROS=True, ROWS=16, BLOCK_N=64, BLOCK_K=256, PRECISION="tf32")
+    constexprs = dict(HAS_ZEROS=True, ROWS=1, BLOCK_N=4, BLOCK_K=512)
     kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
              for name in int4_matmul_kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(int4_matmul_kernel.arg_names)
                if kinds[name] != "constexpr"}
     compiled = triton.compile(ASTSource(fn=int4_matmul_kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
                               target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
-    print("int4", capability, dtype, "cubin" in compiled.asm, "mma" in compiled.asm["ptx"])
+    print("int4", capability, dtype, "cubin" in compiled.asm)
 """
 
 
 @needs_triton
 def test_the_triton_kernel_compiles_for_hopper_and_ampere_gpus():
-    """Without a GPU, Triton still compiles the kernel for a named GPU: the path the interpreter never
-    takes (tl.dot's tile shapes, the types), with its two products on tensor cores."""
+    """Without a GPU, Triton still compiles the kernel for a named GPU at its GPU launch parameters:
+    the path the interpreter never takes (the layouts, the types)."""
     ran = _python(_COMPILE, TRITON_INTERPRET="0")
     assert ran.returncode == 0, ran.stderr[-3000:]
-    assert ran.stdout.split("\n")[:2] == ["int4 90 fp16 True True", "int4 80 bf16 True True"], ran.stdout
+    assert ran.stdout.split("\n")[:2] == ["int4 90 fp16 True", "int4 80 bf16 True"], ran.stdout
