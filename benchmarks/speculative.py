@@ -1,19 +1,25 @@
-"""Speculative decoding against target-only greedy decoding, for both drafters.
+"""Speculative decoding against target-only greedy decoding: a draft model, prompt lookup, Medusa
+heads (chains and trees) and early exit (lab 11).
 
     python benchmarks/speculative.py [--prompts 4] [--new-tokens 128] [--ks 2 3 4 6 8] [--repeats 2]
-                                     [--compiled-draft]
+                                     [--compiled-draft] [--tree-sizes 5 6 8 16 32]
+                                     [--exit-layers 1 2 3] [--exit-ks 2 3 4 6]
 
 Two workloads of ``--prompts`` prompts each, greedy, EOS ignored, batch 1, fp32 on the CPU:
 - continuation: the first three lines of functions from the validation split, drafted by the
-  shipped draft model;
+  shipped draft model, by the shipped Medusa heads (``labkit/checkpoints/medusa``: the chain of
+  top-1 guesses at each depth, and trees of ``--tree-sizes`` nodes chosen from the heads'
+  measured accuracies), and by the target's own first layers through the shipped early-exit
+  adapters (``labkit/checkpoints/early-exit``);
 - editing: a function, then its first two lines again (the answer would repeat much of the
   prompt), drafted by prompt lookup.
-For each k, target-only and speculative decoding generate from every prompt, timed alternately
-(target, speculative, target, ...); the outputs must be identical, token for token. Printed per
-k: speedup (ratio of median times), draft acceptance rate, mean accepted draft tokens per target
-call, tokens per target call; then the cost of a draft step and of verifying k + 1 tokens,
-relative to one target decode step. With ``--compiled-draft`` the draft model's one-token steps
-run compiled (``labkit.compile``), and its step cost is printed both ways.
+For each configuration, target-only and speculative decoding generate from every prompt, timed
+alternately (target, speculative, target, ...); the outputs must be identical, token for token.
+Printed per configuration: speedup (ratio of median times), draft acceptance rate, mean accepted
+draft tokens per target call, tokens per target call, acceptance by depth; then the cost of a
+draft step and of verifying k + 1 tokens, relative to one target decode step. With
+``--compiled-draft`` the draft model's one-token steps run compiled (``labkit.compile``), and its
+step cost is printed both ways.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ from labkit.bench import compare, measure
 from labkit.compile import static_decoder
 from labkit.device import device_name
 from labkit.generate import SamplingParams, decode_step, stream
+from labkit import medusa
+from labkit.early_exit import self_speculative_stream
+from labkit.heads import load_exit_adapters, load_medusa
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, SpeculationStats, continuation_prompts,
                                 editing_prompts, speculative_stream)
 
@@ -43,29 +52,58 @@ def compiled_step_cost(model: torch.nn.Module, context: int = 128) -> float:
     return measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s
 
 
-def sweep(target, drafter, prompts, params, ks, repeats) -> float:
-    """Print one row per k; return the best speedup among those with identical output."""
+def sweep(target, runs, prompts, params, repeats) -> dict[str, float]:
+    """Print one row per run ({label: (k, run(prompt, stats) -> token iterator)}), each timed in turn
+    with the target alone; return each run's speedup (0 where its output was not identical)."""
     plain = lambda: [list(stream(target, p, params)) for p in prompts]
     expected = plain()
     for p in prompts:  # untimed: a compiled draft compiles its step here, outside the timings
-        list(speculative_stream(target, drafter, p, params, ks[0]))
-    best = 0.0
-    print(f"{'k':>3}{'target s':>10}{'spec s':>9}{'speedup':>9}{'accept':>8}{'accepted':>10}{'tok/call':>10}"
-          "  identical")
-    for k in ks:
+        list(next(iter(runs.values()))[1](p, None))
+    speedups = {}
+    print(f"{'':>12}{'target s':>10}{'spec s':>9}{'speedup':>9}{'accept':>8}{'accepted':>10}{'tok/call':>10}"
+          "  identical  acceptance by depth")
+    for label, (k, run) in runs.items():
         stats = [SpeculationStats(k)]
         outputs = []
 
         def speculative() -> None:
             stats[0] = SpeculationStats(k)
-            outputs[:] = [list(speculative_stream(target, drafter, p, params, k, stats=stats[0])) for p in prompts]
+            outputs[:] = [list(run(p, stats[0])) for p in prompts]
         result = compare(plain, speculative, labels=("target", "speculative"), warmup=0, repeats=repeats,
                          device="cpu")
         s = stats[0]
-        print(f"{k:>3}{result.a.median_s:>10.2f}{result.b.median_s:>9.2f}{result.speedup:>8.2f}x"
-              f"{s.acceptance_rate:>8.2f}{s.mean_accepted:>10.2f}{s.tokens_per_call:>10.2f}  {outputs == expected}")
-        best = max(best, result.speedup if outputs == expected else 0.0)
-    return best
+        depths = " ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
+        print(f"{label:>12}{result.a.median_s:>10.2f}{result.b.median_s:>9.2f}{result.speedup:>8.2f}x"
+              f"{s.acceptance_rate:>8.2f}{s.mean_accepted:>10.2f}{s.tokens_per_call:>10.2f}  {outputs == expected!s:9}"
+              f"  {depths}")
+        speedups[label] = result.speedup if outputs == expected else 0.0
+    return speedups
+
+
+def drafter_runs(target, drafter, params, ks) -> dict:
+    """Lab 05's runs: ``drafter`` with each k."""
+    return {f"k={k}": (k, lambda p, s, k=k: speculative_stream(target, drafter, p, params, k, stats=s)) for k in ks}
+
+
+def medusa_runs(target, tokenizer, params, sizes) -> dict:
+    """Medusa with the shipped heads: the chain of top-1 guesses at each depth, then trees of
+    ``sizes`` nodes chosen from the heads' accuracies by rank, measured on the target's own greedy
+    text (32 validation prompts x 128 tokens, other prompts than the timed ones)."""
+    heads = load_medusa(target)
+    topk = medusa.head_topk(target, heads, tokenizer, 32, 128)
+    print("heads' top-1 / top-5 accuracy by depth: " + ", ".join(f"{topk[1][d]:.0%} / {topk[5][d]:.0%}"
+                                                                 for d in range(heads.n)))
+    chains = {f"chain {d}": medusa.chain_paths(d) for d in range(1, heads.n + 1)}
+    trees = {f"tree {n}": medusa.choose_tree(medusa.rank_accuracy(topk), n) for n in sizes}
+    return {label: (max(map(len, paths)), lambda p, s, paths=paths: medusa.medusa_stream(
+        target, heads, p, params, paths, stats=s)) for label, paths in (chains | trees).items()}
+
+
+def early_exit_runs(target, params, layers, ks) -> dict:
+    """Self-speculation through the shipped adapters: each exit layer with each k."""
+    adapters = load_exit_adapters(target)
+    return {f"L'={layer} k={k}": (k, lambda p, s, layer=layer, k=k: self_speculative_stream(
+        target, layer, p, params, k, adapter=adapters[layer], stats=s)) for layer in layers for k in ks}
 
 
 def main() -> None:
@@ -75,6 +113,9 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 6, 8])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compiled-draft", action="store_true", help="compile the draft model's decode step")
+    parser.add_argument("--tree-sizes", type=int, nargs="+", default=[5, 6, 8, 16, 32], help="Medusa tree nodes")
+    parser.add_argument("--exit-layers", type=int, nargs="+", default=[1, 2, 3], help="early-exit layers")
+    parser.add_argument("--exit-ks", type=int, nargs="+", default=[2, 3, 4, 6], help="early-exit drafts per round")
     args = parser.parse_args()
     target, tokenizer = labkit.load("target", device="cpu")
     draft, _ = labkit.load("draft", device="cpu")
@@ -84,11 +125,18 @@ def main() -> None:
     print(f"target {target.num_parameters():,} parameters, draft {draft.num_parameters():,}, fp32; greedy, "
           f"{args.prompts} prompts x {args.new_tokens} new tokens; times are totals over the prompts\n")
     print(f"draft model{' (compiled)' * args.compiled_draft}, continuation workload")
+    continuation = continuation_prompts(tokenizer, args.prompts)
     drafter = ModelDrafter(draft, compiled=args.compiled_draft)
-    best_draft = sweep(target, drafter, continuation_prompts(tokenizer, args.prompts), params, args.ks, args.repeats)
+    best_draft = sweep(target, drafter_runs(target, drafter, params, args.ks), continuation, params, args.repeats)
     print("\nprompt lookup, editing workload")
     lookup = PromptLookupDrafter(target.config.vocab_size)
-    best_lookup = sweep(target, lookup, editing_prompts(tokenizer, args.prompts), params, args.ks, args.repeats)
+    best_lookup = sweep(target, drafter_runs(target, lookup, params, args.ks), editing_prompts(tokenizer, args.prompts),
+                        params, args.repeats)
+    print("\nMedusa heads (chains, then trees), continuation workload")
+    medusa_speedups = sweep(target, medusa_runs(target, tokenizer, params, args.tree_sizes), continuation, params, args.repeats)
+    print("\nearly exit with the trained adapters, continuation workload")
+    exit_speedups = sweep(target, early_exit_runs(target, params, args.exit_layers, args.exit_ks), continuation, params,
+                      args.repeats)
     one = step_cost(target, 1)
     print(f"\none forward call, relative to a target decode step ({one * 1e3:.2f} ms) at context 128:")
     verify = ", ".join(f"k={k} {step_cost(target, k + 1) / one:.2f}" for k in args.ks)
@@ -96,10 +144,16 @@ def main() -> None:
     if args.compiled_draft:
         print(f"  draft decode step, compiled: {compiled_step_cost(draft) / one:.3f}")
     print(f"  target verifying k + 1 tokens: {verify}")
-    print("\ngoals (best k, identical output):")
-    for name, best in (("draft model", best_draft), ("prompt lookup", best_lookup)):
+    print("\ngoals (the best run, identical output):")
+    for name, speedups in (("draft model", best_draft), ("prompt lookup", best_lookup)):
+        best = max(speedups.values())
         print(f"  {name} >= 1.5x: {best:.2f}x, {'met' if best >= 1.5 else 'MISSED'}")
-
+    chain = max(v for label, v in medusa_speedups.items() if label.startswith("chain"))
+    tree = max(v for label, v in medusa_speedups.items() if label.startswith("tree"))
+    print(f"  Medusa tree >= 1.8x and ahead of the best chain: tree {tree:.2f}x, chain {chain:.2f}x, "
+          f"{'met' if tree >= 1.8 and tree > chain else 'MISSED'}")
+    best = max(exit_speedups.values())
+    print(f"  early exit >= 1.3x: {best:.2f}x, {'met' if best >= 1.3 else 'MISSED'}")
 
 if __name__ == "__main__":
     main()

@@ -211,6 +211,17 @@ class ContiguousKVCache:
         self._write(layer, plan.rows, plan.slots, k[plan.rows, :, plan.cols], v[plan.rows, :, plan.cols])
         return attention(q, *self._read(layer, plan.length, q.dtype), plan.mask)
 
+    def compact(self, slots: Sequence[int], start: int) -> None:
+        """Keep the keys and values of row 0's ``slots`` (in order, each at or after its new
+        place) in slots start, start + 1, ... of every layer: after a token tree is verified, its
+        accepted branch moves to the positions it now holds (``labkit.tree``)."""
+        if self.k.shape[1] != 1 or any(s < start + i for i, s in enumerate(slots)):
+            raise ValueError(f"compact moves row 0's slots down in a cache of one row: slots {list(slots)} "
+                             f"to {start}.. in a cache of {self.k.shape[1]}")
+        source = torch.as_tensor(slots, device=self.k.device)
+        for buffer in (self.k, self.v):
+            buffer[:, 0, :, start:start + len(slots)] = buffer[:, 0, :, source]  # gathered before written
+
     def _write(self, layer: int, rows: Tensor | int, slots: Tensor | slice, k: Tensor, v: Tensor) -> None:
         """Store the new keys and values at (row, slot): ``[tokens, n_kv_heads, head_dim]`` for index
         tensors, ``[n_kv_heads, tokens, head_dim]`` for one row's slice of slots."""
@@ -373,12 +384,23 @@ class Transformer(nn.Module):
         but a prompt's tokens before its last skip the LM head, which for a 4096-token vocabulary
         is a tenth of the work."""
         positions = self._positions(tokens, positions, plan)
-        rope = self.rotary(positions)
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, positions, rope, plan)
+        x = self.layers(self.embed(tokens), positions, plan)
         if logits_at is not None:
             x = x[:, torch.as_tensor(logits_at, device=x.device).reshape(-1)]
+        return self.head(x)
+
+    def layers(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None, start: int = 0,
+               stop: int | None = None) -> Tensor:
+        """The residual stream ``x`` ``[B, T, d_model]`` after blocks ``start`` to ``stop - 1`` (all
+        by default), for tokens at ``positions`` (checked by the caller: ``forward`` or a plan's
+        cache). Self-speculation runs the first blocks to draft and the rest to verify."""
+        rope = self.rotary(positions)
+        for block in self.blocks[start:stop]:
+            x = block(x, positions, rope, plan)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits from the residual stream: the final norm, then the LM head."""
         return self.lm_head(self.norm(x))
 
     def _positions(self, tokens: Tensor, positions: Tensor | None, plan: AttentionPlan | None) -> Tensor:

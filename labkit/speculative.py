@@ -215,11 +215,14 @@ def lookup(sequence: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int =
 @dataclass(frozen=True)
 class Round:
     """One target call: what was drafted, how many of those tokens were accepted, the token the
-    target added (a correction after a rejection, or a bonus after all were accepted)."""
+    target added (a correction after a rejection, or a bonus after all were accepted). A call that
+    verified a token tree (``labkit.medusa``) also keeps the tree's parents and the accepted nodes."""
 
     draft: tuple[int, ...]
     accepted: int
     token: int
+    tree: tuple[int, ...] = ()
+    branch: tuple[int, ...] = ()
 
     @property
     def emitted(self) -> list[int]:
@@ -300,10 +303,10 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
     sequence, cached, start = list(prompt), 0, time.perf_counter()
     while len(sequence) - len(prompt) < params.max_new_tokens:
         room = min(k, params.max_new_tokens - (len(sequence) - len(prompt)) - 1)  # drafts that could be emitted
-        proposal = _timed(stats, "draft_s", target.device,
+        proposal = timed(stats, "draft_s", target.device,
                           lambda: drafter.propose(sequence, room, params, generator) if room else Proposal([]))
         fed = sequence[cached:] + proposal.tokens
-        logits = _timed(stats, "target_s", target.device, lambda: forward_tokens(target, fed, cached, cache))
+        logits = timed(stats, "target_s", target.device, lambda: forward_tokens(target, fed, cached, cache))
         logits = logits[-len(proposal.tokens) - 1:]
         if params.temperature == 0:
             accepted, token = verify_greedy(proposal.tokens, logits)
@@ -323,7 +326,7 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
 T = TypeVar("T")
 
 
-def _timed(stats: SpeculationStats, name: str, device: torch.device, work: Callable[[], T]) -> T:
+def timed(stats: SpeculationStats, name: str, device: torch.device, work: Callable[[], T]) -> T:
     """Run ``work`` and add the seconds it took to ``stats.<name>``."""
     start = time.perf_counter()
     result = work()

@@ -16,6 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from labkit.engine import StepRecord
 from labkit.hardware import Hardware
+from labkit.tree import check_tree, children, tree_mask
 
 
 def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, float]] = (),
@@ -179,3 +180,84 @@ def speculation_html(rounds: Sequence, decode) -> str:
         body += [span(t, "rejected") for t in r.draft[r.accepted:]]
         body.append(span(r.token, "bonus" if r.bonus else "target"))
     return f'<div>{legend}</div><div style="font-family:monospace;line-height:1.6">{"".join(body)}</div>'
+
+
+def tree_layout(parents: Sequence[int]) -> list[tuple[float, float]]:
+    """Where to draw each node of a token tree (``labkit.tree``'s parent array): x its depth, y
+    its row, the leaves one row apart in the order of a depth-first walk (children in order, the
+    first on top) and every other node level with the middle of its children."""
+    depth, kids = check_tree(parents), children(parents)
+    row, leaves = [0.0] * len(parents), 0
+    stack = [(0, False)]  # (node, its children done): children are placed before their parent
+    while stack:
+        node, done = stack.pop()
+        if done or not kids[node]:
+            if kids[node]:
+                row[node] = (row[kids[node][0]] + row[kids[node][-1]]) / 2
+            else:
+                row[node], leaves = float(leaves), leaves + 1
+            continue
+        stack.append((node, True))
+        stack += [(kid, False) for kid in reversed(kids[node])]
+    return [(float(d), r) for d, r in zip(depth, row)]
+
+
+def plot_token_tree(parents: Sequence[int], labels: Sequence[str], values: Sequence[float] | None = None, *,
+                    value_label: str = "", title: str = "", ax: Axes | None = None) -> Figure:
+    """A token tree drawn left to right, the root at the left and each node at its depth, joined to
+    its parent; each node a box holding its label, coloured by its value in ``values`` (0 to 1,
+    e.g. how often it was accepted; white where None) with a colour bar named ``value_label``."""
+    if len(labels) != len(parents) or (values is not None and len(values) != len(parents)):
+        raise ValueError(f"one label (and value) per node: {len(parents)} nodes, {len(labels)} labels"
+                         + (f", {len(values)} values" if values is not None else ""))
+    where = tree_layout(parents)
+    rows = 1 + max(y for _, y in where)
+    own = ax is None
+    size = (1.7 * (1 + max(x for x, _ in where)) + 2, 0.38 * rows + 1.3)
+    fig, ax = plt.subplots(figsize=size) if own else (ax.figure, ax)
+    cmap = plt.get_cmap("YlGn")  # 0 near white, 1 dark green
+    for node, parent in enumerate(parents[1:], start=1):
+        (x0, y0), (x1, y1) = where[parent], where[node]
+        ax.plot([x0, x1], [y0, y1], "-", color="0.6", lw=1, zorder=1)
+    for node, ((x, y), label) in enumerate(zip(where, labels)):
+        value = None if values is None else values[node]
+        face = "white" if value is None else cmap(float(value))
+        ink = "white" if value is not None and float(value) > 0.6 else "black"
+        ax.text(x, y, label, ha="center", va="center", fontsize=7, color=ink, zorder=2,
+                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="0.3", lw=0.6))
+    ax.set(xlim=(-0.6, max(x for x, _ in where) + 0.6), ylim=(rows - 0.5, -0.5), title=title)
+    ax.set_xticks(range(int(max(x for x, _ in where)) + 1))
+    ax.set_xlabel("depth (0: the root, the text's last token; d: a guess of head d)")
+    ax.set_yticks([])
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    if values is not None:
+        bar = fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1)), ax=ax, fraction=0.03, pad=0.01)
+        bar.set_label(value_label)
+    if own:
+        fig.tight_layout()
+    return fig
+
+
+def plot_tree_mask(parents: Sequence[int], labels: Sequence[str], start: int = 0, *, title: str = "",
+                   ax: Axes | None = None) -> Figure:
+    """The tree attention mask of ``labkit.tree.tree_plan`` as a picture: a row per node (what it
+    sees), a column per node, and, when ``start`` tokens are cached, one column first for the
+    cached text, which every node sees; dark where a node attends."""
+    mask = tree_mask(parents).numpy()
+    if start:
+        mask = np.concatenate([np.ones((len(parents), 1), dtype=bool), mask], axis=1)
+    columns = ([f"text ({start})"] if start else []) + list(labels)
+    own = ax is None
+    fig, ax = plt.subplots(figsize=(0.3 * len(columns) + 2.5, 0.3 * len(parents) + 1.5)) if own else (ax.figure, ax)
+    ax.imshow(mask, cmap="Greys", vmin=0, vmax=1.4, aspect="equal")
+    ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(parents)), labels, fontsize=7)
+    ax.set_xticks(np.arange(len(columns) + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(len(parents) + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", lw=0.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set(xlabel="keys: what is seen", ylabel="queries: the node that looks", title=title)
+    if own:
+        fig.tight_layout()
+    return fig

@@ -1,0 +1,179 @@
+"""Medusa: the target drafts for itself with a few extra heads, and checks a whole tree at once.
+
+After a forward pass, the stream at the last position gives the target's next token through its
+LM head. Medusa heads (``labkit.heads``: K residual blocks on that same stream, read by the
+target's own norm and LM head) guess further: head i the token i steps after that next token.
+No second model, no second KV cache, no second tokenizer: a few d_model x d_model weights.
+
+A head's top-1 guess is often wrong where its top-3 holds the right token, so Medusa checks
+several candidates per position. Each candidate continuation is a path of ranks, ``(r1, r2, ...)``:
+head 1's r1-th choice, then head 2's r2-th choice, and so on. A set of such paths, each one's
+prefix included, is a token tree (``labkit.tree``) whose root is the target's next token. The tree
+is fixed in advance, chosen from the heads' measured accuracies (``choose_tree``): the paths most
+likely to be accepted, as many as the verification pass can afford.
+
+One round (``medusa_stream``): the heads read the last accepted stream; their candidates fill the
+tree; ONE forward pass of the target over the tree's nodes (tree mask and positions) gives each
+node's logits and stream; the target's own choices walk the tree (``tree.walk``); the accepted
+branch's keys and values move to their positions (``ContiguousKVCache.compact``); the emitted
+tokens are the branch and the target's token after it, and the stream at the branch's last node
+feeds the next round's heads. Every emitted token is the target's own draw, so the output is the
+target's exactly, greedy or sampled.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Iterator, Sequence
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from labkit.generate import SamplingParams, seeded_generator, sequence_length
+from labkit.heads import ResidualHeads, examples, head_accuracy, head_logits
+from labkit.model import ContiguousKVCache, ContiguousPlan, Transformer
+from labkit.speculative import Round, SpeculationStats, continuation_prompts, timed
+from labkit.train import continuation_batches, teacher_continuations
+from labkit.tree import check_tree, tree_plan, walk
+
+Path = tuple[int, ...]
+
+
+def chain_paths(depth: int) -> list[Path]:
+    """The chain of every head's top-1 guess: (0,), (0, 0), ... ``depth`` deep."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def tree_parents(paths: Sequence[Path]) -> tuple[list[int], list[Path]]:
+    """The tree's parent array and each node's path (the root's is ``()``), from paths of ranks.
+    Nodes are ordered by depth, then by path, so parents come first; every path's prefixes must be
+    among the paths."""
+    ordered = [()] + sorted(set(map(tuple, paths)), key=lambda p: (len(p), p))
+    if any(not path or min(path) < 0 for path in ordered[1:]):
+        raise ValueError("a path is a non-empty tuple of ranks, each 0 (a head's top choice) or more")
+    index = {path: i for i, path in enumerate(ordered)}
+    missing = [path for path in ordered[1:] if path[:-1] not in index]
+    if missing:
+        raise ValueError(f"paths {missing[:3]} lack their prefixes {[p[:-1] for p in missing[:3]]}: "
+                         "a node's parent must be in the tree too")
+    return [-1] + [index[path[:-1]] for path in ordered[1:]], ordered
+
+
+def choose_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[Path]:
+    """The ``size`` paths most likely to be accepted, best first, when head d's rank-r candidate is
+    right with probability ``accuracy[d - 1][r]`` independently of the others: a path's chance is
+    the product along it. Grown best-first from the root, so each path's prefix (at least as
+    likely) is chosen before it; Medusa picks its sparse trees the same way."""
+    if size < 1 or not accuracy or not all(accuracy):
+        raise ValueError(f"need size >= 1 and accuracies for at least one head and rank, got size={size}")
+    chosen: list[Path] = []
+    frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < size:
+        negative, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):
+            for r, right in enumerate(accuracy[len(path)]):
+                heapq.heappush(frontier, (negative * right, (*path, r)))
+    return chosen
+
+
+def head_topk(target: Transformer, heads: ResidualHeads, tokenizer: Tokenizer, prompts: int, new_tokens: int,
+              ranks: int = 10, seed: int = 1) -> dict[int, list[float]]:
+    """The heads' top-k accuracy on text the target writes itself, for k = 1..``ranks``: {k: per
+    head}. The text: the target's greedy continuations (``new_tokens`` each) of ``prompts`` function
+    openings from the validation split (the heads trained on the training split)."""
+    held_out = continuation_prompts(tokenizer, prompts, seed=seed)
+    batches = continuation_batches(held_out, teacher_continuations(target, held_out, new_tokens), 16, target.device)
+    layer = target.config.n_layers
+    data = examples(target, batches, [layer], tuple(range(1, heads.n + 1)))
+    return head_accuracy(target, heads, data.streams[layer], data.labels, topk=range(1, ranks + 1))
+
+
+def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
+    """accuracy[d][r]: how often head d + 1's rank-r candidate (alone) is right, from top-k
+    accuracies {k: per head} for k = 1, 2, ...: top-(r + 1) minus top-r. ``choose_tree`` reads it."""
+    ranks = sorted(topk)
+    if ranks != list(range(1, len(ranks) + 1)):
+        raise ValueError(f"need top-k accuracies for k = 1, 2, ..., n; got k = {ranks}")
+    return [[topk[r][d] - (topk[r - 1][d] if r > 1 else 0.0) for r in ranks] for d in range(len(topk[1]))]
+
+
+def _candidates(target: Transformer, heads: ResidualHeads, stream: Tensor, paths: Sequence[Path]) -> list[int]:
+    """Each non-root node's token: for path (r1, ..., rd), the rd-th choice of head d on ``stream``."""
+    depth, widest = max(map(len, paths)), 1 + max(max(p) for p in paths)
+    with torch.inference_mode():
+        logits = head_logits(target, heads, stream)[:depth]  # [depth, vocab]: through the target's LM head
+        top = logits.topk(widest, dim=-1).indices.tolist()
+    return [top[len(path) - 1][path[-1]] for path in paths]
+
+
+def _fit(parents: list[int], paths: list[Path], depth: int, nodes: int) -> tuple[list[int], list[Path]]:
+    """The tree cut to ``depth`` levels and its first ``nodes`` nodes (near the end of the
+    generation, or of the cache): still a tree, since parents come before their children."""
+    keep = [i for i, path in enumerate(paths[:nodes]) if len(path) <= depth]
+    where = {old: new for new, old in enumerate(keep)}
+    return [where.get(parents[i], -1) for i in keep], [paths[i] for i in keep]
+
+
+def medusa_stream(target: Transformer, heads: ResidualHeads, prompt: Sequence[int],
+                  params: SamplingParams = SamplingParams(), paths: Sequence[Path] | None = None, *,
+                  eos_id: int | None = None, stats: SpeculationStats | None = None) -> Iterator[int]:
+    """Yield new token ids, each round's candidates from ``heads`` (on the target's last stream) in
+    the token tree ``paths`` (default: the chain of every head's top-1 guess), verified by
+    ``target`` in one forward pass. Greedy output equals ``generate.stream``'s token for token;
+    sampled output has the target's distribution. ``stats``: ``SpeculationStats(depth of the tree)``;
+    each round's draft is its accepted branch and, where the tree goes on, the first candidate after it."""
+    parents, ordered = tree_parents(paths if paths is not None else chain_paths(heads.n))
+    depth = max(check_tree(parents, max_depth=heads.n))
+    stats = stats if stats is not None else SpeculationStats(depth)
+    if stats.k != depth:
+        raise ValueError(f"stats count rounds of k={stats.k} drafts, but the tree is {depth} deep: "
+                         f"SpeculationStats({depth})")
+    capacity = sequence_length(target, prompt, params)
+    cache = ContiguousKVCache(target.config, 1, min(capacity + len(parents), target.config.max_seq_len),
+                              target.dtype, target.device)
+    generator, start, sequence = seeded_generator(params, target.device), time.perf_counter(), list(prompt)
+    positions = torch.arange(len(sequence), device=target.device)[None]
+    x, logits = timed(stats, "target_s", target.device, lambda: _forward(target, cache.plan(positions), sequence))
+    token = walk([-1], sequence[-1:], logits[-1:], params, generator)[1]  # the target's own next token
+    stats.rounds.append(Round((), 0, token))
+    stream, emitted = x[-1], [token]
+    while True:
+        for new in emitted:
+            sequence.append(new)
+            yield new
+            if params.stop_at_eos and new == eos_id:
+                return
+        stats.wall_s = time.perf_counter() - start
+        room = params.max_new_tokens - (len(sequence) - len(prompt))  # tokens still to come
+        if room == 0:
+            return
+        cached = len(sequence) - 1  # all but the root, the last token
+        tree, nodes = _fit(parents, ordered, room - 1, cache.max_len - cached)
+        candidates = (timed(stats, "draft_s", target.device, lambda: _candidates(target, heads, stream, nodes[1:]))
+                      if len(tree) > 1 else [])
+        tokens = [sequence[-1], *candidates]
+        x, logits = timed(stats, "target_s", target.device,
+                           lambda: _forward(target, tree_plan(cache, tree, cached), tokens))
+        branch, token = walk(tree, tokens, logits, params, generator)
+        cache.compact([cached + node for node in (0, *branch)], cached)
+        stats.rounds.append(Round(_drafted(tree, tokens, branch), len(branch), token, tuple(tree), tuple(branch)))
+        stream, emitted = x[branch[-1] if branch else 0], [*(tokens[node] for node in branch), token]
+
+
+def _forward(target: Transformer, plan: ContiguousPlan, tokens: list[int]) -> tuple[Tensor, Tensor]:
+    """One forward pass of ``tokens`` (a sequence's, or a tree's nodes) through the cache as
+    ``plan`` says: each token's final stream ``[N, d_model]`` and logits ``[N, vocab]``."""
+    with torch.inference_mode():
+        x = target.layers(target.embed(torch.tensor([tokens], device=target.device)), plan.positions, plan)[0]
+        return x, target.head(x)
+
+
+def _drafted(parents: list[int], tokens: list[int], branch: list[int]) -> tuple[int, ...]:
+    """What the round tried, in lab 05's terms: the accepted branch and, where the tree goes on
+    below its last node, that node's first child (the candidate that was checked and refused)."""
+    last = branch[-1] if branch else 0
+    after = next((node for node, parent in enumerate(parents) if parent == last), None)
+    return tuple(tokens[n] for n in [*branch, *([after] if after is not None else [])])
