@@ -156,20 +156,23 @@ def _verify(target: Transformer, exit_layer: int, last: int, streams: list[Tenso
 
 @torch.inference_mode()
 def exit_agreement(target: Transformer, exit_layers: Sequence[int], batches: Iterable[Tensor],
-                   adapters: Mapping[int, Adapter] | None = None) -> dict[int, float]:
-    """Per exit layer: how often the exit head's top-1 is the target's own top-1, over every position
+                   adapters: Mapping[int, Adapter] | None = None, starts: Sequence[int] | None = None
+                   ) -> dict[int, float]:
+    """Per exit layer: how often the exit head's top-1 is the target's own top-1, over the positions
     of ``batches`` (token ids ``[B, T]``, teacher-forced: one pass per batch, every exit read from the
-    same run of the stream). On the target's own greedy text this is the greedy acceptance rate a
-    of that exit, as a draft's context is then exactly the target's."""
+    same run of the stream) from ``starts[i]`` on in batch i (default 0: every position). On the
+    target's own greedy text (a prompt's continuation: start at the prompt's last token) this is the
+    greedy acceptance rate a of that exit, as a draft's context is then exactly the target's."""
     layers, last = sorted(set(exit_layers)), target.config.n_layers
     if not layers or not 1 <= layers[0] <= layers[-1] <= last:
         raise ValueError(f"exit_layers={list(exit_layers)} must be ints in 1..n_layers={last}")
     agree, total = dict.fromkeys(layers, 0), 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        first = starts[i] if starts is not None else 0
         streams = streams_at(target, torch.as_tensor(batch, device=target.device), [*layers, last])
-        truth = target.head(streams[last]).argmax(-1)
+        truth = target.head(streams[last][:, first:]).argmax(-1)
         for layer in layers:
-            guess = exit_logits(target, streams[layer], (adapters or {}).get(layer)).argmax(-1)
+            guess = exit_logits(target, streams[layer][:, first:], (adapters or {}).get(layer)).argmax(-1)
             agree[layer] += int((guess == truth).sum())
         total += truth.numel()
     return {layer: agree[layer] / total for layer in layers}

@@ -183,6 +183,12 @@ def test_exit_agreement_against_truncated_models():
             guess = torch.cat([cut(b).argmax(-1).flatten() for b in batches])
             assert got[layer] == pytest.approx(float((guess == truth).float().mean()))
     assert list(got) == [1, 3, 4] and got[4] == 1.0
+    late = exit_agreement(target, [1], batches, starts=[5, 9])  # counted from position 5, then 9
+    with torch.no_grad():
+        cut = copy.deepcopy(target)
+        cut.blocks = cut.blocks[:1]
+        hits = [(cut(b).argmax(-1) == target(b).argmax(-1))[:, s:] for b, s in zip(batches, (5, 9))]
+    assert late[1] == pytest.approx(float(torch.cat([h.flatten() for h in hits]).float().mean()))
 
 
 def test_exit_agreement_with_an_exact_adapter_is_one():

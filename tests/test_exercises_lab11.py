@@ -13,59 +13,12 @@ from labkit.tree import children
 
 from exercise_cells import cells, define, fails
 
-# The exercise cells of solutions/11_speculation_without_a_draft.ipynb, until that notebook holds them: the
-# tests read the notebook's own cells once it does.
-SOLUTION_CELLS = {
-    "ex11.1": '''import torch
-
-
-def tree_mask_and_positions(parents: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ### BEGIN SOLUTION
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    depth = [0] * n
-    for i in range(n):
-        j = i
-        while j != -1:  # node i itself, then its parent, its parent's parent, ... up to the root
-            mask[i, j] = True
-            j = parents[j]
-        if i > 0:
-            depth[i] = depth[parents[i]] + 1  # parents come first: the parent's depth is known
-    return mask, start + torch.tensor(depth)
-    ### END SOLUTION
-''',
-    "ex11.2": '''def accept_branch(parents: list[int], tokens: list[int], choices: list[int],
-                  start: int) -> tuple[list[int], int, list[int]]:
-    ### BEGIN SOLUTION
-    kids = [[] for _ in parents]
-    for node in range(1, len(parents)):
-        kids[parents[node]].append(node)
-    branch, node = [], 0
-    while True:
-        match = [kid for kid in kids[node] if tokens[kid] == choices[node]]
-        if not match:  # no child holds the target's token: the walk ends here
-            break
-        node = match[0]  # siblings hold different tokens: at most one matches
-        branch.append(node)
-    keep = [start + n for n in [0] + branch]
-    return branch, choices[node], keep
-    ### END SOLUTION
-''',
-    "ex11.3": '''def expected_accepted_length(parents: list[int], accept: list[float]) -> tuple[float, float]:
-    ### BEGIN SOLUTION
-    reach = [1.0] * len(parents)  # reach[i]: the chance that node i and every node above it are accepted
-    for i in range(1, len(parents)):
-        reach[i] = reach[parents[i]] * accept[i]  # parents come first: reach[parents[i]] is known
-    accepted = sum(reach[1:])
-    return accepted, accepted + 1
-    ### END SOLUTION
-''',
-}
-IDS = tuple(SOLUTION_CELLS)
+IDS = ("ex11.1", "ex11.2", "ex11.3")
 
 
 def _source(root, ex_id):
-    return cells("solutions", root).get(ex_id, SOLUTION_CELLS[ex_id])
+    """The exercise cell as students see it in the solutions notebook: the mistakes below are made in it."""
+    return cells("solutions", root)[ex_id]
 
 
 def _solution(root, ex_id):
@@ -84,13 +37,6 @@ def test_lab11_solutions_pass_and_released_stubs_are_not_attempted(root):
         stub = define(strip_solutions(_source(root, ex_id), ex_id, ex_id), get(ex_id).function)
         result = run_cases(get(ex_id), stub)
         assert result.status == NOT_ATTEMPTED and result.points == 0, result.verdict()
-
-
-def test_the_notebook_cells_are_these_once_it_holds_them(root):
-    """So that the mistakes below are made in the cells students see."""
-    for ex_id, source in cells("solutions", root).items():
-        if ex_id in SOLUTION_CELLS:
-            assert source == SOLUTION_CELLS[ex_id], ex_id
 
 
 # --- loops that know nothing of labkit.tree ------------------------------------------------------------
