@@ -166,6 +166,9 @@ def exit_agreement(target: Transformer, exit_layers: Sequence[int], batches: Ite
     layers, last = sorted(set(exit_layers)), target.config.n_layers
     if not layers or not 1 <= layers[0] <= layers[-1] <= last:
         raise ValueError(f"exit_layers={list(exit_layers)} must be ints in 1..n_layers={last}")
+    batches = list(batches)
+    if starts is not None and len(starts) != len(batches):
+        raise ValueError(f"one start per batch: {len(starts)} starts for {len(batches)} batches")
     agree, total = dict.fromkeys(layers, 0), 0
     for i, batch in enumerate(batches):
         first = starts[i] if starts is not None else 0

@@ -381,7 +381,8 @@ def make(kind: str, folder: Path, target: Transformer, spec: Distillation, train
              "parameters": sum(p.numel() for h in heads.values() for p in h.parameters()),
              "train_positions": next(iter(train.values())).labels.shape[1],
              "val_positions": next(iter(val.values())).labels.shape[1], "offsets": offsets,
-             "accuracy": accuracy(loaded), "raw": accuracy({layer: ResidualHeads(h.d_model, h.n) for layer, h in loaded.items()}),
+             "accuracy": accuracy(loaded), "raw": accuracy({layer: ResidualHeads(h.d_model, h.n).to(target.device, target.dtype)
+                             for layer, h in loaded.items()}),
              "seconds": data_seconds + time.perf_counter() - start, "data_seconds": data_seconds,
              "machine": device_name(target.device), "seed": seed, "date": str(datetime.date.today())}
     (folder / "MODEL_CARD.md").write_text(_card(kind, spec, stats))

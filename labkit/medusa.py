@@ -141,12 +141,12 @@ def medusa_stream(target: Transformer, heads: ResidualHeads, prompt: Sequence[in
     stats.rounds.append(Round((), 0, token))
     stream, emitted = x[-1], [token]
     while True:
+        stats.wall_s = time.perf_counter() - start
         for new in emitted:
             sequence.append(new)
             yield new
             if params.stop_at_eos and new == eos_id:
                 return
-        stats.wall_s = time.perf_counter() - start
         room = params.max_new_tokens - (len(sequence) - len(prompt))  # tokens still to come
         if room == 0:
             return

@@ -215,10 +215,11 @@ class ContiguousKVCache:
         """Keep the keys and values of row 0's ``slots`` (in order, each at or after its new
         place) in slots start, start + 1, ... of every layer: after a token tree is verified, its
         accepted branch moves to the positions it now holds (``labkit.tree``)."""
-        if self.k.shape[1] != 1 or any(s < start + i for i, s in enumerate(slots)):
-            raise ValueError(f"compact moves row 0's slots down in a cache of one row: slots {list(slots)} "
-                             f"to {start}.. in a cache of {self.k.shape[1]}")
-        source = torch.as_tensor(slots, device=self.k.device)
+        if (self.k.shape[1] != 1 or any(s < start + i for i, s in enumerate(slots))
+                or any(s >= self.max_len for s in slots)):
+            raise ValueError(f"compact moves row 0's slots down, within its {self.max_len} slots, in a cache of one "
+                             f"row: slots {list(slots)} to {start}.. in a cache of {self.k.shape[1]} rows")
+        source = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
         for buffer in (self.k, self.v):
             buffer[:, 0, :, start:start + len(slots)] = buffer[:, 0, :, source]  # gathered before written
 

@@ -311,7 +311,7 @@ def _calibrate_gptq(model: Transformer, calibration: Tensor, scheme: Scheme, hea
         for block in model.blocks:
             xs = run(lambda x: block(x, positions, rope, None), xs)
         if head:
-            run(lambda x: model.lm_head(model.norm(x)), xs)
+            run(model.head, xs)
 
 
 def quantize_model(model: Transformer, scheme: Scheme = Scheme(), method: str = "rtn",

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from labkit.generate import SamplingParams, sampling_probs
 from labkit.model import ContiguousKVCache, ContiguousPlan
+from labkit.validate import is_int
 
 
 def check_tree(parents: Sequence[int], max_depth: int | None = None) -> list[int]:
@@ -40,8 +41,9 @@ def check_tree(parents: Sequence[int], max_depth: int | None = None) -> list[int
         raise ValueError(f"node 0 is the root: parents[0] must be -1, got {list(parents[:1])}")
     depths = [0]
     for node, parent in enumerate(parents[1:], start=1):
-        if not isinstance(parent, int) or parent < 0:
-            raise ValueError(f"node {node}'s parent {parent!r} is not a node: only the root has parent -1")
+        if not is_int(parent) or not 0 <= parent < len(parents):
+            raise ValueError(f"node {node}'s parent {parent!r} is not a node (0..{len(parents) - 1}): only the "
+                             "root has parent -1")
         if parent >= node:
             kind = "a cycle" if _on_cycle(parents, node) else "a parent after its child"
             raise ValueError(f"{kind}: node {node}'s parent is node {parent}; list each parent before its children")
@@ -130,7 +132,12 @@ def expected_accepted(parents: Sequence[int], accept: Sequence[float]) -> float:
         if sum(accept[kid] for kid in kids) > 1 + 1e-9:
             raise ValueError(f"node {node}'s children {kids} are accepted with probabilities adding up to "
                              f"{sum(accept[kid] for kid in kids):.3f} > 1: siblings exclude each other")
-    reach = [1.0] * len(parents)
+    return sum(reach(parents, accept)[1:])
+
+
+def reach(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
+    """The chance that node i is accepted, ``accept[i]`` times its ancestors' (the root's is 1)."""
+    chance = [1.0] * len(parents)
     for node, parent in enumerate(parents[1:], start=1):
-        reach[node] = reach[parent] * accept[node]
-    return sum(reach[1:])
+        chance[node] = chance[parent] * accept[node]
+    return chance

@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+import labkit
 import labkit.medusa as medusa
 from labkit.generate import SamplingParams, sampling_probs, stream
-from labkit.heads import ResidualHeads
+from labkit.heads import ResidualHeads, load_medusa
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
 from labkit.speculative import SpeculationStats
 from labkit.tree import chain, check_tree, expected_accepted, tree_mask, tree_plan, tree_positions, walk
@@ -204,6 +205,33 @@ def test_greedy_on_random_models_and_the_context_edge(seed):
     params = replace(GREEDY, max_new_tokens=model.config.max_seq_len - len(prompt) + 1)
     reference = list(stream(model, prompt, params))
     assert list(medusa.medusa_stream(model, heads, prompt, params, TREES["tree"])) == reference
+
+
+def test_a_tree_cut_at_the_context_edge_keeps_its_accepted_branch(monkeypatch):
+    """Right candidates up to the context limit: the last rounds verify a tree cut to the slots
+    left, and their accepted branches (not only the root) must still give the target's text."""
+    torch.manual_seed(3)
+    model = Transformer(ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, d_ff=64,
+                                    max_seq_len=30)).double().eval()
+    model.reset_parameters(std=0.3)
+    prompt = [2, 4, 9]
+    params = replace(GREEDY, max_new_tokens=model.config.max_seq_len - len(prompt) + 1)
+    reference = list(stream(model, prompt, params))
+    monkeypatch.setattr(medusa, "_candidates", oracle(reference, True))
+    wide = [(r,) for r in range(6)] + [(0, r) for r in range(4)] + [(0, 0, 0)]
+    stats = SpeculationStats(3)
+    assert list(medusa.medusa_stream(model, ResidualHeads(32, 3).double(), prompt, params, wide, stats=stats)) == reference
+    cut = [r for r in stats.rounds[1:] if len(r.tree) < 12]
+    assert cut and any(r.branch for r in cut)  # the edge was reached, and a cut tree accepted candidates
+
+
+def test_greedy_medusa_on_the_shipped_target():
+    target, tokenizer = labkit.load("target", device="cpu")
+    heads = load_medusa(target)
+    prompt = tokenizer.encode("def add(a, b):\n").ids
+    reference = list(stream(target, prompt, GREEDY))
+    for paths in (medusa.chain_paths(heads.n), [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]):
+        assert list(medusa.medusa_stream(target, heads, prompt, GREEDY, paths)) == reference
 
 
 def test_medusa_stops_at_eos_inside_an_accepted_branch(monkeypatch):

@@ -44,7 +44,7 @@ from torch import Tensor
 from labkit.exercises.lab06b import JudgedCase
 from labkit.exercises.spec import Case, Exercise, _short
 from labkit.generate import SamplingParams
-from labkit.tree import children, expected_accepted, tree_mask, tree_positions, walk
+from labkit.tree import check_tree, children, expected_accepted, reach, tree_mask, tree_positions, walk
 
 
 def _pair(got: Any, names: tuple[str, ...]) -> tuple:
@@ -174,13 +174,6 @@ def _walk_with(matches: Callable[[int, int], bool], candidates: Callable[[int], 
     return branch
 
 
-def _depths(parents: Sequence[int]) -> list[int]:
-    depth = [0] * len(parents)
-    for node, parent in enumerate(parents[1:], start=1):
-        depth[node] = depth[parent] + 1
-    return depth
-
-
 def _ints(value: Any) -> list[int] | None:
     """A list or tuple of ints (or a 1-d integer tensor) as a list; None for anything else."""
     if isinstance(value, Tensor) and value.dim() == 1 and not value.is_floating_point():
@@ -194,7 +187,7 @@ def _ints(value: Any) -> list[int] | None:
 def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequence[int], start: int
                   ) -> Callable[[Any], None]:
     branch, token, keep = reference_branch(parents, tokens, choices, start)
-    kids, depth = children(parents), _depths(parents)
+    kids, depth = children(parents), check_tree(parents)
     last = branch[-1] if branch else 0
     by_choice = lambda node, child: tokens[child] == choices[node]
     branch_mistakes = [
@@ -311,10 +304,8 @@ def _number(value: Any, name: str) -> float:
 
 def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[Any], None]:
     accepted = expected_accepted(parents, accept)
-    reach = [1.0] * len(parents)
-    for node, parent in enumerate(parents[1:], start=1):
-        reach[node] = reach[parent] * accept[node]
-    per_branch = [sum(reach[node] for node in path) for path in _branches(parents)] or [0.0]
+    chance = reach(parents, accept)
+    per_branch = [sum(chance[node] for node in path) for path in _branches(parents)] or [0.0]
     mistakes = [
         (sum(accept[1:]), "that is the sum of the probabilities, as if each node were tried on its own; a node is "
                           "accepted only when its parent was, and its parent's parent, ...: multiply along the path"),
@@ -325,7 +316,7 @@ def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[An
                        "sum over the nodes after it"),
         (max(per_branch), "that is the expected length of the best single branch; the target may take any branch, "
                           "and each node adds its own chance of being accepted: sum over all the nodes"),
-        (sum(reach[parent] for parent in parents[1:]), "each node counts with its ancestors' probabilities but not "
+        (sum(chance[parent] for parent in parents[1:]), "each node counts with its ancestors' probabilities but not "
                                                        "its own; it must be accepted itself too"),
     ]
 
