@@ -219,12 +219,7 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
 
     def judge(got: Any) -> None:
         got_branch, got_token, got_keep = _pair(got, ("branch", "next_token", "keep"))
-        as_list = _ints(got_branch)
-        if as_list is None:
-            raise AssertionError(f"branch: expected a list of ints, the accepted nodes, got {_short(got_branch)}")
-        if as_list != branch:
-            why = next((text for wrong, text in branch_mistakes if as_list == wrong), None)
-            raise AssertionError(f"branch: expected {branch}, got {as_list}" + (f": {why}" if why else ""))
+        _check_int_list("branch", "the accepted nodes", got_branch, branch, branch_mistakes)
         if not isinstance(got_token, numbers.Integral) or isinstance(got_token, bool):
             raise AssertionError(f"next_token: expected an int, got {_short(got_token)}")
         if got_token != token:
@@ -237,13 +232,18 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
             else:
                 why = f"the target's choice at the branch's last node, choices[{last}]"
             raise AssertionError(f"next_token: expected {token}, got {got_token}: {why}")
-        kept = _ints(got_keep)
-        if kept is None:
-            raise AssertionError(f"keep: expected a list of ints, the cache slots to keep, got {_short(got_keep)}")
-        if kept != keep:
-            why = next((text for wrong, text in keep_mistakes if kept == wrong), None)
-            raise AssertionError(f"keep: expected {keep}, got {kept}" + (f": {why}" if why else ""))
+        _check_int_list("keep", "the cache slots to keep", got_keep, keep, keep_mistakes)
     return judge
+
+
+def _check_int_list(name: str, what: str, got: Any, want: list[int], mistakes: list[tuple[list[int], str]]) -> None:
+    """``got`` must be the list of ints ``want``; a known wrong answer in ``mistakes`` names its mistake."""
+    as_list = _ints(got)
+    if as_list is None:
+        raise AssertionError(f"{name}: expected a list of ints, {what}, got {_short(got)}")
+    if as_list != want:
+        why = next((text for wrong, text in mistakes if as_list == wrong), None)
+        raise AssertionError(f"{name}: expected {want}, got {as_list}" + (f": {why}" if why else ""))
 
 
 def _branch_cases() -> list[Case]:
