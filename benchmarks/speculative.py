@@ -90,7 +90,7 @@ def drafter_runs(target, drafter, params, ks) -> dict:
 def medusa_runs(target, tokenizer, params, sizes) -> dict:
     """Medusa with the shipped heads: the chain of top-1 guesses at each depth, then trees of
     ``sizes`` nodes chosen from the heads' accuracies by rank, measured on the target's own greedy
-    text (32 validation prompts x 128 tokens, other prompts than the timed ones)."""
+    text (32 validation prompts x 128 tokens, drawn with another seed than the timed ones)."""
     heads = load_medusa(target)
     topk = medusa.head_topk(target, heads, tokenizer, 32, 128)
     print("heads' top-1 / top-5 accuracy by depth: " + ", ".join(f"{topk[1][d]:.0%} / {topk[5][d]:.0%}"
