@@ -52,7 +52,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from labkit.device import device_name, get_device
-from labkit.load import CHECKPOINTS, TOKENIZER, load_checkpoint
+from labkit.load import CHECKPOINTS, TOKENIZER, checkpoint_state, load_checkpoint
 from labkit.model import Transformer
 from labkit.speculative import continuation_prompts
 from labkit.train import Distillation, continuation_batches, teacher_continuations
@@ -230,9 +230,7 @@ def head_accuracy(model: Transformer, heads: ResidualHeads, stream: Tensor, labe
 def weights_sha256(model: Transformer) -> str:
     """The sha256 of the target's weights as ``labkit.load.save_checkpoint`` writes them (bf16,
     the tied LM head once): for a shipped target, the sha256 of its ``model.safetensors``."""
-    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()
-             if not (model.config.tie_embeddings and k == "lm_head.weight")}
-    return hashlib.sha256(save(state)).hexdigest()
+    return hashlib.sha256(save(checkpoint_state(model))).hexdigest()
 
 
 def save_heads(folder: str | Path, heads: dict[int, ResidualHeads], offsets: dict[int, Sequence[int]],

@@ -38,13 +38,17 @@ _HF_STACKED = {"attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.
 _HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 
 
+def checkpoint_state(model: Transformer, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The tensors ``save_checkpoint`` writes: every weight in ``dtype``, a tied LM head once."""
+    return {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()
+            if not (model.config.tie_embeddings and k == "lm_head.weight")}
+
+
 def save_checkpoint(model: Transformer, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write ``model.safetensors`` and ``config.json`` (labkit's own parameter names)."""
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
-             if not (model.config.tie_embeddings and k == "lm_head.weight")}
-    save_file(state, str(folder / "model.safetensors"))
+    save_file(checkpoint_state(model, dtype), str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(asdict(model.config), indent=2) + "\n")
 
 

@@ -37,33 +37,16 @@ The references: ex06b.1's is ``quant.dequantize`` in float64, ex06b.2's ``awq.se
 """
 from __future__ import annotations
 
-import functools
 import numbers
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from labkit.awq import awq_scales, output_error, rtn_scaled, search_scales
-from labkit.exercises.spec import Case, Exercise, _short
+from labkit.exercises.spec import Case, Exercise, JudgedCase, _short
 from labkit.quant import (Scheme, dequantize, gptq, group_params, hessian, inverse_hessian_factor, pack_int4, quantize,
                           unpack_int4)
-
-
-@dataclass(frozen=True)
-class JudgedCase(Case):
-    """A case whose result ``judge`` inspects (raising AssertionError) instead of comparing it with one
-    expected value: where several answers are right, or where what is wrong can be said more precisely."""
-
-    expected: Any = None
-    judge: Callable[[Any], None] = lambda got: None
-
-    def run(self, fn: Callable[..., Any]) -> None:
-        @functools.wraps(fn)  # the argument names stay fn's, for the in-place check's message
-        def judged(*args: Any, **kwargs: Any) -> None:
-            self.judge(fn(*args, **kwargs))
-        super().run(judged)
 
 
 # ex06b.1 -----------------------------------------------------------------------------------------

@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.exercises.lab06b import JudgedCase
-from labkit.exercises.spec import Case, Exercise, _short
+from labkit.exercises.spec import Case, Exercise, JudgedCase, _short
 from labkit.generate import SamplingParams
 from labkit.tree import check_tree, children, expected_accepted, reach, tree_mask, tree_positions, walk
 

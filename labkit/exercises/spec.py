@@ -12,6 +12,7 @@ the same case fails again, so a student who is one idea away gets the idea, not 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import numbers
@@ -213,3 +214,18 @@ def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
         assert_matches(got, expected, rtol, atol)
     except AssertionError as error:
         raise type(error)(f"{where}: {error}") from None
+
+
+@dataclass(frozen=True)
+class JudgedCase(Case):
+    """A case whose result ``judge`` inspects (raising AssertionError) instead of comparing it with one
+    expected value: where several answers are right, or where what is wrong can be said more precisely."""
+
+    expected: Any = None
+    judge: Callable[[Any], None] = lambda got: None
+
+    def run(self, fn: Callable[..., Any]) -> None:
+        @functools.wraps(fn)  # the argument names stay fn's, for the in-place check's message
+        def judged(*args: Any, **kwargs: Any) -> None:
+            self.judge(fn(*args, **kwargs))
+        super().run(judged)
