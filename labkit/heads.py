@@ -55,7 +55,7 @@ from labkit.device import device_name, get_device
 from labkit.load import CHECKPOINTS, TOKENIZER, checkpoint_state, load_checkpoint
 from labkit.model import Transformer
 from labkit.speculative import continuation_prompts
-from labkit.train import Distillation, continuation_batches, teacher_continuations
+from labkit.train import Distillation, teacher_batches
 
 MEDUSA, EARLY_EXIT = CHECKPOINTS / "medusa", CHECKPOINTS / "early-exit"
 IGNORE = -100  # the label of a position a head has no token for (cross_entropy's ignore_index)
@@ -318,8 +318,7 @@ def continuation_examples(target: Transformer, tokenizer: Tokenizer, spec: Disti
     ``spec.prompts`` function openings of the training split (``spec.held_out`` of the validation
     split), all from one pass of the target."""
     prompts = continuation_prompts(tokenizer, spec.prompts if split == "train" else spec.held_out, seed, split=split)
-    batches = continuation_batches(prompts, teacher_continuations(target, prompts, spec.new_tokens), spec.batch_size,
-                                   target.device)
+    batches = teacher_batches(target, prompts, spec, target.device)
     every = sorted({o for offsets in wanted.values() for o in offsets})
     both = examples(target, batches, list(wanted), every)
     return {layer: Examples({layer: both.streams[layer]}, both.labels[[every.index(o) for o in offsets]], offsets)

@@ -31,10 +31,10 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from labkit.generate import SamplingParams, seeded_generator, sequence_length
-from labkit.heads import ResidualHeads, examples, head_accuracy, head_logits
+from labkit.heads import ResidualHeads, continuation_examples, head_accuracy, head_logits
 from labkit.model import ContiguousKVCache, ContiguousPlan, Transformer
-from labkit.speculative import Round, SpeculationStats, continuation_prompts, timed
-from labkit.train import continuation_batches, teacher_continuations
+from labkit.speculative import Round, SpeculationStats, timed
+from labkit.train import Distillation
 from labkit.tree import check_tree, tree_plan, walk
 
 Path = tuple[int, ...]
@@ -84,11 +84,9 @@ def head_topk(target: Transformer, heads: ResidualHeads, tokenizer: Tokenizer, p
     """The heads' top-k accuracy on text the target writes itself, for k = 1..``ranks``: {k: per
     head}. The text: the target's greedy continuations (``new_tokens`` each) of ``prompts`` function
     openings from the validation split (the heads trained on the training split)."""
-    held_out = continuation_prompts(tokenizer, prompts, seed=seed)
-    batches = continuation_batches(held_out, teacher_continuations(target, held_out, new_tokens), 16, target.device)
-    layer = target.config.n_layers
-    data = examples(target, batches, [layer], tuple(range(1, heads.n + 1)))
-    return head_accuracy(target, heads, data.streams[layer], data.labels, topk=range(1, ranks + 1))
+    layer, spec = target.config.n_layers, Distillation("target", new_tokens=new_tokens, held_out=prompts)
+    data = continuation_examples(target, tokenizer, spec, seed, "validation", {layer: tuple(range(1, heads.n + 1))})
+    return head_accuracy(target, heads, data[layer].streams[layer], data[layer].labels, topk=range(1, ranks + 1))
 
 
 def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
