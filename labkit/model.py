@@ -289,7 +289,7 @@ class Attention(nn.Module):
         # q, k and v come out of one matrix: rows for the n_heads query heads, then for the
         # n_kv_heads key heads, then for the n_kv_heads value heads
         self.wqkv = nn.Linear(config.d_model, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
 
     def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], plan: AttentionPlan | None) -> Tensor:
         c = self.config
@@ -302,7 +302,7 @@ class Attention(nn.Module):
             out = attention(q, k, v, causal_mask(positions, positions))
         else:
             out = plan.cache.attend(self.layer, q, k, v, plan)
-        return self.wo(out.transpose(1, 2).reshape(batch, length, c.d_model))
+        return self.wo(out.transpose(1, 2).reshape(batch, length, c.n_heads * c.head_dim))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,149 @@
+"""Starting W ranks, running one function on each, and stopping them all, whatever happens.
+
+    result = launch(fn, world_size=2, args=(...))     # rank 0's return value
+
+Each rank is a fresh Python process (``spawn``: a notebook's kernel is never forked) that joins
+one process group over 127.0.0.1 on a free port: gloo on a CPU, NCCL when there is a CUDA GPU per
+rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
+``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
+process imports it by name.
+
+The caller waits for every rank and returns rank 0's result. If a rank raises, the others are
+stopped and ``RankError`` shows the rank's traceback; a rank that dies without a word, or a run
+that passes ``timeout_s``, is caught the same way. Every rank is gone when ``launch`` returns or
+raises, and a rank also dies with its starter (a notebook kernel that is restarted leaves none).
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from labkit.background import free_port
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or hung; the message says which rank and shows its traceback."""
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Who a process is in the group: its rank, the world's size, its device and the backend."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def backend_for(world_size: int) -> tuple[str, list[torch.device]]:
+    """NCCL with one GPU per rank when there are enough CUDA GPUs, else gloo with every rank on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl", [torch.device("cuda", r) for r in range(world_size)]
+    return "gloo", [torch.device("cpu")] * world_size
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 120.0,
+           threads: int | None = None) -> Any:
+    """Run ``fn(rank, *args)`` on ``world_size`` new processes in one group; rank 0's result.
+    ``threads``: torch's threads per rank (default: the cores shared out, at least 1)."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
+                         "at the top of an importable module (a notebook cell's function is not)")
+    backend, devices = backend_for(world_size)
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
+                             args=(fn, Rank(r, world_size, devices[r], backend), args, address, threads,
+                                   timeout_s, results))
+             for r in range(world_size)]
+    finished = False
+    try:
+        for p in procs:
+            p.start()
+        result = _collect(procs, results, time.monotonic() + timeout_s)
+        finished = True
+        return result
+    finally:
+        _stop(procs, grace_s=5.0 if finished else 0.0)
+        results.close()
+
+
+def _collect(procs: list, results, deadline: float) -> Any:
+    """Every rank's report; rank 0's result. The first error, death or the deadline ends the wait."""
+    outcomes: dict[int, Any] = {}
+    while len(outcomes) < len(procs):
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            _check_alive(procs, outcomes, deadline)
+            continue
+        if not ok:
+            raise RankError(f"rank {rank} of {len(procs)} raised:\n{payload}")
+        outcomes[rank] = pickle.loads(payload)
+    return outcomes[0]
+
+
+def _check_alive(procs: list, outcomes: dict[int, Any], deadline: float) -> None:
+    for rank, p in enumerate(procs):
+        if rank not in outcomes and not p.is_alive() and p.exitcode not in (0, None):
+            raise RankError(f"rank {rank} of {len(procs)} died (exit code {p.exitcode}) before it reported")
+    if time.monotonic() > deadline:
+        waiting = [r for r in range(len(procs)) if r not in outcomes]
+        raise RankError(f"ranks {waiting} of {len(procs)} did not finish within the time limit: "
+                        "a rank hangs (a collective that another rank never joined?)")
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """Give each rank ``grace_s`` to exit (after a failure: none), then terminate, then kill, any still running."""
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=grace_s)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its starter dies (a killed or restarted kernel)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_rank(fn: Callable[..., Any], rank: Rank, args: tuple, address: str, threads: int, timeout_s: float,
+              results) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    try:
+        if rank.device.type == "cuda":
+            torch.cuda.set_device(rank.device)
+        dist.init_process_group(rank.backend, init_method=address, rank=rank.rank, world_size=rank.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        payload = pickle.dumps(fn(rank, *args))
+        results.put((rank.rank, True, payload))
+    except BaseException:  # noqa: BLE001  every failure goes back to the caller, as text
+        results.put((rank.rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
