@@ -42,6 +42,11 @@ class ModelShape:
     head_dim: int
     max_context: int
     mla_latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim; 0 for MHA/GQA/MQA
+    d_model: int | None = None  # the residual stream's width (hidden_size); None: n_heads x head_dim
+
+    def __post_init__(self) -> None:
+        if self.d_model is None:  # Llama-style models; Gemma-2 and DeepSeek-V3 differ and say so
+            object.__setattr__(self, "d_model", self.n_heads * self.head_dim)
 
     def with_kv_heads(self, n_kv_heads: int) -> ModelShape:
         """The same model with another number of KV heads (MHA, GQA or MQA)."""
@@ -53,7 +58,7 @@ class ModelShape:
 def shape_of(name: str, config: ModelConfig, n_params: float) -> ModelShape:
     """A labkit model's shape, for the same formulas as the published presets."""
     return ModelShape(name, n_params, config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim,
-                      config.max_seq_len)
+                      config.max_seq_len, d_model=config.d_model)
 
 
 def bytes_per_element(dtype: str) -> float:

@@ -1,0 +1,145 @@
+"""Communication in the simulator: the ring all-reduce formula against a ring run step by step, the
+interconnect presets against their datasheet arithmetic, tensor-parallel step times by hand (and
+unchanged without a link), the tensor-parallel table, and the disaggregated split."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import presets
+from labkit.hardware import Hardware
+from labkit.interconnect import Link, ring_allreduce_seconds
+from labkit.memory import ModelShape, shape_of
+from labkit.model import ModelConfig
+from labkit.shapes import SHAPES
+from labkit.simulate import CostModel, tp_table
+
+TOY = ModelShape("toy", 1e9, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_context=4096)  # d_model 32
+TOY_GPU = Hardware("toy GPU", memory_bytes=10e9, bandwidth=1e12, peak_flops=1e14, dtype="bf16")
+TOY_LINK = Link("toy link", latency_s=1e-6, bandwidth=1e9)
+NVLINK, PCIE = presets.link("NVLink-4"), presets.link("PCIe-Gen5-x16")
+LLAMA_70B, H100 = presets.model("Llama-3.1-70B"), presets.gpu("H100-SXM")
+
+
+# ---------------------------------------------------------------- the ring
+
+def ring_by_hand(vectors: list[torch.Tensor], link: Link) -> tuple[list[torch.Tensor], float, int]:
+    """A ring all-reduce run step by step: W ranks in a ring, each vector cut into W pieces. Each step
+    every rank sends one piece to the next rank at once, so the step lasts as long as its slowest
+    message. Reduce-scatter: at step s rank r sends piece (r - s) mod W, which the next rank adds to
+    its own. All-gather: at step s rank r sends piece (r + 1 - s) mod W, the sum it completed, which
+    the next rank keeps. Returns every rank's result, the seconds, and the messages sent."""
+    world = len(vectors)
+    pieces = [list(v.clone().chunk(world)) for v in vectors]
+    seconds, messages = 0.0, 0
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(world - 1):
+            sent = [(r, (r - s if phase == "reduce-scatter" else r + 1 - s) % world) for r in range(world)]
+            payloads = [pieces[r][i].clone() for r, i in sent]
+            for (r, i), payload in zip(sent, payloads):
+                receiver = pieces[(r + 1) % world]
+                receiver[i] = receiver[i] + payload if phase == "reduce-scatter" else payload
+            seconds += max(link.send_seconds(p.numel() * p.element_size()) for p in payloads)
+            messages += len(payloads)
+    return [torch.cat(p) for p in pieces], seconds, messages
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_a_ring_run_step_by_step_takes_the_formulas_time(world):
+    generator = torch.Generator().manual_seed(world)
+    vectors = [torch.randn(24 * world, generator=generator, dtype=torch.float64) for _ in range(world)]
+    results, seconds, messages = ring_by_hand(vectors, TOY_LINK)
+    total = torch.stack(vectors).sum(0)
+    assert all(torch.allclose(r, total) for r in results)  # every rank holds the sum: the ring is right
+    assert messages == 2 * (world - 1) * world
+    assert ring_allreduce_seconds(24 * world * 8, world, TOY_LINK) == pytest.approx(seconds, rel=1e-12)
+    assert ring_allreduce_seconds(1e6, 1, TOY_LINK) == 0
+
+
+# ---------------------------------------------------------------- the presets
+
+def test_link_presets_are_the_datasheet_figures():
+    assert set(presets.LINK_PRESETS) == {"NVLink-4", "NVLink-3", "PCIe-Gen5-x16", "PCIe-Gen4-x16", "InfiniBand-NDR"}
+    gb = 1e9
+    assert NVLINK.bandwidth == 900 * gb / 2  # H100: 900 GB/s both directions added
+    assert presets.link("NVLink-3").bandwidth == 600 * gb / 2  # A100
+    assert PCIE.bandwidth == pytest.approx(32 * 16 / 8 * gb * 128 / 130)  # 32 GT/s x 16 lanes, 128b/130b
+    assert PCIE.bandwidth == pytest.approx(2 * presets.link("PCIe-Gen4-x16").bandwidth)
+    assert PCIE.bandwidth == pytest.approx(128 * gb / 2, rel=0.02)  # the H100 datasheet's "PCIe Gen5: 128GB/s"
+    assert presets.link("InfiniBand-NDR").bandwidth == 400 * gb / 8  # 400 Gb/s
+    assert all(name == link.name and 0.5e-6 <= link.latency_s <= 20e-6 for name, link in presets.LINK_PRESETS.items())
+    assert NVLINK.latency_s < PCIE.latency_s < presets.link("InfiniBand-NDR").latency_s
+    with pytest.raises(KeyError, match="no link preset 'NVLink-5'; choose one of NVLink-4"):
+        presets.link("NVLink-5")
+
+
+def test_the_hidden_size_is_heads_times_head_dim_unless_given():
+    assert LLAMA_70B.d_model == 8192 and presets.model("Llama-3.2-1B").d_model == 2048
+    assert presets.model("Gemma-2-9B").d_model == 3584 and presets.model("DeepSeek-V3").d_model == 7168
+    for name in SHAPES.keys() & presets.MODEL_PRESETS.keys():  # the published config.json's hidden_size
+        assert presets.model(name).d_model == SHAPES[name].d_model, name
+    assert presets.model("Gemma-2-9B").with_kv_heads(1).d_model == 3584
+    config = ModelConfig(vocab_size=64, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=32)
+    assert shape_of("tiny", config, 1e5).d_model == 48
+
+
+# ---------------------------------------------------------------- tensor-parallel steps
+
+DECODE = [(1, 100), (1, 50)]  # KV: 2 layers x 2 (K, V) x 2 heads x 8 dims x 2 bytes = 128 bytes a token
+DECODE_BYTES = 2e9 + 128 * (101 + 51)
+
+
+def test_without_a_link_communication_is_free_as_before():
+    for cost in (CostModel(TOY, TOY_GPU, n_gpus=2, step_overhead_s=0.001),
+                 CostModel(TOY, TOY_GPU, n_gpus=1, step_overhead_s=0.001, link=TOY_LINK)):
+        w = cost.n_gpus
+        assert cost.step_time(DECODE) == pytest.approx(DECODE_BYTES / (w * 1e12) + 0.001)
+        assert cost.communication_time(DECODE) == 0
+
+
+def test_a_tensor_parallel_step_by_hand():
+    cost = CostModel(TOY, TOY_GPU, n_gpus=4, step_overhead_s=0.001, link=TOY_LINK)
+    assert cost.allreduce_bytes(DECODE) == 2 * 32 * 2  # 2 tokens x d_model 32 x 2 bytes (bf16)
+    # 2 layers x 2 all-reduces, each 2 x 3 ring steps of a 128 / 4 = 32-byte piece
+    communication = 2 * 2 * 6 * (1e-6 + 32 / 1e9)
+    parts = cost.step_parts(DECODE)
+    assert parts["communication_s"] == pytest.approx(communication)
+    assert parts["memory_s"] == pytest.approx(DECODE_BYTES / 4e12) and parts["compute_s"] < parts["memory_s"]
+    assert parts["step_s"] == pytest.approx(DECODE_BYTES / 4e12 + communication + 0.001) == cost.step_time(DECODE)
+    fp32 = CostModel(TOY, TOY_GPU, n_gpus=4, link=TOY_LINK, activation_dtype="fp32")
+    assert fp32.allreduce_bytes(DECODE) == 2 * cost.allreduce_bytes(DECODE)
+    with pytest.raises(ValueError, match="dtype='float32': choose one of"):
+        CostModel(TOY, TOY_GPU, n_gpus=2, link=TOY_LINK, activation_dtype="float32")
+    with pytest.raises(ValueError, match="link='NVLink-4' must be a labkit.interconnect.Link"):
+        CostModel(TOY, TOY_GPU, n_gpus=2, link="NVLink-4")
+
+
+def test_a_measured_cpu_and_a_fitted_link_predict_the_labs_model():
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=128)
+    cpu = Hardware("this cpu", 8e9, 10e9, 50e9, "float32", measured=True)
+    fitted = Link("gloo, fitted", latency_s=40e-6, bandwidth=2e9)
+    cost = CostModel(shape_of("tiny", config, 1e5), cpu, n_gpus=2, weight_dtype="fp32", kv_dtype="fp32",
+                     step_overhead_s=1e-3, link=fitted, activation_dtype="fp32")
+    # 4 tokens x 32 x 4 bytes = 512 bytes, 2 ring steps of 256 bytes, 2 per layer, 2 layers
+    assert cost.communication_time([(4, 0)]) == pytest.approx(2 * 2 * 2 * (40e-6 + 256 / 2e9))
+
+
+def test_the_communication_share_grows_with_gpus_and_is_smaller_over_nvlink():
+    rows = tp_table(LLAMA_70B, H100, [NVLINK, PCIE], worlds=(1, 2, 4, 8), batches=(1, 64), context=1024)
+    assert len(rows) == 2 * 4 * 3
+    share = {(r["link"], r["gpus"], r["step"], r["batch"]): r["communication_share"] for r in rows}
+    for link in (NVLINK.name, PCIE.name):
+        for step, batch in (("decode", 1), ("decode", 64), ("prefill", 1)):
+            shares = [share[link, w, step, batch] for w in (1, 2, 4, 8)]
+            assert shares[0] == 0 and shares == sorted(shares) and shares[1] < shares[2] < shares[3]
+    assert all(share[NVLINK.name, *key[1:]] < share[key] for key in share if key[0] == PCIE.name and key[1] > 1)
+    row = next(r for r in rows if (r["link"], r["gpus"], r["step"], r["batch"]) == (PCIE.name, 4, "decode", 64))
+    cost = CostModel(LLAMA_70B, H100, 4, link=PCIE)
+    assert row["step_ms"] == pytest.approx(cost.step_time([(1, 1024)] * 64) * 1e3)
+    assert row["tokens_per_s"] == pytest.approx(64 / cost.step_time([(1, 1024)] * 64))
+    assert row["compute_ms"] < row["memory_ms"] and row["kv_fits"]
+    fits = {(r["gpus"], r["step"], r["batch"]): r["kv_fits"] for r in rows if r["link"] == NVLINK.name}
+    assert not any(fits[1, *rest] for rest in (("decode", 1), ("prefill", 1)))  # 141 GB of weights, 80 GB GPUs
+    assert fits[2, "decode", 1] and not fits[2, "decode", 64]  # 2 GPUs leave 3 GB: 64 x 1,025 tokens do not fit
+    with pytest.raises(ValueError, match="context=0"):
+        tp_table(LLAMA_70B, H100, [NVLINK], context=0)
