@@ -15,17 +15,19 @@ raises, and a rank also dies with its starter (a notebook kernel that is restart
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,14 +76,31 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
              for r in range(world_size)]
     finished = False
     try:
-        for p in procs:
-            p.start()
+        with _main_not_rerun():
+            for p in procs:
+                p.start()
         result = _collect(procs, results, time.monotonic() + timeout_s)
         finished = True
         return result
     finally:
         _stop(procs, grace_s=5.0 if finished else 0.0)
         results.close()
+
+
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Start processes without spawn running the caller's script again in each: ``fn`` is never from
+    ``__main__`` (checked), so a rank needs nothing of it, and a script need not guard its top level with
+    ``if __name__ == "__main__"``. Spawn re-imports the main module by its file or module name; both are
+    hidden while the ranks start, as a notebook kernel's (which has neither) always are."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def _collect(procs: list, results, deadline: float) -> Any:

@@ -1,0 +1,49 @@
+"""Functions that tests run on every rank (``labkit.parallel.launch`` imports them by name in each process)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from labkit.engine import Engine, Request
+from labkit.generate import SamplingParams, stream
+from labkit.load import load
+from labkit.model import forward_tokens
+from labkit.parallel.launch import Rank
+from labkit.parallel.tensor import shard_model, weight_bytes
+
+
+def tensor_parallel_run(rank: Rank, name: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """One shard's logits of the first prompt, and its greedy continuations through the contiguous cache
+    (``stream``) and the paged one (the engine)."""
+    shard = shard_model(load(name, device="cpu")[0], rank.rank, rank.world_size)
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    contiguous = [list(stream(shard, p, params)) for p in prompts]
+    engine = Engine(shard, num_blocks=64, block_size=8)
+    paged = [r.output for r in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
+    return {"logits": forward_tokens(shard, prompts[0], 0, None), "contiguous": contiguous, "paged": paged,
+            "weight_bytes": weight_bytes(shard), "kv_heads": shard.config.n_kv_heads,
+            "cache_bytes": engine.cache.nbytes, "all_reduces": shard.stopwatch.calls}
+
+
+def raise_on_rank_one(rank: Rank, pid_folder: str) -> None:
+    """Each rank writes its pid; rank 1 raises, rank 0 waits in an all-reduce that rank 1 never joins."""
+    Path(pid_folder, str(rank.rank)).write_text(str(os.getpid()))
+    if rank.rank == 1:
+        raise ValueError("rank one cannot go on")
+    dist.all_reduce(torch.zeros(1))
+
+
+def hang_on_rank_one(rank: Rank) -> int:
+    if rank.rank == 1:
+        time.sleep(600)
+    return rank.rank
+
+
+def exit_on_rank_one(rank: Rank) -> int:
+    if rank.rank == 1:
+        os._exit(7)
+    return rank.rank
