@@ -16,6 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from labkit.engine import StepRecord
 from labkit.hardware import Hardware
+from labkit.parallel.pipeline import Piece, bubble_fraction, measured_bubble
 from labkit.tree import check_tree, children, tree_mask
 
 
@@ -152,6 +153,40 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if own:
         fig.tight_layout()  # makes room for the legend
+    return fig
+
+
+def plot_pipeline_timeline(timeline: Sequence[Piece], title: str = "", ax: Axes | None = None) -> Figure:
+    """A pipeline-parallel run over time: one row per rank, a bar per piece of compute, coloured and
+    labelled by micro-batch (hatched: the prompts' forward pass, when decode steps follow), grey
+    where the rank sat idle. The title gives the bubble of the prompts' forward pass (step 0),
+    measured and by the formula (p - 1) / (m + p - 1); say in ``title`` which device ran it."""
+    if not timeline:
+        raise ValueError("the timeline is empty: give the pieces a pipeline run recorded")
+    own = ax is None
+    ranks = max(p.rank for p in timeline) + 1
+    fig, ax = plt.subplots(figsize=(10, 0.6 * ranks + 1.6)) if own else (ax.figure, ax)
+    begin, end = min(p.start for p in timeline), max(p.end for p in timeline)
+    ax.barh(range(ranks), end - begin, left=begin, height=0.85, color="0.85", lw=0)  # idle, under the work
+    decoding = any(p.step for p in timeline)
+    for p in timeline:
+        ax.barh(p.rank, p.end - p.start, left=p.start, height=0.85, color=PALETTE[p.micro_batch % len(PALETTE)],
+                lw=0, hatch="////" if decoding and p.step == 0 else None, edgecolor="white")
+        if p.end - p.start > (end - begin) / 60:  # a label only where it fits
+            ax.text((p.start + p.end) / 2, p.rank, str(p.micro_batch), ha="center", va="center", fontsize=7)
+    micro_batches = sorted({p.micro_batch for p in timeline})
+    prefill = [p for p in timeline if p.step == 0]
+    measured, formula = measured_bubble(prefill, ranks), bubble_fraction(ranks, len(micro_batches))
+    handles = [Patch(facecolor=PALETTE[m % len(PALETTE)], label=f"micro-batch {m}") for m in micro_batches]
+    handles += [Patch(facecolor="white", edgecolor="0.3", hatch="////", label="prompts (step 0)")] * decoding
+    handles.append(Patch(facecolor="0.85", label="idle"))
+    heading = (f"bubble of the prompts' pass: measured {measured:.0%}, "
+               f"(p - 1) / (m + p - 1) = {formula:.0%} (p = {ranks}, m = {len(micro_batches)})")
+    ax.set(xlabel="time (s)", ylabel="rank", title=f"{title}\n{heading}" if title else heading,
+           yticks=range(ranks), ylim=(ranks - 0.5, -0.5))  # rank 0 on top
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if own:
+        fig.tight_layout()
     return fig
 
 
