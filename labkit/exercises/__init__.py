@@ -1,10 +1,10 @@
 """Every graded exercise of the lab, by id. Each notebook's exercises live in ``labNN.py``."""
 from __future__ import annotations
 
-from labkit.exercises import lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab06b, lab07, lab08, lab09, lab11
+from labkit.exercises import lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab06b, lab07, lab08, lab09, lab10, lab11
 from labkit.exercises.spec import Case, Exercise, Scenario
 
-LABS = (lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab06b, lab07, lab08, lab09, lab11)
+LABS = (lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab06b, lab07, lab08, lab09, lab10, lab11)
 EXERCISES: dict[str, Exercise] = {ex.id: ex for lab in LABS for ex in lab.EXERCISES}
 
 
