@@ -7,12 +7,16 @@ import pytest
 import torch
 
 from labkit import presets
+from labkit.engine import Request, SchedulerConfig
+from labkit.generate import SamplingParams
 from labkit.hardware import Hardware
 from labkit.interconnect import Link, ring_allreduce_seconds
-from labkit.memory import ModelShape, shape_of
+from labkit.memory import ModelShape, kv_bytes_per_token, shape_of
 from labkit.model import ModelConfig
 from labkit.shapes import SHAPES
 from labkit.simulate import CostModel, tp_table
+from labkit.simulate_disagg import SLO, compare_disaggregated
+from labkit.workload import make_workload, uniform
 
 TOY = ModelShape("toy", 1e9, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_context=4096)  # d_model 32
 TOY_GPU = Hardware("toy GPU", memory_bytes=10e9, bandwidth=1e12, peak_flops=1e14, dtype="bf16")
@@ -143,3 +147,71 @@ def test_the_communication_share_grows_with_gpus_and_is_smaller_over_nvlink():
     assert fits[2, "decode", 1] and not fits[2, "decode", 64]  # 2 GPUs leave 3 GB: 64 x 1,025 tokens do not fit
     with pytest.raises(ValueError, match="context=0"):
         tp_table(LLAMA_70B, H100, [NVLINK], context=0)
+
+
+# ---------------------------------------------------------------- disaggregated prefill and decode
+
+def test_a_disaggregated_request_by_hand():
+    request = Request("a", list(range(100)), SamplingParams(max_new_tokens=3, stop_at_eos=False), arrival_time=0.5)
+    for w in (1, 2):
+        cost = CostModel(TOY, TOY_GPU, n_gpus=w, step_overhead_s=1e-3, link=TOY_LINK)
+        out = compare_disaggregated(cost, TOY_LINK, [request], w, w, SLO(1.0, 1.0), num_blocks=64)
+        prefill, first, second = cost.step_time([(100, 0)]), cost.step_time([(1, 100)]), cost.step_time([(1, 101)])
+        transfer = 1e-6 + 128 * 100 / w / 1e9  # 128 bytes of KV a token, each of the w GPUs sends its share
+        (split,), (together,) = out["disaggregated"]["per_request"], out["colocated"]["per_request"]
+        assert split["ttft_ms"] == pytest.approx(prefill * 1e3) == together["ttft_ms"]
+        assert split["tpot_ms"] == pytest.approx((transfer + first + second) / 2 * 1e3)
+        assert together["tpot_ms"] == pytest.approx((first + second) / 2 * 1e3)
+        assert split["kv_bytes"] == out["disaggregated"]["kv_bytes"] == 128 * 100
+        assert out["disaggregated"]["duration_s"] == pytest.approx(0.5 + prefill + transfer + first + second)
+    assert request.output == [] and request.status == "waiting"  # served as copies
+
+
+def test_every_request_is_served_both_ways_and_ships_the_formulas_kv():
+    requests = make_workload(40, uniform(5, 120), uniform(1, 30), rate=1000.0, seed=1)
+    cost = CostModel(TOY, TOY_GPU, n_gpus=1, step_overhead_s=1e-4)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, headroom=0)  # 24 blocks: some preempted
+    out = compare_disaggregated(cost, PCIE, requests, 2, 1, SLO(ttft_s=0.01, tpot_s=0.0025), config, num_blocks=24)
+    wanted = {r.request_id: r for r in requests}
+    for mode in ("colocated", "disaggregated"):
+        report = out[mode]
+        rows = {row["request_id"]: row for row in report["per_request"]}
+        assert rows.keys() == wanted.keys() and report["requests"] == len(requests) and report["gpus"] == 3
+        assert report["preemptions"] > 0
+        assert all(row["output_tokens"] == wanted[i].params.max_new_tokens for i, row in rows.items())
+        met = sum(row["meets_slo"] for row in rows.values())
+        assert report["goodput"] == pytest.approx(met / report["duration_s"]) and 0 < met < len(requests)
+        assert report["slo_attainment"] == met / len(requests)
+        assert report["p99_ttft_ms"] == pytest.approx(
+            torch.tensor([row["ttft_ms"] for row in rows.values()], dtype=torch.float64).quantile(0.99).item())
+    shipped = {row["request_id"]: row["kv_bytes"] for row in out["disaggregated"]["per_request"]}
+    for request_id, request in wanted.items():  # one that stops at its first token ships nothing
+        tokens = len(request.prompt) if request.params.max_new_tokens > 1 else 0
+        assert shipped[request_id] == kv_bytes_per_token(TOY, "fp16") * tokens
+    assert out["disaggregated"]["kv_bytes"] == sum(shipped.values()) > 0
+    assert all(r.status == "waiting" and not r.output for r in requests)
+
+
+def test_disaggregation_cuts_the_inter_token_tail_of_a_mixed_workload():
+    # long prompts arriving while others decode, prefilled whole: a colocated decode waits for each
+    requests = make_workload(60, uniform(1500, 3000), uniform(20, 60), rate=20.0, seed=2)
+    cost = CostModel(presets.model("Llama-3.1-8B"), H100, step_overhead_s=2e-3)
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, chunked_prefill=False)
+    out = compare_disaggregated(cost, presets.link("InfiniBand-NDR"), requests, 1, 1, SLO(0.5, 0.02), config,
+                                num_blocks=8000, prefix_caching=False)
+    together, split = out["colocated"], out["disaggregated"]
+    assert split["p99_itl_ms"] < together["p99_itl_ms"] / 2
+    assert split["request_throughput"] == pytest.approx(together["request_throughput"], rel=0.1)
+
+
+def test_a_split_that_does_not_fit_the_instances_is_refused():
+    cost = CostModel(LLAMA_70B, H100, n_gpus=2, link=NVLINK)
+    requests = make_workload(2, uniform(5, 10), uniform(2, 3), seed=0)
+    with pytest.raises(ValueError, match="prefill_gpus=3 must be a positive multiple of cost.n_gpus=2"):
+        compare_disaggregated(cost, NVLINK, requests, 3, 2, SLO(1, 1))
+    with pytest.raises(ValueError, match="decode_gpus=0 must be a positive multiple"):
+        compare_disaggregated(cost, NVLINK, requests, 2, 0, SLO(1, 1))
+    with pytest.raises(ValueError, match="both limits must be positive"):
+        compare_disaggregated(cost, NVLINK, requests, 2, 2, SLO(0.5, 0))
+    with pytest.raises(ValueError, match="requests is empty"):
+        compare_disaggregated(cost, NVLINK, [], 2, 2, SLO(1, 1))
