@@ -4,11 +4,12 @@
     run.tokens, run.timeline, run.bubble()        # greedy tokens, who ran what when, the idle share
 
 Rank r holds a contiguous run of the model's blocks (rank 0 also the embedding, the last rank the
-final norm and LM head) and a KV cache for its own blocks only, so its memory is its share of
-the model. A micro-batch's activations ``[rows, tokens, d_model]`` go from rank r to rank r + 1
-as point-to-point messages; the last rank picks the greedy tokens and sends them back to rank 0,
-which feeds them in at the next step. Every rank knows the prompts, so it knows each message's
-shape before it arrives.
+final norm and LM head) and a KV cache for its own blocks only, so its memory is its share of the
+model. With n_layers = q * W + e, the first e ranks hold q + 1 blocks and the others q: the last
+rank's LM head is about a block's work in a decode step. A micro-batch's activations ``[rows, tokens, d_model]``
+go from rank r to rank r + 1 as point-to-point messages; the last rank picks the greedy tokens
+and sends them back to rank 0, which feeds them in at the next step. Every rank knows the
+prompts, so it knows each message's shape before it arrives.
 
 With one batch, rank r + 1 waits while rank r works, and the other way round. Split the batch
 into m micro-batches and rank 0 runs micro-batch i + 1 while rank 1 runs micro-batch i. In one
@@ -32,13 +33,13 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from labkit.device import synchronize
 from labkit.load import load
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer
 from labkit.parallel.launch import Rank, launch
+from labkit.parallel.tensor import config_of, weight_bytes
 from labkit.validate import as_token_ids, check_ints
 
 
@@ -51,8 +52,7 @@ def bubble_fraction(p: int, m: int) -> float:
 
 def even_split(n: int, parts: int) -> list[range]:
     """``n`` items in ``parts`` consecutive runs whose sizes differ by at most one, the longer runs
-    first: layers over ranks (the last rank also runs the LM head, about a layer's work on the
-    lab's target, so the extra layers go to the first ranks), prompts over micro-batches."""
+    first: layers over ranks, prompts over micro-batches."""
     if not 1 <= parts <= n:
         raise ValueError(f"{n} items cannot be split into {parts} non-empty parts (1..{n})")
     size, extra = divmod(n, parts)
@@ -99,10 +99,6 @@ class Stage:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-    def parameter_bytes(self) -> int:
-        """The bytes of the weights this rank holds (a tied embedding and LM head counted once)."""
-        return sum(p.nbytes for p in {id(p): p for p in self.model.parameters()}.values())
 
     def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None, last: Tensor) -> Tensor:
         """This stage's part of a forward pass: token ids ``[rows, T]`` in on the first stage, the
@@ -218,11 +214,10 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class PipelineRun:
-    """What ``pipeline_generate`` did: each prompt's new tokens (and their text), the timeline of
+    """What ``pipeline_generate`` did: each prompt's new tokens, the timeline of
     every rank, and per rank its layers, weight bytes and KV-cache bytes."""
 
     tokens: list[list[int]]
-    texts: list[str] | None
     timeline: list[Piece]
     layers: list[range]
     parameter_bytes: list[int]
@@ -283,11 +278,11 @@ def _generate_on_rank(rank: Rank, source: str, prompts: list[list[int]], new_tok
                     pending.append(dist.isend(out, 0, group=back, tag=_tag(step, j, micro_batches)))
     for work in pending:
         work.wait()
-    report = _gather((pieces, stage.layers, stage.parameter_bytes(), sum(c.nbytes for c in caches)), rank)
+    report = _gather((pieces, stage.layers, weight_bytes(stage.model), sum(c.nbytes for c in caches)), rank)
     if rank.rank:
         return None
     timeline, layers, weights, kv = zip(*report)
-    return PipelineRun(tokens=[row for out in outputs for row in torch.stack(out, dim=1).tolist()], texts=None,
+    return PipelineRun(tokens=[row for out in outputs for row in torch.stack(out, dim=1).tolist()],
                        timeline=_from_zero([p for rank_pieces in timeline for p in rank_pieces]),
                        layers=list(layers), parameter_bytes=list(weights), kv_bytes=list(kv),
                        micro_batches=micro_batches)
@@ -316,38 +311,30 @@ def _check_layout(config: ModelConfig, world_size: int, micro_batches: int, rows
                          "micro-batch holds at least one prompt")
 
 
-def _token_ids(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Tokenizer | None, config: ModelConfig,
-               new_tokens: int) -> list[list[int]]:
-    """The prompts as token ids (text encoded with the model's tokenizer), checked to fit the context."""
-    ids = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer, and this model has none: give token ids")
-            prompt = tokenizer.encode(prompt).ids
-        prompt = as_token_ids(prompt, config.vocab_size)
-        if not 1 <= len(prompt) <= config.max_seq_len - new_tokens + 1:
-            raise ValueError(f"a prompt of {len(prompt)} tokens with {new_tokens} new ones does not fit: prompts "
-                             f"need 1..max_seq_len - new_tokens + 1 = {config.max_seq_len - new_tokens + 1} tokens")
-        ids.append(prompt)
+def _check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, new_tokens: int) -> list[list[int]]:
+    """The prompts as lists of token ids of the model's vocabulary, each fitting the context with its new tokens."""
+    ids = [as_token_ids(prompt, config.vocab_size) for prompt in prompts]
+    room = config.max_seq_len - new_tokens + 1
+    if (bad := next((p for p in ids if not 1 <= len(p) <= room), None)) is not None:
+        raise ValueError(f"a prompt of {len(bad)} tokens with {new_tokens} new ones does not fit: prompts "
+                         f"need 1..max_seq_len - new_tokens + 1 = {room} tokens")
     return ids
 
 
-def pipeline_generate(model: str, prompts: Sequence[str] | Sequence[Sequence[int]], new_tokens: int,
+def pipeline_generate(model: str, prompts: Sequence[Sequence[int]], new_tokens: int,
                       world_size: int = 2, micro_batches: int = 2, dtype: torch.dtype = torch.float32,
                       timeout_s: float = 300.0) -> PipelineRun:
-    """Greedy generation of ``new_tokens`` tokens after each prompt (text or token ids; no stop at
+    """Greedy generation of ``new_tokens`` tokens after each prompt (token ids; no stop at
     end-of-text) by ``world_size`` ranks, each holding its share of the layers of ``model`` (a
     ``labkit.load`` name or folder), with the prompts split into ``micro_batches`` micro-batches
     in flight. The layout and prompts are checked before any process starts."""
-    skeleton, tokenizer = load(model, "meta")  # sizes and tokenizer, no weights: the ranks load those
+    config = config_of(model)
     check_ints(new_tokens=new_tokens, world_size=world_size, micro_batches=micro_batches)
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens} must be at least 1")
-    _check_layout(skeleton.config, world_size, micro_batches, len(prompts))
-    ids = _token_ids(prompts, tokenizer, skeleton.config, new_tokens)
-    run = launch(_generate_on_rank, world_size, (model, ids, new_tokens, micro_batches, dtype), timeout_s)
-    return replace(run, texts=[tokenizer.decode(t) for t in run.tokens] if tokenizer is not None else None)
+    _check_layout(config, world_size, micro_batches, len(prompts))
+    ids = _check_prompts(prompts, config, new_tokens)
+    return launch(_generate_on_rank, world_size, (model, ids, new_tokens, micro_batches, dtype), timeout_s)
 
 
 @dataclass(frozen=True)
@@ -380,15 +367,16 @@ def measure_bubble(model: str, world_size: int = 2, micro_batches: Sequence[int]
     """The bubble of one forward pass (no cache, no sampling) of ``rows`` prompts of ``length``
     tokens through ``world_size`` stages of ``model``, split into each of ``micro_batches`` equal
     micro-batches in turn: measured against ``bubble_fraction``. One launch for all of them."""
-    skeleton, _ = load(model, "meta")  # sizes, no weights: the ranks load those
+    config = config_of(model)
     counts = list(micro_batches)
-    check_ints(world_size=world_size, rows=rows, length=length, **{f"micro_batches[{i}]": m for i, m in enumerate(counts)})
+    check_ints(world_size=world_size, rows=rows, length=length,
+               **{f"micro_batches[{i}]": m for i, m in enumerate(counts)})
     if not counts:
         raise ValueError("micro_batches is empty: give the numbers of micro-batches to measure, e.g. (1, 2, 4, 8)")
-    if not 1 <= length <= skeleton.config.max_seq_len:
-        raise ValueError(f"length={length} must be in 1..max_seq_len={skeleton.config.max_seq_len}")
+    if not 1 <= length <= config.max_seq_len:
+        raise ValueError(f"length={length} must be in 1..max_seq_len={config.max_seq_len}")
     for count in counts:
-        _check_layout(skeleton.config, world_size, count, rows)
+        _check_layout(config, world_size, count, rows)
         if rows % count:
             raise ValueError(f"rows={rows} do not split into micro_batches={count} equal micro-batches: "
                              "choose rows a multiple of each count")
