@@ -94,20 +94,21 @@ def _judge_shard(what: str, got: Any, want: Tensor, mistakes: list[tuple[Tensor,
     raise AssertionError(f"{what}: {why}")
 
 
-def _others(rank: int, world: int) -> list[int]:
-    return [other for other in range(world) if other != rank]
+def _span(part: range) -> str:
+    return f"{part.start} .. {part.stop - 1}"
 
 
 def _column_mistakes(x: Tensor, weight: Tensor, rank: int, world: int) -> list[tuple[Tensor, str]]:
     out = weight.shape[0]
     rows = share(out, rank, world)
+    others = [share(out, other, world) for other in range(world)]
     return [
         (x @ weight[rank::world].T, f"this is x @ weight[{rank}::{world}].T, an interleaved (strided) split; rank "
-                                    f"{rank}'s share is contiguous, rows {rows.start} .. {rows.stop - 1}: "
-                                    "concatenated in rank order, the shares must give y's features in order"),
-        *((x @ weight[list(share(out, other, world))].T, f"this is rank {other}'s share (rows "
-           f"{share(out, other, world).start} .. {share(out, other, world).stop - 1}); rank {rank} holds rows "
-           f"{rows.start} .. {rows.stop - 1}: the rank-th of {world} equal parts") for other in _others(rank, world)),
+                                    f"{rank}'s share is contiguous, rows {_span(rows)}: concatenated in rank order, "
+                                    "the shares must give y's features in order"),
+        *((x @ weight[theirs.start:theirs.stop].T, f"this is rank {other}'s share (rows {_span(theirs)}); rank {rank} "
+                                                   f"holds rows {_span(rows)}: the rank-th of {world} equal parts")
+          for other, theirs in enumerate(others) if other != rank),
         (x @ weight.T, f"this is the whole output, all {out} features; a rank computes only its share, "
                        f"{out // world} of them, with its rows of the weight"),
     ]
@@ -116,22 +117,25 @@ def _column_mistakes(x: Tensor, weight: Tensor, rank: int, world: int) -> list[t
 def _row_mistakes(x_part: Tensor, weight: Tensor, rank: int, world: int) -> list[tuple[Tensor, str]]:
     out, inp = weight.shape
     cols = share(inp, rank, world)
+    others = [share(inp, other, world) for other in range(world)]
     mistakes = [
         (x_part @ weight[:, rank::world].T, f"this uses weight[:, {rank}::{world}], an interleaved (strided) split; "
-                                            f"x_part holds the contiguous input features {cols.start} .. "
-                                            f"{cols.stop - 1}, so the columns must be those"),
-        *((x_part @ weight[:, list(share(inp, other, world))].T,
-           f"this uses rank {other}'s columns; x_part holds rank {rank}'s input features, {cols.start} .. "
-           f"{cols.stop - 1}, and they multiply the same columns of the weight") for other in _others(rank, world)),
-        ((x_part @ weight[:, list(cols)].T) / world, f"this is the partial sum divided by {world}: the all-reduce "
-                                                     "adds the ranks' partial sums (each holds part of every output "
-                                                     "feature's dot product), it does not average them"),
+                                            f"x_part holds the contiguous input features {_span(cols)}, so the "
+                                            "columns must be those"),
+        *((x_part @ weight[:, theirs.start:theirs.stop].T, f"this uses rank {other}'s columns; x_part holds rank "
+                                                           f"{rank}'s input features, {_span(cols)}, and they multiply "
+                                                           "the same columns of the weight")
+          for other, theirs in enumerate(others) if other != rank),
+        ((x_part @ weight[:, cols.start:cols.stop].T) / world,
+         f"this is the partial sum divided by {world}: the all-reduce adds the ranks' partial sums (each holds part "
+         "of every output feature's dot product), it does not average them"),
     ]
     if out == inp:  # a square weight: a slice of rows fits x_part without a transpose
-        rows = list(share(out, rank, world))
-        mistakes.append((x_part @ weight[rows], f"this is x_part @ weight[{rows[0]}:{rows[-1] + 1}], a split by rows; "
-                                                "the row-parallel layer splits the weight by its columns (its "
-                                                "input features, those x_part holds): x_part @ weight[:, cols].T"))
+        rows = share(out, rank, world)
+        mistakes.append((x_part @ weight[rows.start:rows.stop],
+                         f"this is x_part @ weight[{rows.start}:{rows.stop}], a split by rows; the row-parallel layer "
+                         "splits the weight by its columns (its input features, those x_part holds): "
+                         "x_part @ weight[:, cols].T"))
     return mistakes
 
 
@@ -139,17 +143,18 @@ def _column_shares(cls: Any, x: Tensor, weight: Tensor, world: int) -> list[Tens
     """Each rank's column-parallel output, checked, and their concatenation against the full product."""
     shares = []
     for rank in range(world):
-        rows = list(share(weight.shape[0], rank, world))
+        rows = share(weight.shape[0], rank, world)
         what = f"column_parallel(x, weight, rank={rank}, world={world})"
         try:
             got = _call(cls.column_parallel, x, weight, rank, world)
         except NotImplementedError:  # a stub, not a shape error
             raise
         except RuntimeError as error:
-            raise AssertionError(f"{what} raised RuntimeError: {error}. x holds all {weight.shape[1]} input "
-                                 "features, so the column-parallel layer splits the weight by rows (output features): "
-                                 f"weight[{rows[0]}:{rows[-1] + 1}], shape [{len(rows)}, {weight.shape[1]}]") from None
-        _judge_shard(what, got, x @ weight[rows].T, _column_mistakes(x, weight, rank, world))
+            raise AssertionError(f"{what} raised RuntimeError: {error}. If the shapes do not fit: x holds all "
+                                 f"{weight.shape[1]} input features, so the column-parallel layer splits the weight by "
+                                 f"rows (output features): weight[{rows.start}:{rows.stop}], shape [{len(rows)}, "
+                                 f"{weight.shape[1]}]") from None
+        _judge_shard(what, got, x @ weight[rows.start:rows.stop].T, _column_mistakes(x, weight, rank, world))
         shares.append(got)
     _judge_shard(f"the {world} ranks' outputs concatenated in rank order", torch.cat(shares, -1), x @ weight.T, [])
     return shares
@@ -159,18 +164,18 @@ def _row_partials(cls: Any, parts: Sequence[Tensor], weight: Tensor, world: int)
     """Each rank's row-parallel partial sum, checked."""
     partials = []
     for rank, x_part in enumerate(parts):
-        cols = list(share(weight.shape[1], rank, world))
+        cols = share(weight.shape[1], rank, world)
         what = f"row_parallel(x_part, weight, rank={rank}, world={world})"
         try:
             got = _call(cls.row_parallel, x_part, weight, rank, world)
         except NotImplementedError:  # a stub, not a shape error
             raise
         except RuntimeError as error:
-            raise AssertionError(f"{what} raised RuntimeError: {error}. x_part holds {x_part.shape[-1]} of the "
-                                 f"{weight.shape[1]} input features, so the row-parallel layer splits the weight by "
-                                 f"columns: weight[:, {cols[0]}:{cols[-1] + 1}], shape [{weight.shape[0]}, "
-                                 f"{len(cols)}]; a slice of rows does not fit x_part") from None
-        _judge_shard(what, got, x_part @ weight[:, cols].T, _row_mistakes(x_part, weight, rank, world))
+            raise AssertionError(f"{what} raised RuntimeError: {error}. If the shapes do not fit: x_part holds "
+                                 f"{x_part.shape[-1]} of the {weight.shape[1]} input features, so the row-parallel "
+                                 f"layer splits the weight by columns: weight[:, {cols.start}:{cols.stop}], shape "
+                                 f"[{weight.shape[0]}, {len(cols)}]; a slice of rows does not fit x_part") from None
+        _judge_shard(what, got, x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world))
         partials.append(got)
     return partials
 
@@ -200,7 +205,7 @@ def _row_play(x_shape: tuple[int, ...], out: int, world: int, seed: int) -> Call
     (weight,) = _weights(generator, (out, x_shape[-1]))
 
     def play(cls: Any) -> None:
-        parts = [x[..., list(share(x.shape[-1], rank, world))] for rank in range(world)]
+        parts = [x[..., part.start:part.stop] for part in (share(x.shape[-1], rank, world) for rank in range(world))]
         summed = all_reduce(_row_partials(cls, parts, weight, world))
         _judge_shard(f"the {world} ranks' partial sums added (the all-reduce)", summed, x @ weight.T, [])
     return play
