@@ -29,7 +29,9 @@ A step is three calls, each with one job:
 so a step interrupted before its last call has recorded nothing as computed and handed out no
 token: it simply runs again (a seeded draw, from ``token_generator``, comes out the same).
 ``labkit.metrics`` measures a run, ``labkit.static_batching`` is the baseline it is compared
-with, and ``labkit.simulate`` runs the same scheduler on a cost model's clock.
+with, and ``labkit.simulate`` runs the same scheduler on a cost model's clock. ``Engine.adopt``
+takes over a request whose prompt ran elsewhere, its keys and values shipped in
+(``labkit.parallel.disaggregate``).
 """
 from __future__ import annotations
 
@@ -234,6 +236,22 @@ class Scheduler:
                 if victim is request:
                     return False
 
+    def adopt(self, request: Request) -> int | None:
+        """Take over a request whose tokens but the newest were computed elsewhere (disaggregated
+        serving: another rank ran its prompt and sampled its first token; ``check_prefilled``): it
+        joins the running batch as a waiting request is admitted (``admit``: the sequence cap, the
+        free blocks and their headroom), with its tokens but the newest counted as computed, so its
+        next step decodes. Returns how many of those tokens the prefix cache held (the caller writes
+        the others' keys and values into its blocks), or None, with nothing changed, while there is
+        no room or preempted requests wait to be readmitted (they come first): try after a step."""
+        self.check_id(request)
+        if self.waiting or not admit(deque([request]), self.running, self.allocator, len(request.tokens),
+                                     self.config.max_num_seqs, headroom=self.config.headroom):
+            return None
+        request.num_computed = len(request.tokens) - 1
+        self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
+        return request.cached_tokens
+
     def postprocess(self, batch: ScheduledBatch, tokens: Sequence[int], now: float,
                     eos_id: int | None = None) -> list[Request]:
         """Record a step once it has run: each scheduled request has its tokens computed (their full
@@ -321,6 +339,18 @@ def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
     if request.max_tokens > max_seq_len:
         raise ValueError(f"request {request.request_id!r}: {len(request.prompt)} prompt tokens + "
                          f"{request.params.max_new_tokens} new ones exceed max_seq_len={max_seq_len}")
+
+
+def check_prefilled(request: Request, eos_id: int | None = None) -> None:
+    """ValueError unless the request was prefilled elsewhere and has tokens left to decode: it has
+    its first token (or more) in ``output`` and nothing computed here, and is not finished."""
+    if request.status != WAITING or request.num_computed or not request.output:
+        raise ValueError(f"request {request.request_id!r} ({request.status}, {len(request.output)} tokens out, "
+                         f"{request.num_computed} computed) is not one prefilled elsewhere: that has its first "
+                         "token in output and nothing computed yet")
+    if is_finished(request, eos_id):
+        raise ValueError(f"request {request.request_id!r} is finished ({len(request.output)} of "
+                         f"{request.params.max_new_tokens} tokens, or EOS): there is nothing left to decode")
 
 
 def check_unique_ids(requests: Sequence[Request]) -> None:
@@ -497,3 +527,22 @@ class Engine(EngineCore):
                                   spare_block=use_cuda_graphs)
         graphs = PagedGraphs(model, self.cache, config.max_num_seqs) if use_cuda_graphs else None
         super().__init__(ModelRunner(model, self.cache, graphs), allocator, config, WallClock(), eos_id)
+
+    def adopt(self, request: Request, kv: Tensor) -> bool:
+        """Take over a request prefilled elsewhere (``check_prefilled``, ``Scheduler.adopt``) with ``kv``,
+        the keys and values of its tokens but the newest, ``[2, n_layers, tokens, n_kv_heads, head_dim]``:
+        they are written into its blocks (those the prefix cache held already are skipped), and its
+        next step decodes. False, with nothing changed, while there is no room: try after a step."""
+        check_prefilled(request, self.eos_id)
+        config = self.model.config
+        expected = (2, config.n_layers, len(request.tokens) - 1, config.n_kv_heads, config.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"request {request.request_id!r}: kv has shape {tuple(kv.shape)}, expected {expected} "
+                             "(K and V, layers, its tokens but the newest, KV heads, head_dim)")
+        cached = self.scheduler.adopt(request)
+        if cached is None:
+            return False
+        slots = self.allocator.slot_mapping(request.request_id, range(cached, request.num_computed))
+        for pool, new in zip((self.cache.k, self.cache.v), kv):
+            pool.flatten(1, 2)[:, slots] = new[:, cached:].to(pool)
+        return True
