@@ -51,8 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit import memory
-from labkit.exercises.lab11 import _ints, _pair
-from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short
+from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short, int_list, items_of
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.presets import MODEL_PRESETS
 
@@ -275,7 +274,7 @@ def reference_heads(n_heads: int, n_kv_heads: int, rank: int, world: int) -> tup
 
 
 def _heads(value: Any) -> list[int] | None:
-    return _ints(list(value) if isinstance(value, range) else value)
+    return int_list(list(value) if isinstance(value, range) else value)
 
 
 def _layout_play(n_heads: int, n_kv_heads: int, world: int) -> Callable[[Any], None]:
@@ -285,7 +284,7 @@ def _layout_play(n_heads: int, n_kv_heads: int, world: int) -> Callable[[Any], N
         for rank in range(world):
             query, kv = reference_heads(n_heads, n_kv_heads, rank, world)
             what = f"shard_heads({n_heads}, {n_kv_heads}, rank={rank}, world={world})"
-            given = _pair(fn(n_heads, n_kv_heads, rank, world), ("query_heads", "kv_heads"))
+            given = items_of(fn(n_heads, n_kv_heads, rank, world), ("query_heads", "kv_heads"))
             got_query, got_kv = (_heads(v) for v in given)
             if got_query is None:
                 raise AssertionError(f"{what}: query_heads: expected a list of ints, got {_short(given[0])}")

@@ -41,16 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.exercises.spec import Case, Exercise, JudgedCase, _short
+from labkit.exercises.spec import Case, Exercise, JudgedCase, _short, int_list, items_of
 from labkit.generate import SamplingParams
 from labkit.tree import check_tree, children, expected_accepted, reach, tree_mask, tree_positions, walk
-
-
-def _pair(got: Any, names: tuple[str, ...]) -> tuple:
-    """``got`` as a tuple of ``len(names)`` items, or an AssertionError saying what was expected."""
-    if not isinstance(got, (tuple, list)) or len(got) != len(names):
-        raise AssertionError(f"expected a tuple ({', '.join(names)}), got {_short(got)}")
-    return tuple(got)
 
 
 # ex11.1 ------------------------------------------------------------------------------------------
@@ -100,7 +93,7 @@ def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
     ]
 
     def judge(got: Any) -> None:
-        mask, positions = _pair(got, ("mask", "positions"))
+        mask, positions = items_of(got, ("mask", "positions"))
         if not isinstance(mask, Tensor) or tuple(mask.shape) != (n, n):
             raise AssertionError(f"mask: expected a bool tensor of shape [{n}, {n}], got {_short(mask)}")
         if not isinstance(positions, Tensor) or tuple(positions.shape) != (n,):
@@ -173,16 +166,6 @@ def _walk_with(matches: Callable[[int, int], bool], candidates: Callable[[int], 
     return branch
 
 
-def _ints(value: Any) -> list[int] | None:
-    """A list or tuple of ints (or a 1-d integer tensor) as a list; None for anything else."""
-    if isinstance(value, Tensor) and value.dim() == 1 and not value.is_floating_point():
-        return value.tolist()
-    if isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                                for v in value):
-        return [int(v) for v in value]
-    return None
-
-
 def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequence[int], start: int
                   ) -> Callable[[Any], None]:
     branch, token, keep = reference_branch(parents, tokens, choices, start)
@@ -217,7 +200,7 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
     ]
 
     def judge(got: Any) -> None:
-        got_branch, got_token, got_keep = _pair(got, ("branch", "next_token", "keep"))
+        got_branch, got_token, got_keep = items_of(got, ("branch", "next_token", "keep"))
         _check_int_list("branch", "the accepted nodes", got_branch, branch, branch_mistakes)
         if not isinstance(got_token, numbers.Integral) or isinstance(got_token, bool):
             raise AssertionError(f"next_token: expected an int, got {_short(got_token)}")
@@ -237,7 +220,7 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
 
 def _check_int_list(name: str, what: str, got: Any, want: list[int], mistakes: list[tuple[list[int], str]]) -> None:
     """``got`` must be the list of ints ``want``; a known wrong answer in ``mistakes`` names its mistake."""
-    as_list = _ints(got)
+    as_list = int_list(got)
     if as_list is None:
         raise AssertionError(f"{name}: expected a list of ints, {what}, got {_short(got)}")
     if as_list != want:
@@ -320,7 +303,7 @@ def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[An
     ]
 
     def judge(got: Any) -> None:
-        got_accepted, got_tokens = _pair(got, ("accepted", "tokens_per_call"))
+        got_accepted, got_tokens = items_of(got, ("accepted", "tokens_per_call"))
         value, tokens = _number(got_accepted, "accepted"), _number(got_tokens, "tokens_per_call")
         close = lambda a, b: abs(a - b) <= 1e-9 + 1e-6 * abs(b)
         if not close(value, accepted):

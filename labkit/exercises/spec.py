@@ -138,6 +138,23 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def items_of(got: Any, names: tuple[str, ...]) -> tuple:
+    """``got`` as a tuple of ``len(names)`` items, or an AssertionError saying what was expected."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(names):
+        raise AssertionError(f"expected a tuple ({', '.join(names)}), got {_short(got)}")
+    return tuple(got)
+
+
+def int_list(value: Any) -> list[int] | None:
+    """A list or tuple of ints (or a 1-d integer tensor) as a list; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
+        return value.tolist()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                                for v in value):
+        return [int(v) for v in value]
+    return None
+
+
 def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     """Compare numbers within tolerance, tensors with torch.testing, containers item by item."""
     if isinstance(expected, torch.Tensor):

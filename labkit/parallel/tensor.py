@@ -39,9 +39,12 @@ from labkit.bench import measure
 from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.load import load
-from labkit.memory import blocks_for
+from labkit.hardware import Hardware
+from labkit.interconnect import Link
+from labkit.memory import blocks_for, shape_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
 from labkit.parallel.launch import Rank, launch
+from labkit.simulate import CostModel
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         out = super().forward(x)
+        if dist.get_world_size() == 1:  # one rank holds the whole sum
+            return out
         start = time.perf_counter()
         dist.all_reduce(out)
         self.stopwatch.seconds += time.perf_counter() - start
@@ -199,7 +204,8 @@ def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: 
         engine = Engine(shard, num_blocks=sum(blocks_for(len(p) + new_tokens, 16) for p in prompts))
         requests = engine.run([Request(i, p, params) for i, p in enumerate(prompts)])
         outputs, kv_bytes = [r.output for r in requests], engine.cache.nbytes
-    return {"outputs": outputs, "weight_bytes": weight_bytes(shard), "kv_bytes": kv_bytes,
+    return {"outputs": outputs, "logits": forward_tokens(shard, prompts[0], 0, None),
+            "weight_bytes": weight_bytes(shard), "kv_bytes": kv_bytes,
             "kv_heads": shard.config.n_kv_heads, "all_reduces": shard.stopwatch.calls}
 
 
@@ -207,21 +213,12 @@ def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: i
              timeout_s: float = 300.0) -> dict:
     """Greedy continuations of ``prompts`` (token ids) by checkpoint ``name`` split over ``world_size`` ranks,
     through the ``contiguous`` cache (one sequence at a time) or the ``paged`` one (the engine, all at once):
-    rank 0's outputs, and its weight and KV-cache bytes (the first prompt's cache, for ``contiguous``)."""
+    rank 0's outputs, the logits of the first prompt ``[len, vocab]`` (a forward pass without a cache), and
+    rank 0's weight and KV-cache bytes (the first prompt's cache, for ``contiguous``)."""
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"cache={cache!r} must be 'contiguous' or 'paged'")
     check_layout(config_of(name), world_size)
     return launch(_generate_rank, world_size, (name, [list(p) for p in prompts], new_tokens, cache), timeout_s)
-
-
-def _logits_rank(rank: Rank, name: str, tokens: list[int]) -> Tensor:
-    return forward_tokens(_shard(rank, name), tokens, 0, None)
-
-
-def logits(name: str, tokens: list[int], world_size: int, timeout_s: float = 300.0) -> Tensor:
-    """The logits ``[len(tokens), vocab]`` of one forward pass over ``tokens``, split over ``world_size`` ranks."""
-    check_layout(config_of(name), world_size)
-    return launch(_logits_rank, world_size, (name, list(tokens)), timeout_s)
 
 
 def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
@@ -231,13 +228,29 @@ def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
         step()
     shard.stopwatch.reset()
     timing = measure(step, warmup=0, repeats=repeats, device=rank.device)
-    return {"step_s": timing.median, "comm_s": shard.stopwatch.seconds / repeats,
+    return {"step_s": timing.median_s, "comm_s": shard.stopwatch.seconds / repeats,
             "all_reduces": shard.stopwatch.calls / repeats, "device": timing.device}
 
 
-def decode_step_time(name: str, world_size: int, context: int = 256, repeats: int = 30,
+def decode_step_time(name: str, world_size: int, context: int = 256, repeats: int = 30, threads: int | None = None,
                      timeout_s: float = 300.0) -> dict:
     """Rank 0's median decode-step time for checkpoint ``name`` split over ``world_size`` ranks (one sequence
-    of ``context`` cached tokens), and the part of it spent in all-reduces."""
+    of ``context`` cached tokens), and the part of it spent in all-reduces; ``threads`` per rank (see ``launch``)."""
     check_layout(config_of(name), world_size)
-    return launch(_step_rank, world_size, (name, context, repeats), timeout_s)
+    return launch(_step_rank, world_size, (name, context, repeats), timeout_s, threads)
+
+
+def predicted_step(model: Transformer, hardware: Hardware, link: Link, world_size: int, one_rank_s: float,
+                   context: int = 256) -> dict[str, float]:
+    """The simulator's decode step (``CostModel.step_parts``, seconds) for ``model`` split over
+    ``world_size`` ranks of ``hardware`` joined by ``link``, one sequence of ``context`` cached tokens,
+    calibrated on ``one_rank_s``, the measured step on one rank: what the roofline does not explain
+    there (Python and operator dispatch, which every rank pays whole: it runs as many operations,
+    only narrower) is the step's fixed overhead."""
+    shape = shape_of("model", model.config, model.num_parameters())
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    batch = [(1, context)]
+
+    def cost(world: int, overhead_s: float) -> CostModel:
+        return CostModel(shape, hardware, world, dtype, dtype, overhead_s, link, dtype)
+    return cost(world_size, max(0.0, one_rank_s - cost(1, 0.0).step_time(batch))).step_parts(batch)
