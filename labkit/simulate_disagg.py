@@ -7,7 +7,7 @@ only prompts and produces each request's first token, then ships the request's K
 decode instance, which adds the blocks to its own pool and decodes the request in its continuous
 batch, where no prompt ever holds a step up. Each request pays for the transfer:
 
-    KV bytes = KV bytes per token x prompt tokens                 (labkit.memory.kv_bytes_per_token)
+    KV bytes = KV bytes per token x prompt tokens                 (labkit.memory.kv_cache_bytes)
     transfer = link latency + KV bytes / (W x link bandwidth)     (each of an instance's W GPUs sends
                                                                    its share of the KV heads at once)
 
@@ -31,7 +31,7 @@ from typing import NamedTuple, Sequence
 
 from labkit.engine import FINISHED, Request, SchedulerConfig, admit, check_unique_ids
 from labkit.interconnect import Link
-from labkit.memory import kv_bytes_per_token
+from labkit.memory import kv_cache_bytes
 from labkit.metrics import latency_figures, request_metrics
 from labkit.simulate import CostModel, SimulatedEngine
 
@@ -43,11 +43,6 @@ class SLO(NamedTuple):
 
     ttft_s: float
     tpot_s: float
-
-
-def kv_transfer_seconds(cost: CostModel, link: Link, prompt_tokens: int) -> float:
-    """Seconds to ship a prompt's KV cache from a prefill instance to a decode instance."""
-    return link.send_seconds(kv_bytes_per_token(cost.model, cost.kv_dtype) * prompt_tokens / cost.n_gpus)
 
 
 def _fresh(request: Request) -> Request:
@@ -72,8 +67,9 @@ def _prefill(engine: SimulatedEngine, requests: list[Request], cost: CostModel,
         if len(request.output) >= request.params.max_new_tokens:
             request.finish_time, request.status = first.finish_time, FINISHED
             continue
-        link_free = max(first.finish_time, link_free) + kv_transfer_seconds(cost, link, len(request.prompt))
-        handoffs.append((link_free, request, kv_bytes_per_token(cost.model, cost.kv_dtype) * len(request.prompt)))
+        nbytes = kv_cache_bytes(cost.model, len(request.prompt), dtype=cost.kv_dtype)
+        link_free = max(first.finish_time, link_free) + link.send_seconds(nbytes / cost.n_gpus)
+        handoffs.append((link_free, request, nbytes))
     return handoffs
 
 
