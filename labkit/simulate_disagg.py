@@ -19,8 +19,9 @@ second. The i-th request to arrive goes to instance i mod N, decode instances in
 order their KV arrives); a prefill instance sends one request's KV at a time, and frees the
 request's blocks when its first token is out rather than when the transfer ends (a little
 optimistic on its memory). A decode instance admits an arriving request as it admits a waiting
-one (``labkit.engine.admit``: the sequence cap, the free blocks and their headroom), with its
-prompt's keys and values in place, so its first step there decodes.
+one (``Scheduler.adopt``: the sequence cap, the free blocks and their headroom), with its
+prompt's keys and values in place, so its first step there decodes, as the real disaggregated
+engine of ``labkit.parallel.disaggregate`` does.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import replace
 from functools import partial
 from typing import NamedTuple, Sequence
 
-from labkit.engine import FINISHED, Request, SchedulerConfig, admit, check_unique_ids
+from labkit.engine import FINISHED, Request, SchedulerConfig, check_unique_ids
 from labkit.interconnect import Link
 from labkit.memory import kv_cache_bytes
 from labkit.metrics import latency_figures, request_metrics
@@ -73,26 +74,14 @@ def _prefill(engine: SimulatedEngine, requests: list[Request], cost: CostModel,
     return handoffs
 
 
-def _receive(engine: SimulatedEngine, request: Request) -> bool:
-    """Admit a request whose prompt's KV has arrived into the decode instance's batch, as a waiting
-    request is admitted; False while there is no room for it."""
-    scheduler = engine.scheduler
-    config = scheduler.config
-    if not admit(deque([request]), scheduler.running, engine.allocator, len(request.tokens), config.max_num_seqs,
-                 headroom=config.headroom):
-        return False
-    request.num_computed = len(request.prompt)  # its keys and values came over the link; its first token's do not
-    engine.allocator.mark_computed(request.request_id, request.prompt)
-    return True
-
-
 def _decode(engine: SimulatedEngine, handoffs: list[tuple[float, Request, float]]) -> None:
-    """Decode the handed-off requests on a decode instance, each joining the batch when its KV has
-    arrived and there is room (a preempted one is recomputed there, as on any engine). The colocated
-    run has checked that an engine like this one can serve each request, so one always fits an idle engine."""
+    """Decode the handed-off requests on a decode instance, each adopted into the batch
+    (``Scheduler.adopt``) when its KV has arrived and there is room (a preempted one is recomputed
+    there, as on any engine). The colocated run has checked that an engine like this one can serve
+    each request, so one always fits an idle engine."""
     pending = deque(sorted(handoffs, key=lambda h: h[0]))
     while pending or engine.scheduler.has_work:
-        while pending and pending[0][0] <= engine.now() and _receive(engine, pending[0][1]):
+        while pending and pending[0][0] <= engine.now() and engine.scheduler.adopt(pending[0][1]) is not None:
             pending.popleft()
         if engine.scheduler.has_work:
             engine.step()
