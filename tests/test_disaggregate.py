@@ -73,11 +73,15 @@ def test_disaggregated_outputs_equal_colocated_and_kv_bytes_equal_the_formula(fo
 def test_run_colocated_serves_as_the_engine_does_in_this_process(folder):
     requests = workload()
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16)
-    run = run_colocated(folder, requests, 32, chunked_prefill=True, block_size=BLOCK, config=config, threads=1)
+    run = run_colocated(folder, requests, 32, chunked_prefill=True, block_size=BLOCK, config=config)
     assert [r.output for r in run.requests] == [r.output for r in colocated(folder, requests, 32, config)]
-    assert all(r.status == FINISHED for r in run.requests) and list(run.logs) == ["colocated"]
-    assert any(n < len(r.prompt) for s in run.logs["colocated"] for rid, n, kind in s.batch for r in run.requests
-               if r.request_id == rid and kind == "prefill")  # chunked indeed
+    assert all(r.status == FINISHED for r in run.requests)
+    by_arrival = [r.request_id for r in sorted(requests, key=lambda r: r.arrival_time)]
+    for i, name in enumerate(["colocated 0", "colocated 1"]):  # every other request to arrive, on each engine
+        steps = run.logs[name]
+        assert sorted({rid for s in steps for rid, _, _ in s.batch}) == sorted(by_arrival[i::2])
+    assert any(n < len(r.prompt) for name in run.logs for s in run.logs[name] for rid, n, kind in s.batch
+               for r in run.requests if r.request_id == rid and kind == "prefill")  # chunked indeed
 
 
 def test_adopt_continues_a_request_prefilled_elsewhere_exactly(folder):
@@ -132,6 +136,8 @@ def test_bad_input_is_refused_by_name_before_any_process_starts(folder, monkeypa
     for requests, num_blocks, message in cases:
         with pytest.raises(ValueError, match=message):
             run_disaggregated(folder, requests, num_blocks, BLOCK, CONFIG)
+    with pytest.raises(ValueError, match="instances=0 must be at least 1"):
+        run_colocated(folder, ok, 12, chunked_prefill=True, block_size=BLOCK, instances=0)
     with pytest.raises(ValueError, match="'req0'.*max_num_batched_tokens=4"):
         run_colocated(folder, ok, 12, chunked_prefill=False, block_size=BLOCK,
                       config=SchedulerConfig(max_num_batched_tokens=4))

@@ -26,7 +26,6 @@ tokens (rank 1) are on one clock; ``labkit.metrics`` summarizes either run.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -44,6 +43,7 @@ from labkit.load import load
 from labkit.metrics import summarize
 from labkit.model import ContiguousKVCache, Transformer
 from labkit.parallel.launch import Rank, launch
+from labkit.validate import check_ints
 from labkit.workload import make_workload, uniform
 
 PREFILL, DECODE = 0, 1  # ranks
@@ -53,8 +53,8 @@ HEADER, KV = 0, 1  # message tags
 @dataclass
 class ServingRun:
     """A served workload: the requests with their outputs and token times (seconds after the run's
-    start), each rank's steps (``StepRecord``: "prefill" and "decode" disaggregated, "colocated"
-    otherwise) and the KV bytes shipped per request (disaggregated only; none for a request its
+    start), each rank's steps (``StepRecord``: "prefill" and "decode" disaggregated, "colocated 0",
+    "colocated 1", ... otherwise) and the KV bytes shipped per request (disaggregated only; none for a request its
     first token finished)."""
 
     requests: list[Request]
@@ -109,19 +109,23 @@ def run_disaggregated(model_name: str, requests: Sequence[Request], num_blocks: 
 
 def run_colocated(model_name: str, requests: Sequence[Request], num_blocks: int, chunked_prefill: bool,
                   block_size: int = 16, config: SchedulerConfig = SchedulerConfig(),
-                  dtype: torch.dtype = torch.float32, eos_id: int | None = None, threads: int | None = None,
-                  timeout_s: float = 600.0) -> ServingRun:
-    """The baseline: one ``Engine`` serves prompts and decodes alike (``config`` with
-    ``chunked_prefill``), in a process of its own that times as ``run_disaggregated``'s ranks do.
-    Fair on the same cores: ``threads`` (default: every core, 2 on this machine) is what the
-    disaggregated pair holds in total, one thread per rank, so both use the same hardware, as
-    Splitwise compares P + D machines with P + D colocated ones; on a small model two threads help
-    a prompt's large matmuls, not a decode step's. Compare at equal output throughput: a
-    workload that both serve as fast as it arrives."""
+                  dtype: torch.dtype = torch.float32, eos_id: int | None = None, instances: int = 2,
+                  threads: int | None = None, timeout_s: float = 600.0) -> ServingRun:
+    """The baseline: ``instances`` engines (each a process, timed as ``run_disaggregated``'s ranks
+    are), each serving prompts and decodes alike (``config`` with ``chunked_prefill``), the i-th
+    request to arrive going to engine i mod ``instances``. Fair on the same cores: by default two
+    engines of one thread each (``threads`` per engine: the cores shared out), the processes and
+    threads the disaggregated pair has, as Splitwise compares P + D prefill and decode machines with
+    P + D colocated ones. One engine with both threads would be weaker here, not stronger: a
+    second thread barely speeds this model's small matmuls (a decode step's not at all) and waits
+    on a core that other work holds. Compare at equal output throughput: a workload that both
+    serve as fast as it arrives. Each engine has ``num_blocks`` blocks, as the decode rank has."""
+    check_ints(instances=instances)
+    if instances < 1:
+        raise ValueError(f"instances={instances} must be at least 1")
     config = replace(config, chunked_prefill=chunked_prefill)
     requests = _checked(model_name, requests, num_blocks, block_size, config, dtype, eos_id)
-    threads = threads or os.cpu_count() or 1
-    return launch(_colocated_rank, 1, args=(model_name, requests, num_blocks, block_size, config, dtype, eos_id),
+    return launch(_colocated_rank, instances, args=(model_name, requests, num_blocks, block_size, config, dtype, eos_id),
                   timeout_s=timeout_s, threads=threads)
 
 
@@ -157,10 +161,18 @@ def _agree_start(rank: Rank) -> float:
 
 def _colocated_rank(rank: Rank, model_name: str, requests: list[Request], num_blocks: int, block_size: int,
                     config: SchedulerConfig, dtype: torch.dtype, eos_id: int | None) -> ServingRun:
+    """Serve every ``world_size``-th request to arrive, from the one start all engines agree on;
+    rank 0 gathers everyone's requests (in the order given) and steps."""
     model = _warmed_up(model_name, dtype, rank.device)
     engine = Engine(model, num_blocks, block_size, config, eos_id=eos_id)
-    engine.run(requests)
-    return ServingRun(requests, {"colocated": engine.log})
+    engine.clock = StartedClock(_agree_start(rank))
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)[rank.rank::rank.world_size]
+    engine.run([requests[i] for i in order])
+    shares = [None] * rank.world_size
+    dist.all_gather_object(shares, (order, [requests[i] for i in order], engine.log))
+    served = dict(pair for order, mine, _ in shares for pair in zip(order, mine))
+    return ServingRun([served[i] for i in range(len(requests))],
+                      {f"colocated {r}": log for r, (_, _, log) in enumerate(shares)})
 
 
 def _disaggregated_rank(rank: Rank, model_name: str, requests: list[Request], num_blocks: int, block_size: int,
