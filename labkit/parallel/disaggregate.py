@@ -54,8 +54,8 @@ HEADER, KV = 0, 1  # message tags
 class ServingRun:
     """A served workload: the requests with their outputs and token times (seconds after the run's
     start), each rank's steps (``StepRecord``: "prefill" and "decode" disaggregated, "colocated 0",
-    "colocated 1", ... otherwise) and the KV bytes shipped per request (disaggregated only; none for a request its
-    first token finished)."""
+    "colocated 1", ... otherwise) and the KV bytes shipped per request (disaggregated only; none
+    for a request that its first token finished)."""
 
     requests: list[Request]
     logs: dict[str, list[StepRecord]]
@@ -125,8 +125,8 @@ def run_colocated(model_name: str, requests: Sequence[Request], num_blocks: int,
         raise ValueError(f"instances={instances} must be at least 1")
     config = replace(config, chunked_prefill=chunked_prefill)
     requests = _checked(model_name, requests, num_blocks, block_size, config, dtype, eos_id)
-    return launch(_colocated_rank, instances, args=(model_name, requests, num_blocks, block_size, config, dtype, eos_id),
-                  timeout_s=timeout_s, threads=threads)
+    args = (model_name, requests, num_blocks, block_size, config, dtype, eos_id)
+    return launch(_colocated_rank, instances, args=args, timeout_s=timeout_s, threads=threads)
 
 
 def _checked(model_name: str, requests: Sequence[Request], num_blocks: int, block_size: int,
@@ -170,7 +170,7 @@ def _colocated_rank(rank: Rank, model_name: str, requests: list[Request], num_bl
     engine.run([requests[i] for i in order])
     shares = [None] * rank.world_size
     dist.all_gather_object(shares, (order, [requests[i] for i in order], engine.log))
-    served = dict(pair for order, mine, _ in shares for pair in zip(order, mine))
+    served = dict(pair for indices, share, _ in shares for pair in zip(indices, share))
     return ServingRun([served[i] for i in range(len(requests))],
                       {f"colocated {r}": log for r, (_, _, log) in enumerate(shares)})
 
