@@ -154,5 +154,5 @@ def test_mixed_workload_lands_long_prompts_while_short_requests_decode():
     assert len(shorts) == 8 and len(longs) == 2
     assert [r.arrival_time for r in requests] == sorted(r.arrival_time for r in requests)
     first, last = shorts[0].arrival_time, shorts[-1].arrival_time
-    assert all(first < r.arrival_time < last and 384 <= len(r.prompt) <= 640 for r in longs)
+    assert all(first < r.arrival_time < last and 256 <= len(r.prompt) <= 512 for r in longs)
     assert all(16 <= len(r.prompt) <= 64 and 32 <= r.params.max_new_tokens <= 64 for r in shorts)

@@ -281,8 +281,8 @@ def _handed_over(request: Request, arrival: Arrival) -> Request:
     return request
 
 
-def mixed_workload(n_short: int = 24, n_long: int = 12, rate: float = 4.0, short_prompt: tuple[int, int] = (16, 64),
-                   short_output: tuple[int, int] = (32, 64), long_prompt: tuple[int, int] = (384, 640),
+def mixed_workload(n_short: int = 24, n_long: int = 24, rate: float = 4.0, short_prompt: tuple[int, int] = (16, 64),
+                   short_output: tuple[int, int] = (32, 64), long_prompt: tuple[int, int] = (256, 512),
                    long_output: tuple[int, int] = (4, 8), vocab_size: int = 4096, seed: int = 0) -> list[Request]:
     """Short prompts with long outputs arriving as a Poisson process at ``rate`` per second
     (``labkit.workload``), and ``n_long`` long prompts with short outputs spread evenly over the
