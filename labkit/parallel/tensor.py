@@ -204,9 +204,10 @@ def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: 
         engine = Engine(shard, num_blocks=sum(blocks_for(len(p) + new_tokens, 16) for p in prompts))
         requests = engine.run([Request(i, p, params) for i, p in enumerate(prompts)])
         outputs, kv_bytes = [r.output for r in requests], engine.cache.nbytes
+    all_reduces = shard.stopwatch.calls  # those of the generation, not of the logits' pass below
     return {"outputs": outputs, "logits": forward_tokens(shard, prompts[0], 0, None),
             "weight_bytes": weight_bytes(shard), "kv_bytes": kv_bytes,
-            "kv_heads": shard.config.n_kv_heads, "all_reduces": shard.stopwatch.calls}
+            "kv_heads": shard.config.n_kv_heads, "all_reduces": all_reduces}
 
 
 def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: int, cache: str = "contiguous",
@@ -214,7 +215,8 @@ def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: i
     """Greedy continuations of ``prompts`` (token ids) by checkpoint ``name`` split over ``world_size`` ranks,
     through the ``contiguous`` cache (one sequence at a time) or the ``paged`` one (the engine, all at once):
     rank 0's outputs, the logits of the first prompt ``[len, vocab]`` (a forward pass without a cache), and
-    rank 0's weight and KV-cache bytes (the first prompt's cache, for ``contiguous``)."""
+    rank 0's weight and KV-cache bytes (the first prompt's cache, for ``contiguous``) and how many all-reduces
+    the generation ran."""
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"cache={cache!r} must be 'contiguous' or 'paged'")
     check_layout(config_of(name), world_size)
