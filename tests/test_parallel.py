@@ -10,7 +10,7 @@ import torch
 
 from labkit.generate import SamplingParams, stream
 from labkit.interconnect import Link, ring_allreduce_seconds
-from labkit.load import load
+from labkit.load import load, save_hf
 from labkit.model import ModelConfig, forward_tokens
 from labkit.parallel import RankError, launch
 from labkit.parallel.comm import fit_line, link_from_allreduce, link_from_send
@@ -30,9 +30,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])
-def test_two_ranks_match_one_process(name):
-    model = load(name, device="cpu")[0]
+@pytest.mark.parametrize("name", ["mha", "gqa as a Hugging Face folder", "mqa"])
+def test_two_ranks_match_one_process(name, tmp_path):
+    model = load(name.split()[0], device="cpu")[0]
+    if "Hugging Face" in name:  # the ranks shard a Hugging Face checkpoint as they do a labkit one
+        save_hf(model, tmp_path)
+        name = str(tmp_path)
     params = SamplingParams(max_new_tokens=10, stop_at_eos=False)
     expected = [list(stream(model, p, params)) for p in PROMPTS]
     got = launch(parallel_ranks.tensor_parallel_run, 2, (name, PROMPTS, 10), timeout_s=120)
