@@ -43,7 +43,6 @@ Each check names a known mistake when an answer is one. The tests check the refe
 from __future__ import annotations
 
 import copy
-import numbers
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit import memory
-from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short, int_list, items_of
+from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short, int_list, items_of, number_of
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.presets import MODEL_PRESETS
 
@@ -138,23 +137,29 @@ def _row_mistakes(x_part: Tensor, weight: Tensor, rank: int, world: int) -> list
     return mistakes
 
 
+def _judged_share(what: str, call: Callable[[], Any], expected: Tensor, mistakes: Any, shape_hint: str) -> Tensor:
+    """A rank's share from ``call()``, judged against ``expected`` and the known ``mistakes``; a shape
+    error is explained by ``shape_hint``."""
+    try:
+        got = call()
+    except NotImplementedError:  # a stub, not a shape error
+        raise
+    except RuntimeError as error:
+        raise AssertionError(f"{what} raised RuntimeError: {error}. If the shapes do not fit: {shape_hint}") from None
+    _judge_shard(what, got, expected, mistakes)
+    return got
+
+
 def _column_shares(cls: Any, x: Tensor, weight: Tensor, world: int) -> list[Tensor]:
     """Each rank's column-parallel output, checked, and their concatenation against the full product."""
     shares = []
     for rank in range(world):
         rows = share(weight.shape[0], rank, world)
-        what = f"column_parallel(x, weight, rank={rank}, world={world})"
-        try:
-            got = _call(cls.column_parallel, x, weight, rank, world)
-        except NotImplementedError:  # a stub, not a shape error
-            raise
-        except RuntimeError as error:
-            raise AssertionError(f"{what} raised RuntimeError: {error}. If the shapes do not fit: x holds all "
-                                 f"{weight.shape[1]} input features, so the column-parallel layer splits the weight by "
-                                 f"rows (output features): weight[{rows.start}:{rows.stop}], shape [{len(rows)}, "
-                                 f"{weight.shape[1]}]") from None
-        _judge_shard(what, got, x @ weight[rows.start:rows.stop].T, _column_mistakes(x, weight, rank, world))
-        shares.append(got)
+        hint = (f"x holds all {weight.shape[1]} input features, so the column-parallel layer splits the weight by rows "
+                f"(output features): weight[{rows.start}:{rows.stop}], shape [{len(rows)}, {weight.shape[1]}]")
+        shares.append(_judged_share(f"column_parallel(x, weight, rank={rank}, world={world})",
+                                    lambda: _call(cls.column_parallel, x, weight, rank, world),
+                                    x @ weight[rows.start:rows.stop].T, _column_mistakes(x, weight, rank, world), hint))
     _judge_shard(f"the {world} ranks' outputs concatenated in rank order", torch.cat(shares, -1), x @ weight.T, [])
     return shares
 
@@ -164,17 +169,12 @@ def _row_partials(cls: Any, parts: Sequence[Tensor], weight: Tensor, world: int)
     partials = []
     for rank, x_part in enumerate(parts):
         cols = share(weight.shape[1], rank, world)
-        what = f"row_parallel(x_part, weight, rank={rank}, world={world})"
-        try:
-            got = _call(cls.row_parallel, x_part, weight, rank, world)
-        except NotImplementedError:  # a stub, not a shape error
-            raise
-        except RuntimeError as error:
-            raise AssertionError(f"{what} raised RuntimeError: {error}. If the shapes do not fit: x_part holds "
-                                 f"{x_part.shape[-1]} of the {weight.shape[1]} input features, so the row-parallel "
-                                 f"layer splits the weight by columns: weight[:, {cols.start}:{cols.stop}], shape "
-                                 f"[{weight.shape[0]}, {len(cols)}]; a slice of rows does not fit x_part") from None
-        _judge_shard(what, got, x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world))
+        hint = (f"x_part holds {x_part.shape[-1]} of the {weight.shape[1]} input features, so the row-parallel layer "
+                f"splits the weight by columns: weight[:, {cols.start}:{cols.stop}], shape [{weight.shape[0]}, "
+                f"{len(cols)}]; a slice of rows does not fit x_part")
+        got = _judged_share(f"row_parallel(x_part, weight, rank={rank}, world={world})",
+                            lambda: _call(cls.row_parallel, x_part, weight, rank, world),
+                            x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world), hint)
         partials.append(got)
     return partials
 
@@ -391,17 +391,9 @@ def ring_by_steps(nbytes: float, world: int, latency_s: float, bandwidth: float)
     return seconds
 
 
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, Tensor) and value.dim() == 0:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise AssertionError(f"{what}: expected a number, got {_short(value)}")
-    return float(value)
-
-
 def _judge_number(what: str, got: Any, want: float, mistakes: list[tuple[float, str]], unit: str = "") -> None:
     close = lambda a, b: abs(a - b) <= 1e-12 + 1e-9 * abs(b)
-    value = _number(got, what)
+    value = number_of(got, what)
     if not close(value, want):
         why = next((text for wrong, text in mistakes if close(value, wrong)), None)
         raise AssertionError(f"{what}: expected {want:.6g}{unit}, got {value:.6g}{unit}" + (f": {why}" if why else ""))

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.exercises.spec import Case, Exercise, JudgedCase, _short, int_list, items_of
+from labkit.exercises.spec import Case, Exercise, JudgedCase, _short, int_list, items_of, number_of
 from labkit.generate import SamplingParams
 from labkit.tree import check_tree, children, expected_accepted, reach, tree_mask, tree_positions, walk
 
@@ -276,14 +276,6 @@ def _branches(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, Tensor) and value.dim() == 0:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise AssertionError(f"{name}: expected a number, got {_short(value)}")
-    return float(value)
-
-
 def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[Any], None]:
     accepted = expected_accepted(parents, accept)
     chance = reach(parents, accept)
@@ -304,7 +296,7 @@ def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[An
 
     def judge(got: Any) -> None:
         got_accepted, got_tokens = items_of(got, ("accepted", "tokens_per_call"))
-        value, tokens = _number(got_accepted, "accepted"), _number(got_tokens, "tokens_per_call")
+        value, tokens = number_of(got_accepted, "accepted"), number_of(got_tokens, "tokens_per_call")
         close = lambda a, b: abs(a - b) <= 1e-9 + 1e-6 * abs(b)
         if not close(value, accepted):
             why = next((text for wrong, text in mistakes if close(value, wrong)), None)

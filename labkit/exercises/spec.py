@@ -155,6 +155,15 @@ def int_list(value: Any) -> list[int] | None:
     return None
 
 
+def number_of(value: Any, what: str) -> float:
+    """A real number (or a 0-d tensor) as a float, or an AssertionError naming ``what`` was expected."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise AssertionError(f"{what}: expected a number, got {_short(value)}")
+    return float(value)
+
+
 def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     """Compare numbers within tolerance, tensors with torch.testing, containers item by item."""
     if isinstance(expected, torch.Tensor):
