@@ -329,10 +329,11 @@ def _prompt_ids(request: Request, vocab_size: int | None = None) -> list[int]:
         raise ValueError(f"request {request.request_id!r}: {error}") from None
 
 
-def check_fits(request: Request, vocab_size: int, max_seq_len: int) -> None:
-    """ValueError unless the request is new (served again, it would add to its output), its tokens
-    are in the vocabulary and it fits the context."""
-    if request.status != WAITING or request.output or request.num_computed:
+def check_fits(request: Request, vocab_size: int, max_seq_len: int, new: bool = True) -> None:
+    """ValueError unless the request is new (served again, it would add to its output; ``new=False``
+    for one prefilled elsewhere, ``check_prefilled``), its tokens are in the vocabulary and it fits
+    the context."""
+    if new and (request.status != WAITING or request.output or request.num_computed):
         raise ValueError(f"request {request.request_id!r} has run before ({request.status}, "
                          f"{len(request.output)} tokens out): serve a new Request")
     _prompt_ids(request, vocab_size)
@@ -534,6 +535,7 @@ class Engine(EngineCore):
         they are written into its blocks (those the prefix cache held already are skipped), and its
         next step decodes. False, with nothing changed, while there is no room: try after a step."""
         check_prefilled(request, self.eos_id)
+        check_fits(request, self.runner.vocab_size, self.runner.max_seq_len, new=False)
         config = self.model.config
         expected = (2, config.n_layers, len(request.tokens) - 1, config.n_kv_heads, config.head_dim)
         if tuple(kv.shape) != expected:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from labkit.device import get_device
 from labkit.model import ModelConfig, Transformer
-from labkit.shapes import build_shape
+from labkit.shapes import build_shape, shape_config
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 TOKENIZER = CHECKPOINTS / "tokenizer.json"
@@ -210,6 +210,21 @@ def _load_labkit_folder(folder: Path, device: torch.device, dtype: torch.dtype) 
     return model, tokenizer
 
 
+def _source(name: str | None) -> tuple[str, str | Path]:
+    """Where ``load`` finds ``name``: ("shape", its SHAPES name), ("labkit", folder) or ("hf", folder)."""
+    name = name or os.environ.get("LABKIT_MODEL", "target")
+    if name.startswith("shape:"):
+        return "shape", name.removeprefix("shape:")
+    shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
+    if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
+        return "labkit", shipped
+    if (folder / "config.json").exists():
+        return ("labkit" if _is_labkit_config(folder / "config.json") else "hf"), folder
+    names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
+    raise FileNotFoundError(f"no checkpoint {name!r}: not a folder with a config.json, and not one of "
+                            f"the shipped checkpoints {names}")
+
+
 def load(name: str | None = None, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
     """A shipped checkpoint by name (``target``, ``draft``, ``mha``, ``gqa``, ``mqa``), or a local
@@ -217,17 +232,19 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     holds its own); ``LABKIT_MODEL`` when no name is given. ``shape:NAME`` (a name in
     ``labkit.shapes.SHAPES``, e.g. ``shape:Llama-3.1-8B``) is that model's shape with random
     weights, for timing: its text is meaningless, so it comes with no tokenizer (None)."""
-    name = name or os.environ.get("LABKIT_MODEL", "target")
+    kind, where = _source(name)
     device = torch.device(device) if device is not None else get_device()
-    if name.startswith("shape:"):
-        return build_shape(name.removeprefix("shape:"), device, dtype), None
-    shipped, folder = CHECKPOINTS / name, Path(name).expanduser()
-    if "/" not in name and (shipped / "model.safetensors").exists():  # shipped names come first
-        return _load_labkit_folder(shipped, device, dtype)
-    if (folder / "config.json").exists():
-        if _is_labkit_config(folder / "config.json"):
-            return _load_labkit_folder(folder, device, dtype)
-        return load_hf(name, device, dtype)
-    names = sorted(p.name for p in CHECKPOINTS.glob("*/") if (p / "model.safetensors").exists())
-    raise FileNotFoundError(f"no checkpoint {name!r}: not a folder with a config.json, and not one of "
-                            f"the shipped checkpoints {names}")
+    if kind == "shape":
+        return build_shape(where, device, dtype), None
+    if kind == "labkit":
+        return _load_labkit_folder(where, device, dtype)
+    return load_hf(where, device, dtype)
+
+
+def load_config(name: str | None = None) -> ModelConfig:
+    """The config of what ``load(name)`` would load, read without its weights."""
+    kind, where = _source(name)
+    if kind == "shape":
+        return shape_config(where)
+    config = json.loads((where / "config.json").read_text())
+    return ModelConfig(**config) if kind == "labkit" else config_from_hf(config)

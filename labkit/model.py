@@ -446,6 +446,11 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters, each once (a tied embedding and LM head are one tensor)."""
+    return sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
+
+
 def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: int, cache: RowCache | None) -> Tensor:
     """Logits ``[len(tokens), vocab]`` of one sequence's ``tokens`` at positions start, start + 1,
     ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,

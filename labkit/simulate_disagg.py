@@ -85,6 +85,8 @@ def _decode(engine: SimulatedEngine, handoffs: list[tuple[float, Request, float]
             pending.popleft()
         if engine.scheduler.has_work:
             engine.step()
+        elif pending[0][0] <= engine.now():  # arrived, yet refused by an idle instance: it never will fit
+            raise RuntimeError(f"request {pending[0][1].request_id!r} does not fit a decode instance's idle pool")
         else:
             engine.clock.wait_until(pending[0][0])
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, stream
 from labkit.load import load
-from labkit.model import forward_tokens
+from labkit.model import forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank
-from labkit.parallel.tensor import shard_model, weight_bytes
+from labkit.parallel.tensor import shard_model
 
 
 def tensor_parallel_run(rank: Rank, name: str, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -25,25 +25,37 @@ def tensor_parallel_run(rank: Rank, name: str, prompts: list[list[int]], new_tok
     engine = Engine(shard, num_blocks=64, block_size=8)
     paged = [r.output for r in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
     return {"logits": forward_tokens(shard, prompts[0], 0, None), "contiguous": contiguous, "paged": paged,
-            "weight_bytes": weight_bytes(shard), "kv_heads": shard.config.n_kv_heads,
+            "weight_bytes": parameter_bytes(shard), "kv_heads": shard.config.n_kv_heads,
             "cache_bytes": engine.cache.nbytes, "all_reduces": shard.stopwatch.calls}
+
+
+def _write_pid(rank: Rank, pid_folder: str) -> None:
+    Path(pid_folder, str(rank.rank)).write_text(str(os.getpid()))
 
 
 def raise_on_rank_one(rank: Rank, pid_folder: str) -> None:
     """Each rank writes its pid; rank 1 raises, rank 0 waits in an all-reduce that rank 1 never joins."""
-    Path(pid_folder, str(rank.rank)).write_text(str(os.getpid()))
+    _write_pid(rank, pid_folder)
     if rank.rank == 1:
         raise ValueError("rank one cannot go on")
     dist.all_reduce(torch.zeros(1))
 
 
-def hang_on_rank_one(rank: Rank) -> int:
+def hang_on_rank_one(rank: Rank, pid_folder: str) -> int:
+    _write_pid(rank, pid_folder)
     if rank.rank == 1:
         time.sleep(600)
     return rank.rank
 
 
-def exit_on_rank_one(rank: Rank) -> int:
+def exit_on_rank_one(rank: Rank, pid_folder: str) -> int:
+    _write_pid(rank, pid_folder)
     if rank.rank == 1:
         os._exit(7)
+    time.sleep(600)  # rank 0 is stopped by the caller, once it sees rank 1 gone
     return rank.rank
+
+
+def sleep_forever(rank: Rank, pid_folder: str) -> None:
+    _write_pid(rank, pid_folder)
+    time.sleep(600)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from labkit.load import config_from_hf, load
+from labkit.load import config_from_hf, load, load_config
+from labkit.shapes import shape_config
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -170,3 +171,14 @@ def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
     (tmp_path / "other/config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="model_type=None is not supported"):
         load(str(tmp_path / "other"), device="cpu")
+
+
+def test_load_config_reads_what_load_would_build_without_its_weights(tmp_path):
+    """Shipped, Hugging Face and ``shape:`` names alike (the parallel labs check a layout with it before any
+    process starts)."""
+    _save_hf(tmp_path, num_key_value_heads=2)
+    for name in ("target", "mqa", str(tmp_path)):
+        assert load_config(name) == load(name, device="cpu")[0].config
+    assert load_config("shape:Llama-3.2-1B") == shape_config("Llama-3.2-1B")  # what load builds it from
+    with pytest.raises(FileNotFoundError, match="no checkpoint 'nowhere'"):
+        load_config("nowhere")

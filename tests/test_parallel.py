@@ -3,7 +3,10 @@ tensor parallelism on two gloo ranks against one process (MHA, GQA, MQA with its
 contiguous and paged caches), layouts refused before any process starts, and the communication fit."""
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +14,10 @@ import torch
 from labkit.generate import SamplingParams, stream
 from labkit.interconnect import Link, ring_allreduce_seconds
 from labkit.load import load, save_hf
-from labkit.model import ModelConfig, forward_tokens
+from labkit.model import ModelConfig, forward_tokens, parameter_bytes
 from labkit.parallel import RankError, launch
 from labkit.parallel.comm import fit_line, link_from_allreduce, link_from_send
-from labkit.parallel.tensor import check_layout, shard_heads, shard_state, weight_bytes
+from labkit.parallel.tensor import check_layout, shard_heads, shard_state
 from labkit.parallel import tensor
 
 import parallel_ranks
@@ -23,11 +26,23 @@ PROMPTS = [[5, 17, 301, 44, 9, 120, 7, 3000, 64, 12, 99, 250], [42, 8, 1999]]
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
+
+
+def _pids(folder: Path) -> list[int]:
+    """The pids the ranks wrote into ``folder`` (each rank a file named by its rank)."""
+    return [int(f.read_text()) for f in folder.iterdir()]
+
+
+def _all_gone(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa as a Hugging Face folder", "mqa"])
@@ -47,21 +62,43 @@ def test_two_ranks_match_one_process(name, tmp_path):
     projections = sum(p.nbytes for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2)
     replicated_kv = (got["kv_heads"] * 2 - model.config.n_kv_heads) * 2 * model.config.head_dim \
         * model.config.d_model * 4 * model.config.n_layers  # the k and v rows both ranks hold
-    assert got["weight_bytes"] == weight_bytes(model) - projections // 2 + replicated_kv // 2
+    assert got["weight_bytes"] == parameter_bytes(model) - projections // 2 + replicated_kv // 2
 
 
 def test_a_rank_that_raises_stops_every_rank(tmp_path):
     with pytest.raises(RankError, match="rank 1 of 2 raised(.|\n)*rank one cannot go on"):
         launch(parallel_ranks.raise_on_rank_one, 2, (str(tmp_path),), timeout_s=60)
-    pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
-    assert not any(_alive(pid) for pid in pids)
+    assert _all_gone(_pids(tmp_path), within_s=0)
 
 
-def test_a_rank_that_hangs_or_dies_is_caught():
-    with pytest.raises(RankError, match=r"ranks \[1\] of 2 did not finish"):
-        launch(parallel_ranks.hang_on_rank_one, 2, timeout_s=8)
+def test_a_rank_that_hangs_or_dies_is_caught(tmp_path):
+    for folder in ("hang", "exit"):
+        (tmp_path / folder).mkdir()
+    with pytest.raises(RankError, match=r"ranks \[(0, )?1\] of 2 did not finish"):  # rank 0 too, if slow to start
+        launch(parallel_ranks.hang_on_rank_one, 2, (str(tmp_path / "hang"),), timeout_s=10)
     with pytest.raises(RankError, match="rank 1 of 2 died \\(exit code 7\\)"):
-        launch(parallel_ranks.exit_on_rank_one, 2, timeout_s=60)
+        launch(parallel_ranks.exit_on_rank_one, 2, (str(tmp_path / "exit"),), timeout_s=60)
+    assert _all_gone(_pids(tmp_path / "hang") + _pids(tmp_path / "exit"), within_s=0)
+
+
+def test_ranks_end_when_their_starter_is_killed(tmp_path):
+    """A notebook kernel killed or restarted mid-run: its ranks end themselves."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import parallel_ranks; "
+            f"from labkit.parallel import launch; launch(parallel_ranks.sleep_forever, 2, ({str(tmp_path)!r},), "
+            "timeout_s=300)")
+    starter = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / str(r)).exists() for r in range(2)):
+            assert starter.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        pids = _pids(tmp_path)
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        starter.kill()
+        starter.wait()
+        assert _all_gone(pids, within_s=10)
+    finally:
+        starter.kill()
 
 
 def test_functions_that_cannot_reach_another_process_are_refused():

@@ -18,7 +18,7 @@ from labkit.load import save_checkpoint  # noqa: E402
 from labkit.parallel import pipeline  # noqa: E402
 from labkit.parallel.pipeline import (Piece, bubble_fraction, cut_stage, even_split, measure_bubble,  # noqa: E402
                                       measured_bubble, pipeline_generate)
-from labkit.parallel.tensor import weight_bytes  # noqa: E402
+from labkit.model import parameter_bytes  # noqa: E402
 from labkit.viz import plot_pipeline_timeline  # noqa: E402
 from tests.tiny_models import far_apart_model  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_two_stages_in_one_process_equal_the_model(model):
     first, second = cut_stage(copy.deepcopy(model), 0, 2), cut_stage(copy.deepcopy(model), 1, 2)
     assert (len(first.model.blocks), first.model.lm_head, second.model.embed) == (1, None, None)
     assert second.model.blocks[0].attn.layer == 0 and second.config.n_layers == 1  # its own cache's layer 0
-    assert weight_bytes(first.model) + weight_bytes(second.model) == sum(p.nbytes for p in model.parameters())
+    assert parameter_bytes(first.model) + parameter_bytes(second.model) == sum(p.nbytes for p in model.parameters())
     tokens = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
     positions = torch.arange(5).expand(2, 5)
     last = torch.tensor([4, 4])

@@ -52,13 +52,14 @@ from torch import Tensor
 from labkit import memory
 from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short, int_list, items_of, number_of
 from labkit.model import ContiguousKVCache, ModelConfig
+from labkit.parallel.pipeline import even_split
+from labkit.parallel.tensor import shard_heads
 from labkit.presets import MODEL_PRESETS
 
 
 def share(n: int, rank: int, world: int) -> range:
-    """Rank ``rank``'s contiguous share of ``n`` things split over ``world`` ranks."""
-    size = n // world
-    return range(rank * size, (rank + 1) * size)
+    """Rank ``rank``'s contiguous share of ``n`` things split over ``world`` ranks (``world`` divides ``n``)."""
+    return even_split(n, world)[rank]
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -267,10 +268,9 @@ def _tensor_parallel_cases() -> list[Scenario]:
 
 
 def reference_heads(n_heads: int, n_kv_heads: int, rank: int, world: int) -> tuple[list[int], list[int]]:
-    """labkit's answer: the rank's share of the query heads, and the KV heads they read."""
-    query = list(share(n_heads, rank, world))
-    group = n_heads // n_kv_heads
-    return query, sorted({head // group for head in query})
+    """labkit's answer (``parallel.tensor.shard_heads``), as lists."""
+    query, kv = shard_heads(n_heads, n_kv_heads, rank, world)
+    return list(query), list(kv)
 
 
 def _heads(value: Any) -> list[int] | None:

@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from labkit.device import synchronize
 from labkit.interconnect import Link
 from labkit.parallel.launch import Rank, launch
 
@@ -68,15 +69,17 @@ def link_from_allreduce(sizes: Sequence[float], seconds: Sequence[float], world_
     return Link(name, intercept / steps, steps / (world_size * slope))
 
 
-def _per_call_seconds(fn, repeats: int, burst: int = BURST) -> float:
+def _per_call_seconds(fn, device: torch.device, repeats: int, burst: int = BURST) -> float:
     """Seconds per call of ``fn()`` issued ``burst`` times back to back, as a step issues its collectives, after
-    a barrier that lines the ranks up; the median over ``repeats`` bursts."""
+    a barrier that lines the ranks up (on a GPU, until the last has finished); the median over ``repeats`` bursts."""
     times = []
     for _ in range(repeats):
         dist.barrier()
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(burst):
             fn()
+        synchronize(device)
         times.append((time.perf_counter() - start) / burst)
     return sorted(times)[len(times) // 2]
 
@@ -95,20 +98,20 @@ def _measure_rank(rank: Rank, sizes: Sequence[int], repeats: int) -> dict:
     allreduce, send = [], []
     for size in sizes:
         buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=rank.device)
-        allreduce.append(_per_call_seconds(lambda: dist.all_reduce(buffer), repeats))
-        send.append(_per_call_seconds(lambda: _ping_pong(rank.rank, buffer), repeats) / 2)
+        allreduce.append(_per_call_seconds(lambda: dist.all_reduce(buffer), rank.device, repeats))
+        send.append(_per_call_seconds(lambda: _ping_pong(rank.rank, buffer), rank.device, repeats) / 2)
     return {"sizes": [max(1, s // 4) * 4 for s in sizes], "allreduce_s": allreduce, "send_s": send,
             "world_size": rank.world_size, "backend": rank.backend}
 
 
-def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
-            timeout_s: float = 300.0) -> dict:
+def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20, threads: int | None = None,
+            backend: str | None = None, timeout_s: float = 300.0) -> dict:
     """All-reduce and one-way send times (per call, of bursts issued back to back; the median of ``repeats``
     bursts on rank 0's clock) at each message size in bytes, over ``world_size`` ranks, with the links
-    fitted to each: ``allreduce_link``, ``send_link``."""
+    fitted to each: ``allreduce_link``, ``send_link``. ``threads`` and ``backend``: see ``launch``."""
     if world_size < 2 or not sizes or min(sizes) < 4:
         raise ValueError(f"world_size={world_size} must be >= 2 and every size >= 4 bytes (one fp32)")
-    result = launch(_measure_rank, world_size, (list(sizes), repeats), timeout_s)
+    result = launch(_measure_rank, world_size, (list(sizes), repeats), timeout_s, threads, backend)
     result["allreduce_link"] = link_from_allreduce(result["sizes"], result["allreduce_s"], world_size)
     result["send_link"] = link_from_send(result["sizes"], result["send_s"])
     return result

@@ -3,26 +3,28 @@
     result = launch(fn, world_size=2, args=(...))     # rank 0's return value
 
 Each rank is a fresh Python process (``spawn``: a notebook's kernel is never forked) that joins
-one process group over 127.0.0.1 on a free port: gloo on a CPU, NCCL when there is a CUDA GPU per
-rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
+one process group, meeting the others through a file in a temporary folder: gloo on a CPU (its
+messages over 127.0.0.1), NCCL when there is a CUDA GPU per rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
 ``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
 process imports it by name.
 
 The caller waits for every rank and returns rank 0's result. If a rank raises, the others are
 stopped and ``RankError`` shows the rank's traceback; a rank that dies without a word, or a run
 that passes ``timeout_s``, is caught the same way. Every rank is gone when ``launch`` returns or
-raises, and a rank also dies with its starter (a notebook kernel that is restarted leaves none).
+raises, and a rank also ends itself within a second of its starter's end (a notebook kernel that is
+killed or restarted leaves none).
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
+import shutil
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,7 +34,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from labkit.background import free_port
 
 
 class RankError(RuntimeError):
@@ -49,30 +50,42 @@ class Rank:
     backend: str
 
 
-def backend_for(world_size: int) -> tuple[str, list[torch.device]]:
-    """NCCL with one GPU per rank when there are enough CUDA GPUs, else gloo with every rank on the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl", [torch.device("cuda", r) for r in range(world_size)]
-    return "gloo", [torch.device("cpu")] * world_size
+def backend_for(world_size: int, backend: str | None = None) -> tuple[str, list[torch.device]]:
+    """The backend and each rank's device: ``backend`` None chooses NCCL with one GPU per rank when there are
+    enough CUDA GPUs, else gloo with every rank on the CPU. Name it to compare runs of different sizes on
+    the same devices (a one-GPU machine runs one rank on its GPU, but two on the CPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = backend or ("nccl" if gpus >= world_size else "gloo")
+    if backend == "gloo":
+        return "gloo", [torch.device("cpu")] * world_size
+    if backend != "nccl" or gpus < world_size:
+        raise ValueError(f"backend={backend!r}: choose 'gloo' (CPU ranks) or 'nccl' (one CUDA GPU per rank; this "
+                         f"machine has {gpus} for {world_size} ranks)")
+    return "nccl", [torch.device("cuda", r) for r in range(world_size)]
+
+
+def default_threads(world_size: int) -> int:
+    """Torch threads per rank unless told: the cores shared out, at least 1."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 120.0,
-           threads: int | None = None) -> Any:
+           threads: int | None = None, backend: str | None = None) -> Any:
     """Run ``fn(rank, *args)`` on ``world_size`` new processes in one group; rank 0's result.
-    ``threads``: torch's threads per rank (default: the cores shared out, at least 1)."""
+    ``threads``: torch's threads per rank (default: ``default_threads``); ``backend``: see ``backend_for``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
                          "at the top of an importable module (a notebook cell's function is not)")
-    backend, devices = backend_for(world_size)
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    backend, devices = backend_for(world_size, backend)
+    threads = threads or default_threads(world_size)
     context = mp.get_context("spawn")
     results = context.Queue()
-    address = f"tcp://127.0.0.1:{free_port()}"
+    store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
     procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
-                             args=(fn, Rank(r, world_size, devices[r], backend), args, address, threads,
-                                   timeout_s, results))
+                             args=(fn, Rank(r, world_size, devices[r], backend), args, f"file://{store}/store",
+                                   threads, timeout_s, os.getpid(), results))
              for r in range(world_size)]
     finished = False
     try:
@@ -85,6 +98,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     finally:
         _stop(procs, grace_s=5.0 if finished else 0.0)
         results.close()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -142,17 +156,19 @@ def _stop(procs: list, grace_s: float) -> None:
             p.join()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its starter dies (a killed or restarted kernel)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent: int) -> None:
+    """A thread that ends this process once its starter ``parent`` is gone (a killed or restarted kernel):
+    this process is then adopted, and its parent id changes. It checks at once, then twice a second."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="labkit-parent-watch").start()
 
 
 def _run_rank(fn: Callable[..., Any], rank: Rank, args: tuple, address: str, threads: int, timeout_s: float,
-              results) -> None:
-    _die_with_parent()
+              parent: int, results) -> None:
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     try:
         if rank.device.type == "cuda":

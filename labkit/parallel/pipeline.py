@@ -36,10 +36,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from labkit.device import synchronize
-from labkit.load import load
-from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer
+from labkit.load import load, load_config
+from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, parameter_bytes
 from labkit.parallel.launch import Rank, launch
-from labkit.parallel.tensor import config_of, weight_bytes
 from labkit.validate import as_token_ids, check_ints
 
 
@@ -278,7 +277,7 @@ def _generate_on_rank(rank: Rank, source: str, prompts: list[list[int]], new_tok
                     pending.append(dist.isend(out, 0, group=back, tag=_tag(step, j, micro_batches)))
     for work in pending:
         work.wait()
-    report = _gather((pieces, stage.layers, weight_bytes(stage.model), sum(c.nbytes for c in caches)), rank)
+    report = _gather((pieces, stage.layers, parameter_bytes(stage.model), sum(c.nbytes for c in caches)), rank)
     if rank.rank:
         return None
     timeline, layers, weights, kv = zip(*report)
@@ -328,7 +327,7 @@ def pipeline_generate(model: str, prompts: Sequence[Sequence[int]], new_tokens: 
     end-of-text) by ``world_size`` ranks, each holding its share of the layers of ``model`` (a
     ``labkit.load`` name or folder), with the prompts split into ``micro_batches`` micro-batches
     in flight. The layout and prompts are checked before any process starts."""
-    config = config_of(model)
+    config = load_config(model)
     check_ints(new_tokens=new_tokens, world_size=world_size, micro_batches=micro_batches)
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens} must be at least 1")
@@ -367,7 +366,7 @@ def measure_bubble(model: str, world_size: int = 2, micro_batches: Sequence[int]
     """The bubble of one forward pass (no cache, no sampling) of ``rows`` prompts of ``length``
     tokens through ``world_size`` stages of ``model``, split into each of ``micro_batches`` equal
     micro-batches in turn: measured against ``bubble_fraction``. One launch for all of them."""
-    config = config_of(model)
+    config = load_config(model)
     counts = list(micro_batches)
     check_ints(world_size=world_size, rows=rows, length=length,
                **{f"micro_batches[{i}]": m for i, m in enumerate(counts)})

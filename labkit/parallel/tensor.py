@@ -28,6 +28,7 @@ rank's KV heads only.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -35,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from labkit.bench import measure
+from labkit.device import device_name, synchronize
 from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, decode_step, stream
-from labkit.load import load
+from labkit.load import load, load_config
 from labkit.hardware import Hardware
 from labkit.interconnect import Link
 from labkit.memory import blocks_for, shape_of
-from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
+from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank, launch
 from labkit.simulate import CostModel
 
@@ -142,8 +143,10 @@ class RowParallelLinear(nn.Linear):
         out = super().forward(x)
         if dist.get_world_size() == 1:  # one rank holds the whole sum
             return out
+        synchronize(out.device)  # on a GPU, the matmul first: only the all-reduce is timed
         start = time.perf_counter()
         dist.all_reduce(out)
+        synchronize(out.device)
         self.stopwatch.seconds += time.perf_counter() - start
         self.stopwatch.calls += 1
         return out
@@ -183,16 +186,6 @@ def _shard(rank: Rank, name: str) -> Transformer:
     return shard_model(model, rank.rank, rank.world_size)
 
 
-def config_of(name: str) -> ModelConfig:
-    """Checkpoint ``name``'s config, read here, so that a layout that cannot split is refused before any rank starts."""
-    return load(name, device="cpu")[0].config
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters (a tied embedding and LM head once)."""
-    return sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values())
-
-
 def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: int, cache: str) -> dict:
     shard = _shard(rank, name)
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
@@ -205,22 +198,23 @@ def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: 
         requests = engine.run([Request(i, p, params) for i, p in enumerate(prompts)])
         outputs, kv_bytes = [r.output for r in requests], engine.cache.nbytes
     all_reduces = shard.stopwatch.calls  # those of the generation, not of the logits' pass below
-    return {"outputs": outputs, "logits": forward_tokens(shard, prompts[0], 0, None),
-            "weight_bytes": weight_bytes(shard), "kv_bytes": kv_bytes,
+    return {"outputs": outputs, "logits": forward_tokens(shard, prompts[0], 0, None).cpu(),
+            "weight_bytes": parameter_bytes(shard), "kv_bytes": kv_bytes,
             "kv_heads": shard.config.n_kv_heads, "all_reduces": all_reduces}
 
 
 def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: int, cache: str = "contiguous",
-             timeout_s: float = 300.0) -> dict:
+             threads: int | None = None, backend: str | None = None, timeout_s: float = 300.0) -> dict:
     """Greedy continuations of ``prompts`` (token ids) by checkpoint ``name`` split over ``world_size`` ranks,
     through the ``contiguous`` cache (one sequence at a time) or the ``paged`` one (the engine, all at once):
     rank 0's outputs, the logits of the first prompt ``[len, vocab]`` (a forward pass without a cache), and
     rank 0's weight and KV-cache bytes (the first prompt's cache, for ``contiguous``) and how many all-reduces
-    the generation ran."""
+    the generation ran. ``threads`` and ``backend``: see ``launch``."""
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"cache={cache!r} must be 'contiguous' or 'paged'")
-    check_layout(config_of(name), world_size)
-    return launch(_generate_rank, world_size, (name, [list(p) for p in prompts], new_tokens, cache), timeout_s)
+    check_layout(load_config(name), world_size)
+    return launch(_generate_rank, world_size, (name, [list(p) for p in prompts], new_tokens, cache), timeout_s,
+                  threads, backend)
 
 
 def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
@@ -228,18 +222,27 @@ def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
     step = decode_step(shard, context)
     for _ in range(3):  # warm-up, then the timed steps: every rank runs the same count, in step
         step()
-    shard.stopwatch.reset()
-    timing = measure(step, warmup=0, repeats=repeats, device=rank.device)
-    return {"step_s": timing.median_s, "comm_s": shard.stopwatch.seconds / repeats,
-            "all_reduces": shard.stopwatch.calls / repeats, "device": timing.device}
+    steps, comms = [], []
+    for _ in range(repeats):
+        before = shard.stopwatch.seconds
+        start = time.perf_counter()
+        step()
+        synchronize(rank.device)
+        steps.append(time.perf_counter() - start)
+        comms.append(shard.stopwatch.seconds - before)
+    return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms),
+            "compute_s": statistics.median(t - c for t, c in zip(steps, comms)),
+            "all_reduces": shard.stopwatch.calls / (repeats + 3), "device": device_name(rank.device)}
 
 
 def decode_step_time(name: str, world_size: int, context: int = 256, repeats: int = 30, threads: int | None = None,
-                     timeout_s: float = 300.0) -> dict:
-    """Rank 0's median decode-step time for checkpoint ``name`` split over ``world_size`` ranks (one sequence
-    of ``context`` cached tokens), and the part of it spent in all-reduces; ``threads`` per rank (see ``launch``)."""
-    check_layout(config_of(name), world_size)
-    return launch(_step_rank, world_size, (name, context, repeats), timeout_s, threads)
+                     backend: str | None = None, timeout_s: float = 300.0) -> dict:
+    """Medians over ``repeats`` decode steps on rank 0 of checkpoint ``name`` split over ``world_size`` ranks (one
+    sequence of ``context`` cached tokens): the step, the part of it spent in all-reduces, and the rest
+    (``compute_s``); ``threads`` per rank and ``backend``: see ``launch`` (name the backend to compare one rank
+    with two on the same devices)."""
+    check_layout(load_config(name), world_size)
+    return launch(_step_rank, world_size, (name, context, repeats), timeout_s, threads, backend)
 
 
 def predicted_step(model: Transformer, hardware: Hardware, link: Link, world_size: int, one_rank_s: float,
