@@ -71,8 +71,9 @@ def tensor_parallel(repeats: int, steps: int, context: int) -> None:
           + f"{'all-reduces':>13}{'predicted':>11}{'error':>7}")
     errors = []
     for run in range(repeats):
-        link = comm.measure(2)["allreduce_link"]
-        steps_s = {name: tensor.decode_step_time("target", w, context, steps, t) for name, (w, t) in CONFIGS.items()}
+        link = comm.measure(2, backend="gloo")["allreduce_link"]
+        steps_s = {name: tensor.decode_step_time("target", w, context, steps, t, backend="gloo")
+                   for name, (w, t) in CONFIGS.items()}
         split = steps_s["2 ranks, 1 thread each"]
         parts = tensor.predicted_step(model, hardware, link, 2, steps_s["1 rank, 1 thread"]["step_s"], context)
         errors.append(parts["step_s"] / split["step_s"] - 1)
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--skip-disaggregation", action="store_true")
     args = parser.parse_args()
     print(f"{datetime.date.today()}  {device_name('cpu')}  {os.cpu_count()} cores  torch {torch.__version__}")
-    communication(comm.measure(2))
+    communication(comm.measure(2, backend="gloo"))
     tensor_parallel(args.repeats, args.steps, args.context)
     if not args.skip_disaggregation:
         disaggregation(args.repeats, args.rate)
