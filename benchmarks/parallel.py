@@ -3,10 +3,11 @@ disaggregated prefill/decode against one engine doing both (issue 34).
 
     .venv/bin/python benchmarks/parallel.py [--repeats 3] [--steps 30] [--context 256] [--skip-disaggregation]
 
-1. Communication: all-reduce and one-way send (half a ping-pong) between two gloo ranks, median
-   per call of bursts of 16 issued back to back (as a step issues them), the median of 20 bursts
-   per message size from 64 bytes to 4 MiB, fitted to latency + bytes / bandwidth
-   (``labkit.parallel.comm``; the all-reduce through the ring formula).
+1. Communication: all-reduce and one-way send (half a ping-pong) between two gloo ranks, per call
+   of bursts of 16 issued back to back (as a step issues them), the median of 20 bursts per message
+   size from 64 bytes to 4 MiB, fitted to latency + bytes / bandwidth (``labkit.parallel.comm``;
+   the all-reduce through the ring formula). Measured anew before each run of part 2; the first
+   run's measurement is printed.
 2. Tensor parallelism: the shipped ``target`` model's decode step (one sequence, ``--context``
    tokens cached, fp32, median of ``--steps``) on one rank with one thread, on one rank with two
    threads (both cores), and split over two ranks of one thread each, in turn ``--repeats``
@@ -59,11 +60,13 @@ def communication(result: dict) -> None:
 
 
 def tensor_parallel(repeats: int, steps: int, context: int) -> None:
-    """Each run: the links measured, then the three configurations; the prediction from that run's link
-    and one-rank step, against that run's two-rank step."""
+    """Each run: the links measured (the first run's printed as part 1), then the three configurations; the
+    prediction from that run's link and one-rank step, against that run's two-rank step."""
     torch.set_num_threads(1)
     hardware = probe("cpu")
     model, _ = labkit.load("target", device="cpu")
+    measured = [comm.measure(2, backend="gloo")]
+    communication(measured[0])
     print(f"\n2. The target's decode step ({context} tokens cached, fp32), median of {steps} steps per run, "
           f"{repeats} runs in turn; this CPU with one thread: {hardware.bandwidth / 1e9:.1f} GB/s, "
           f"{hardware.peak_flops / 1e9:.0f} GFLOP/s")
@@ -71,7 +74,9 @@ def tensor_parallel(repeats: int, steps: int, context: int) -> None:
           + f"{'all-reduces':>13}{'predicted':>11}{'error':>7}")
     errors = []
     for run in range(repeats):
-        link = comm.measure(2, backend="gloo")["allreduce_link"]
+        if run:
+            measured.append(comm.measure(2, backend="gloo"))
+        link = measured[run]["allreduce_link"]
         steps_s = {name: tensor.decode_step_time("target", w, context, steps, t, backend="gloo")
                    for name, (w, t) in CONFIGS.items()}
         split = steps_s["2 ranks, 1 thread each"]
@@ -131,7 +136,6 @@ def main() -> None:
     parser.add_argument("--skip-disaggregation", action="store_true")
     args = parser.parse_args()
     print(f"{datetime.date.today()}  {device_name('cpu')}  {os.cpu_count()} cores  torch {torch.__version__}")
-    communication(comm.measure(2, backend="gloo"))
     tensor_parallel(args.repeats, args.steps, args.context)
     if not args.skip_disaggregation:
         disaggregation(args.repeats, args.rate)

@@ -70,11 +70,17 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.de
     return model
 
 
+def _folder_config(folder: Path, kind: str) -> ModelConfig:
+    """The config.json of a checkpoint folder, labkit's own (``kind`` "labkit") or Hugging Face's ("hf")."""
+    config = json.loads((folder / "config.json").read_text())
+    return ModelConfig(**config) if kind == "labkit" else config_from_hf(config)
+
+
 def load_checkpoint(folder: str | Path, device: torch.device | None = None,
                     dtype: torch.dtype = torch.float32) -> Transformer:
     """A model saved by ``save_checkpoint``."""
     folder = Path(folder).expanduser()
-    config = ModelConfig(**json.loads((folder / "config.json").read_text()))
+    config = _folder_config(folder, "labkit")
     return _build(config, load_file(str(folder / "model.safetensors")), device or get_device(), dtype)
 
 
@@ -183,7 +189,7 @@ def load_hf(folder: str | Path, device: torch.device | None = None,
             dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
     """A Hugging Face Llama checkpoint from a local folder, as a labkit model."""
     folder = Path(folder).expanduser()
-    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    config = _folder_config(folder, "hf")
     state = state_from_hf(_read_safetensors(folder), config.n_layers)
     model = _build(config, state, device or get_device(), dtype)
     tokenizer_file = folder / "tokenizer.json"
@@ -244,7 +250,4 @@ def load(name: str | None = None, device: torch.device | str | None = None,
 def load_config(name: str | None = None) -> ModelConfig:
     """The config of what ``load(name)`` would load, read without its weights."""
     kind, where = _source(name)
-    if kind == "shape":
-        return shape_config(where)
-    config = json.loads((where / "config.json").read_text())
-    return ModelConfig(**config) if kind == "labkit" else config_from_hf(config)
+    return shape_config(where) if kind == "shape" else _folder_config(where, kind)

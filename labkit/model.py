@@ -443,12 +443,12 @@ class Transformer(nn.Module):
         return self.rope[positions][:, None].chunk(2, dim=-1)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters, each once (a tied embedding and LM head are one tensor)."""
-    return sum(p.nbytes for p in {id(p): p for p in module.parameters()}.values())
+    """Bytes of a module's parameters, each once (``parameters()`` yields a tied embedding and LM head once)."""
+    return sum(p.nbytes for p in module.parameters())
 
 
 def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: int, cache: RowCache | None) -> Tensor:

@@ -361,4 +361,4 @@ def weight_bytes(model: nn.Module, float_bytes: int = 2) -> int:
     """Bytes of the weights as they would be stored: quantized layers as they are (codes, scales,
     zeros), every other parameter at ``float_bytes`` each (2: fp16). Shared tensors count once."""
     quantized = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
-    return quantized + float_bytes * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return quantized + float_bytes * sum(p.numel() for p in model.parameters())  # a shared tensor once

@@ -31,6 +31,7 @@ from functools import partial
 from typing import NamedTuple, Sequence
 
 from labkit.engine import FINISHED, Request, SchedulerConfig, check_unique_ids
+from labkit.generate import SamplingParams
 from labkit.interconnect import Link
 from labkit.memory import kv_cache_bytes
 from labkit.metrics import latency_figures, request_metrics
@@ -46,9 +47,9 @@ class SLO(NamedTuple):
     tpot_s: float
 
 
-def _fresh(request: Request) -> Request:
-    """A new, unserved copy of ``request``: each way of serving gets its own."""
-    return Request(request.request_id, list(request.prompt), request.params, request.arrival_time)
+def _fresh(request: Request, params: SamplingParams | None = None) -> Request:
+    """A new, unserved copy of ``request`` (with other ``params`` if given): each way of serving gets its own."""
+    return Request(request.request_id, list(request.prompt), params or request.params, request.arrival_time)
 
 
 def _round_robin(requests: Sequence[Request], n: int) -> list[list[Request]]:
@@ -60,8 +61,7 @@ def _prefill(engine: SimulatedEngine, requests: list[Request], cost: CostModel,
              link: Link) -> list[tuple[float, Request, float]]:
     """Run the requests' prompts on a prefill instance; each gets its first token there. Returns
     (when its KV has arrived, the request, KV bytes) for each request that has more tokens to go."""
-    firsts = engine.run([Request(r.request_id, list(r.prompt), replace(r.params, max_new_tokens=1), r.arrival_time)
-                         for r in requests])
+    firsts = engine.run([_fresh(r, replace(r.params, max_new_tokens=1)) for r in requests])
     handoffs, link_free = [], 0.0
     for request, first in sorted(zip(requests, firsts), key=lambda pair: pair[1].finish_time):
         request.output, request.token_times = list(first.output), list(first.token_times)

@@ -45,6 +45,7 @@ from labkit.interconnect import Link
 from labkit.memory import blocks_for, shape_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank, launch
+from labkit.shapes import DTYPE_NAMES
 from labkit.simulate import CostModel
 
 
@@ -125,9 +126,6 @@ class Stopwatch:
     communication: with gloo the call returns when the sum has arrived)."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
 
@@ -222,7 +220,7 @@ def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
     step = decode_step(shard, context)
     for _ in range(3):  # warm-up, then the timed steps: every rank runs the same count, in step
         step()
-    steps, comms = [], []
+    calls, steps, comms = shard.stopwatch.calls, [], []
     for _ in range(repeats):
         before = shard.stopwatch.seconds
         start = time.perf_counter()
@@ -232,7 +230,7 @@ def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
         comms.append(shard.stopwatch.seconds - before)
     return {"step_s": statistics.median(steps), "comm_s": statistics.median(comms),
             "compute_s": statistics.median(t - c for t, c in zip(steps, comms)),
-            "all_reduces": shard.stopwatch.calls / (repeats + 3), "device": device_name(rank.device)}
+            "all_reduces": (shard.stopwatch.calls - calls) / repeats, "device": device_name(rank.device)}
 
 
 def decode_step_time(name: str, world_size: int, context: int = 256, repeats: int = 30, threads: int | None = None,
@@ -253,7 +251,7 @@ def predicted_step(model: Transformer, hardware: Hardware, link: Link, world_siz
     there (Python and operator dispatch, which every rank pays whole: it runs as many operations,
     only narrower) is the step's fixed overhead."""
     shape = shape_of("model", model.config, model.num_parameters())
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    dtype = DTYPE_NAMES[model.dtype]
     batch = [(1, context)]
 
     def cost(world: int, overhead_s: float) -> CostModel:
