@@ -15,18 +15,23 @@ an earlier run's prompts in the cache).
    tokens/s = the requests' tokens / the wall time of ``run``. It runs before part 2 and after
    each of its ``--repeats`` runs, and part 2's goal takes the median of its runs (this machine's
    speed drifts from minute to minute) against the server's median run.
-2. labkit's server (``labkit.background.start_server``, a process of its own) driven by
-   ``labkit.loadgen`` at saturation: every request sent at once, streamed; output tokens/s over
-   the run (first send to last reply), with vLLM's TTFT/TPOT/ITL/E2E. Goal: at least 90% of the
-   offline engine's output tokens/s. Printed with it, where the time went: the engine's steps and
-   wall time per step (``/metrics``' ``labkit:engine_steps``) against the offline engine's; the
-   CPU time per output token of the server's main thread (the event loop: HTTP, JSON,
-   detokenizing, events), of its other threads (the engine thread: torch starts no other with
-   one thread, the rest sleep) and of the load generator (this process), from /proc, against
-   the offline engine's; and the share of the run the engine thread computed, its CPU seconds
-   over the wall time: the rest of the time it waited, for the GIL (which the event loop holds
-   while it runs Python) or for a core. If the goal is missed, the same requests also run not
-   streamed, which separates the cost of one event per token from the rest of the server.
+2. labkit's server (``labkit.background.start_server``, a process of its own, whose engine steps
+   in a process of its own: ``--engine process``, the default) driven by ``labkit.loadgen`` at
+   saturation: every request sent at once, streamed; output tokens/s over the run (first send to
+   last reply), with vLLM's TTFT/TPOT/ITL/E2E. Goal: at least 90% of the offline engine's output
+   tokens/s. Each of its runs is followed by one of the offline engine and one of the same
+   server with its engine in a thread of the server's process (``--engine thread``), which shares
+   the GIL with the event loop: no goal, the comparison says what the second process buys.
+   Printed with them, where the time went: the engine's steps and wall time per step
+   (``/metrics``' ``labkit:engine_steps``) against the offline engine's; the CPU time per output
+   token of the engine (its process, or the server's threads but the main one: torch starts no
+   other with one thread, the rest sleep), of the server's main thread (the event loop: HTTP,
+   JSON, detokenizing, events), of the server's other threads beside an engine process (the
+   reader of its pipe) and of the load generator (this process), from /proc, against the offline
+   engine's; and the share of the run the engine computed, its CPU seconds over the wall time:
+   the rest of the time it waited, for the GIL (a thread's, while the event loop runs Python) or
+   for a core. If the goal is missed, the same requests also run not streamed, which separates
+   the cost of one event per token from the rest of the server.
 3. The baseline a newcomer would write (``benchmarks/naive_server.py``): FastAPI around
    transformers' ``generate()`` on the same weights (``labkit.load.save_hf``), one request at a
    time behind a lock, one event per token through a streamer. At saturation with the first
@@ -101,6 +106,7 @@ RATE_FACTORS = (0.5, 0.9, 1.5)  # of labkit's saturation request rate: below, ne
 NAIVE_SERVER = Path(__file__).with_name("naive_server.py")
 QUICK = dict(requests=8, naive_requests=2, rate_requests=6, naive_rate_requests=2, pairs=4, pair_tokens=32)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CORES = os.cpu_count()
 SERVER_COUNTERS = ("engine_steps_total", "generation_tokens_total", "inter_token_latency_seconds_sum",
                    "inter_token_latency_seconds_count")
 
@@ -160,6 +166,19 @@ def run_offline(model: Transformer, eos_id: int | None, workload: Workload, args
 # driving a server ---------------------------------------------------------------------------------
 
 
+def engine_process(pid: int) -> int | None:
+    """The pid of a labkit server's engine process (the child that runs multiprocessing's
+    ``spawn_main``; its resource tracker is the other), None when its engine steps in a thread."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+                    and b"spawn_main" in (proc / "cmdline").read_bytes()):
+                return int(proc.name)
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return None
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) of a process's main thread, and of all its other threads (those
     that have exited included), from /proc."""
@@ -180,9 +199,12 @@ def scrape(url: str) -> dict[str, float]:
 def drive(server: BackgroundServer, name: str, bodies: list[dict], args: argparse.Namespace,
           rate: float | None = None, concurrency: int | None = None, counters: bool = False) -> Row:
     """One load run against ``server``: its summary (the SLO applied), the CPU seconds of the server's
-    main thread, of its other threads and of this client, the texts, and with ``counters`` how much
-    the server's ``SERVER_COUNTERS`` grew (labkit's server only)."""
+    main thread, of its other threads, of its engine's process (None without one) and of this
+    client, the texts, and with ``counters`` how much the server's ``SERVER_COUNTERS`` grew
+    (labkit's server only)."""
     before = scrape(server.url) if counters else {}
+    engine = engine_process(server.process.pid)
+    engine_cpu = sum(cpu_seconds(engine)) if engine else None
     server_cpu, client_cpu = cpu_seconds(server.process.pid), time.process_time()
     result = asyncio.run(loadgen.run_load(server.url, bodies, rate=rate, concurrency=concurrency, seed=args.seed + 2,
                                           timeout_s=args.run_timeout))
@@ -190,6 +212,7 @@ def drive(server: BackgroundServer, name: str, bodies: list[dict], args: argpars
     main, other = (b - a for a, b in zip(server_cpu, cpu_seconds(server.process.pid)))
     figures = loadgen.summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
     figures |= {"cpu_main_s": main, "cpu_other_s": other, "cpu_client_s": client_cpu,
+                "cpu_engine_s": sum(cpu_seconds(engine)) - engine_cpu if engine else None,
                 "texts": [r.text for r in result.records]}
     if counters:
         figures |= {key: value - before[key] for key, value in scrape(server.url).items()}
@@ -251,24 +274,30 @@ def print_table(rows: list[Row]) -> None:
         print(f"{row.name:<30}" + "".join(cells) + (f"  {failed} failed" if failed else ""))
 
 
-def print_split(offline: list[Row], served: Row) -> None:
-    """Where the server's time went at saturation, against the offline engine's runs: steps, wall
-    time per step, and CPU time per output token of each thread that works."""
-    s = served.figures
-    tokens, steps = s["output_tokens"], s["engine_steps_total"]
+def print_split(offline: list[Row], served: Row, threaded: Row) -> None:
+    """Where the servers' time went at saturation, against the offline engine's runs: steps, wall
+    time per step, CPU time per output token of each part that works, and the share of the run
+    the engine computed."""
     for row in offline:
         f = row.figures
         print(f"  offline engine: {f['steps']} steps, {f['duration_s'] / f['steps'] * 1e3:.1f} ms each; "
               f"{f['cpu_s'] / f['output_tokens'] * 1e6:.0f} us of CPU a token")
-    engine_itl = s["inter_token_latency_seconds_sum"] / s["inter_token_latency_seconds_count"] * 1e3
-    print(f"  server: {steps:.0f} engine steps, {s['duration_s'] / steps * 1e3:.1f} ms of the run each; CPU a token: "
-          f"engine thread (and the idle others) {s['cpu_other_s'] / tokens * 1e6:.0f} us, event-loop thread "
-          f"{s['cpu_main_s'] / tokens * 1e6:.0f} us, load generator {s['cpu_client_s'] / tokens * 1e6:.0f} us")
-    busy = s["cpu_other_s"] + s["cpu_main_s"] + s["cpu_client_s"]
-    print(f"  the engine thread computed for {s['cpu_other_s'] / s['duration_s']:.0%} of the run (the rest it waited: "
-          f"for the GIL, or for a core); all three used {busy:.1f} CPU s of the 2 cores' {2 * s['duration_s']:.1f} s")
-    print(f"  mean inter-token time {engine_itl:.1f} ms on the engine's clock (/metrics), {s['mean_itl_ms']:.1f} ms "
-          "at the client")
+    for row in (served, threaded):
+        s = row.figures
+        tokens, steps, in_process = s["output_tokens"], s["engine_steps_total"], s["cpu_engine_s"] is not None
+        engine_s = s["cpu_engine_s"] if in_process else s["cpu_other_s"]
+        parts = {"engine process" if in_process else "engine thread (and the idle others)": engine_s,
+                 "event-loop thread": s["cpu_main_s"]}
+        parts |= {"the server's other threads": s["cpu_other_s"]} if in_process else {}
+        parts |= {"load generator": s["cpu_client_s"]}
+        print(f"  {row.name}: {steps:.0f} engine steps, {s['duration_s'] / steps * 1e3:.1f} ms of the run each; "
+              "CPU a token: " + ", ".join(f"{name} {cpu / tokens * 1e6:.0f} us" for name, cpu in parts.items()))
+        engine_itl = s["inter_token_latency_seconds_sum"] / s["inter_token_latency_seconds_count"] * 1e3
+        print(f"    the engine {'process' if in_process else 'thread'} computed for {engine_s / s['duration_s']:.0%} of "
+              f"the run (the rest it waited: {'for a core' if in_process else 'for the GIL, or for a core'}); "
+              f"all used {sum(parts.values()):.1f} CPU s of the {CORES} cores' {CORES * s['duration_s']:.1f} s; mean "
+              f"inter-token time {engine_itl:.1f} ms on the engine's clock (/metrics), {s['mean_itl_ms']:.1f} ms at "
+              "the client")
 
 
 def agreement(offline: Row, served: Row, tokenizer: Tokenizer) -> str:
@@ -322,12 +351,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @dataclass
 class Runs:
-    """Every run of the benchmark: the offline engine's and labkit's saturation runs (in turn), the
-    not-streamed one (only if the first goal is missed), the streaming pairs' costs (ms a token),
-    the Poisson rates and each server's runs at them, and the naive server's saturation run."""
+    """Every run of the benchmark: the offline engine's and labkit's saturation runs (in turn: the
+    engine in a process, offline, the engine in a thread), the not-streamed one (only if the first
+    goal is missed), the streaming pairs' costs (ms a token), the Poisson rates and each server's
+    runs at them, and the naive server's saturation run."""
 
     offline: list[Row]
     served: list[Row]
+    threaded: list[Row]
     unstreamed: Row | None
     costs: list[float]
     rates: list[float]
@@ -338,6 +369,10 @@ class Runs:
     @property
     def saturated(self) -> Row:
         return median_run(self.served)
+
+    @property
+    def threaded_ratio(self) -> float:
+        return median_run(self.threaded).figures["output_throughput"] / self.offline_tps
 
     @property
     def offline_tps(self) -> float:
@@ -368,14 +403,18 @@ def measure_labkit(args: argparse.Namespace, model: Transformer, eos_id: int | N
                    env: dict[str, str]) -> Runs:
     """Parts 1, 2, 4 and 5 on labkit's server (see the module docstring)."""
     run_offline(model, eos_id, Workload(workload.prompts[:4], workload.ids[:4], [16] * 4), args)  # warm-up
-    offline, served = [run_offline(model, eos_id, workload, args)], []
-    with start_server(args.model, env=env, **engine_settings(args)) as server:
+    offline, served, threaded = [run_offline(model, eos_id, workload, args)], [], []
+    with (start_server(args.model, env=env, **engine_settings(args)) as server,
+          start_server(args.model, env=env, engine="thread", **engine_settings(args)) as in_thread):
         warm_up(server, workload)
+        warm_up(in_thread, workload)
         for _ in range(args.repeats):
             served.append(drive(server, "labkit server, saturation", workload.bodies(), args,
                                 concurrency=args.requests, counters=True))
             offline.append(run_offline(model, eos_id, workload, args))
-        runs = Runs(offline, served, None, [], [], [])
+            threaded.append(drive(in_thread, "engine in a thread, saturation", workload.bodies(), args,
+                                  concurrency=args.requests, counters=True))
+        runs = Runs(offline, served, threaded, None, [], [], [])
         if runs.ratio < GOALS["server / offline engine"]:  # then also: what does the same load cost without events?
             runs.unstreamed = drive(server, "labkit server, not streamed", workload.bodies(stream=False), args,
                                     concurrency=args.requests)
@@ -400,7 +439,7 @@ def measure_naive(args: argparse.Namespace, model: Transformer, tokenizer: Token
 
 def report(runs: Runs, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
     """The table, the outputs' agreement, where the server's time went, and the streaming costs."""
-    in_turn = [row for pair in zip(runs.offline, runs.served + [None]) for row in pair if row is not None]
+    in_turn = [runs.offline[0]] + [row for trio in zip(runs.served, runs.offline[1:], runs.threaded) for row in trio]
     print_table(in_turn + ([runs.unstreamed] if runs.unstreamed else []) + [runs.naive_saturated]
                 + [row for pair in zip(runs.poisson, runs.naive_poisson) for row in pair])
     print("\n(offline engine: latencies on its own clock, from t = 0; servers: at the client. wall s: first send to "
@@ -410,7 +449,7 @@ def report(runs: Runs, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
           f"{agreement(runs.offline[0], runs.naive_saturated, tokenizer)} (naive; float differences can flip "
           f"late tokens)")
     print("\nwhere the server's time went at saturation:")
-    print_split(runs.offline, runs.saturated)
+    print_split(runs.offline, runs.saturated, median_run(runs.threaded))
     if runs.unstreamed is not None:
         u = runs.unstreamed.figures
         print(f"  not streamed, the same requests: {u['output_throughput']:.1f} tok/s "
@@ -444,7 +483,8 @@ def print_goals(runs: Runs, args: argparse.Namespace, seconds: float) -> bool:
     print(f"\ngoals ({seconds:.0f} s in all):")
     print(f"  server >= {GOALS['server / offline engine']:.0%} of the offline engine's output tok/s: {runs.ratio:.1%} "
           f"({served_tps:.1f} against {runs.offline_tps:.1f}, the median of "
-          + ", ".join(f"{row.figures['output_throughput']:.1f}" for row in runs.offline) + f"), {verdict['offline']}")
+          + ", ".join(f"{row.figures['output_throughput']:.1f}" for row in runs.offline) + f"), {verdict['offline']}"
+          f" (its engine in a thread of the server instead: {runs.threaded_ratio:.1%}, no goal)")
     print(f"  server >= {GOALS['server / naive server']:g}x the naive server's output tok/s: {speedup:.2f}x "
           f"({served_tps:.1f} against {naive_tps:.1f}), {verdict['naive']}")
     print("  p99 TTFT below the naive server's at the same rate: "

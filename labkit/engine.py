@@ -384,6 +384,32 @@ class Runner(Protocol):
         """The new token of each entry of ``batch.sampled``; no bookkeeping."""
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine can serve, to check a request against where the engine is not (a server's front
+    end, whose engine runs in another process)."""
+
+    vocab_size: int
+    max_seq_len: int
+    num_blocks: int
+    block_size: int
+    config: SchedulerConfig
+
+    def check(self, request: Request) -> None:
+        """A clear error for a request the engine could never serve (too long, out of the vocabulary,
+        more blocks than the pool has, or a prompt no step could take)."""
+        check_fits(request, self.vocab_size, self.max_seq_len)
+        need = blocks_for(request.max_tokens, self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request {request.request_id!r} needs {need} blocks of {self.block_size} tokens but the "
+                             f"pool has only {self.num_blocks}: it could never finish")
+        config = self.config
+        if not config.chunked_prefill and request.max_tokens > config.max_num_batched_tokens:
+            raise ValueError(f"request {request.request_id!r}: {request.max_tokens} tokens may need recomputing in "
+                             f"one step, more than max_num_batched_tokens={config.max_num_batched_tokens}; "
+                             f"raise it or turn chunked_prefill on")
+
+
 class Clock(Protocol):
     def reset(self) -> None: ...
     def now(self) -> float: ...
@@ -455,21 +481,12 @@ class EngineCore:
         """A clear error for a request this engine could never serve, one that has run before, or
         one whose id it is serving."""
         self.scheduler.check_id(request)
-        self.check_servable(request)
+        self.limits.check(request)
 
-    def check_servable(self, request: Request) -> None:
-        """A clear error for a request this engine could never serve, or one that has run before
-        (``validate`` without the id check, which reads the scheduler's queues)."""
-        check_fits(request, self.runner.vocab_size, self.runner.max_seq_len)
-        need, size = blocks_for(request.max_tokens, self.allocator.block_size), self.allocator.block_size
-        if need > self.allocator.num_blocks:
-            raise ValueError(f"request {request.request_id!r} needs {need} blocks of {size} tokens but the pool "
-                             f"has only {self.allocator.num_blocks}: it could never finish")
-        config = self.scheduler.config
-        if not config.chunked_prefill and request.max_tokens > config.max_num_batched_tokens:
-            raise ValueError(f"request {request.request_id!r}: {request.max_tokens} tokens may need recomputing in "
-                             f"one step, more than max_num_batched_tokens={config.max_num_batched_tokens}; "
-                             f"raise it or turn chunked_prefill on")
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.runner.vocab_size, self.runner.max_seq_len, self.allocator.num_blocks,
+                            self.allocator.block_size, self.scheduler.config)
 
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Serve every request, each added when its arrival time comes; returns them, finished,

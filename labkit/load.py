@@ -191,9 +191,12 @@ def load_hf(folder: str | Path, device: torch.device | None = None,
     folder = Path(folder).expanduser()
     config = _folder_config(folder, "hf")
     state = state_from_hf(_read_safetensors(folder), config.n_layers)
-    model = _build(config, state, device or get_device(), dtype)
-    tokenizer_file = folder / "tokenizer.json"
-    return model, Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.exists() else None
+    return _build(config, state, device or get_device(), dtype), _hf_tokenizer(folder)
+
+
+def _hf_tokenizer(folder: Path) -> Tokenizer | None:
+    file = folder / "tokenizer.json"
+    return Tokenizer.from_file(str(file)) if file.exists() else None
 
 
 def _is_labkit_config(path: Path) -> bool:
@@ -207,13 +210,18 @@ def _is_labkit_config(path: Path) -> bool:
 
 def _load_labkit_folder(folder: Path, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
     """A folder ``save_checkpoint`` wrote, with its own tokenizer.json or else the lab's."""
-    model, own = load_checkpoint(folder, device, dtype), folder / "tokenizer.json"
+    model = load_checkpoint(folder, device, dtype)
+    return model, _labkit_tokenizer(folder, model.config)
+
+
+def _labkit_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+    own = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(own if own.exists() else TOKENIZER))
-    if tokenizer.get_vocab_size() > model.config.vocab_size:  # it would give ids the model has no row for
+    if tokenizer.get_vocab_size() > config.vocab_size:  # it would give ids the model has no row for
         which = own if own.exists() else "the lab's: the folder has no tokenizer.json"
-        raise ValueError(f"{folder}: a vocabulary of {model.config.vocab_size} tokens, but its tokenizer "
+        raise ValueError(f"{folder}: a vocabulary of {config.vocab_size} tokens, but its tokenizer "
                          f"({which}) has {tokenizer.get_vocab_size()}")
-    return model, tokenizer
+    return tokenizer
 
 
 def _source(name: str | None) -> tuple[str, str | Path]:
@@ -251,3 +259,11 @@ def load_config(name: str | None = None) -> ModelConfig:
     """The config of what ``load(name)`` would load, read without its weights."""
     kind, where = _source(name)
     return shape_config(where) if kind == "shape" else _folder_config(where, kind)
+
+
+def load_tokenizer(name: str | None = None) -> Tokenizer | None:
+    """The tokenizer ``load(name)`` comes with, read without the weights (None for a ``shape:``)."""
+    kind, where = _source(name)
+    if kind == "shape":
+        return None
+    return _labkit_tokenizer(where, _folder_config(where, kind)) if kind == "labkit" else _hf_tokenizer(where)

@@ -3,8 +3,9 @@
     python -m labkit.serve --model target [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
-what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose thread
-puts it in the continuous batch. Each sampled token comes back to the request's coroutine, which
+what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
+puts it in the continuous batch: an engine in a process of its own (``--engine process``, the default,
+as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need. Each sampled token comes back to the request's coroutine, which
 turns it into text incrementally (``IncrementalDetokenizer``: a token can end in the middle of a
 UTF-8 character), cuts the text at a stop string (``StopStrings``) and sends it, either as one
 server-sent event per token (``stream: true``, ending with ``data: [DONE]``) or whole at the end.
@@ -43,7 +44,7 @@ from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenizers import Tokenizer
 
-from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
+from labkit.async_engine import AsyncEngine, EngineSpec, EngineStopped, QueueFull, RequestStream
 from labkit.detokenize import IncrementalDetokenizer, StopStrings
 from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of
@@ -449,22 +450,34 @@ def decode_kernel(name: str):  # noqa: ANN201 - a DecodeKernel or None
 
 
 def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
-    """Load the model and put an engine around it, as the command line asks."""
-    from labkit.load import CHECKPOINTS, load
+    """The engine the command line asks for (``--engine``: in a process of its own, or in a thread of
+    this one), and what it serves (read here without the weights)."""
+    from labkit.load import CHECKPOINTS, load_config, load_tokenizer
 
     try:
-        model, tokenizer = load(args.model, args.device)
+        config, tokenizer = load_config(args.model), load_tokenizer(args.model)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"--model {args.model}: {error}") from None
     if tokenizer is None:
         raise SystemExit(f"--model {args.model}: a model without a tokenizer (a shape: preset) cannot serve text")
     folder = CHECKPOINTS / args.model if (CHECKPOINTS / args.model).is_dir() else Path(args.model).expanduser()
-    served = ServedModel(args.served_name or Path(args.model).name, tokenizer, model.config.vocab_size,
-                         model.config.max_seq_len, chat_template_of(folder))
+    served = ServedModel(args.served_name or Path(args.model).name, tokenizer, config.vocab_size,
+                         config.max_seq_len, chat_template_of(folder))
+    try:
+        engine = EngineSpec(engine_from_args, (args,)) if args.engine == "process" else engine_from_args(args)
+        return AsyncEngine(engine, max_waiting=args.max_waiting), served
+    except RuntimeError as error:  # the engine's process could not build it
+        raise SystemExit(f"--model {args.model}: {error}") from None
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine on its model, as the command line asks (run in the engine's process)."""
+    from labkit.load import load
+
+    model, tokenizer = load(args.model, args.device)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(model, args.num_blocks, args.block_size, config, prefix_caching=not args.no_prefix_caching,
-                    eos_id=eos_id_of(tokenizer), decode_kernel=decode_kernel(args.decode_kernel))
-    return AsyncEngine(engine, max_waiting=args.max_waiting), served
+    return Engine(model, args.num_blocks, args.block_size, config, prefix_caching=not args.no_prefix_caching,
+                  eos_id=eos_id_of(tokenizer), decode_kernel=decode_kernel(args.decode_kernel))
 
 
 class Server(uvicorn.Server):
@@ -548,6 +561,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-prefix-caching", action="store_true", help="recompute every prompt")
     add("--decode-kernel", choices=("none", "cpp", "triton"), default="none",
         help="decode attention: gather the blocks then SDPA, labkit's C++ operator, or Triton (default: %(default)s)")
+    add("--engine", choices=("process", "thread"), default="process",
+        help="where the engine steps: a process of its own, which shares no GIL with the HTTP side, or a "
+             "thread of the server's (default: %(default)s)")
     add("--drain", type=float, default=2.0, help="seconds running requests get on SIGTERM (default: %(default)s)")
     add("--parent-pid", type=int, help="exit when this process is gone")
     return parser.parse_args(argv)
@@ -564,5 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # through the module's importable name, which the engine's process imports
+    from labkit.serve import main as importable_main
+
+    raise SystemExit(importable_main())

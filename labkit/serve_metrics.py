@@ -2,8 +2,8 @@
 with a ``labkit:`` prefix (``vllm:num_requests_running`` is ``labkit:num_requests_running``).
 
 Gauges and totals are read from the engine's latest ``EngineStats`` when Prometheus scrapes (the
-engine thread keeps them, the scrape only reads); latencies are histograms the server observes as
-each token reaches its request's coroutine, on the engine's clock:
+engine loop sends them with each step, the scrape only reads); latencies are histograms the server
+observes as each token reaches its request's coroutine, on the engine's clock:
 
     TTFT = first token - arrival      ITL = token - previous token      E2E = last token - arrival
 

@@ -4,11 +4,15 @@ while the request waits, prefills or decodes ends its stream with "abort" and fr
 the event loop stays responsive while the engine computes; a full queue raises ``QueueFull``, a
 stopped engine ``EngineStopped``; a step that raises fails the live streams, and the engine serves
 the next request. Where a test needs the engine at a given point, a ``Gate`` around the runner
-lets the engine thread through one step at a time."""
+lets the engine thread through one step at a time. The engine in a process of its own
+(``EngineSpec``) streams the same tokens, aborts and frees blocks the same way, fails its streams
+when its process dies, and a build that fails says why."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import statistics
 import threading
 import time
@@ -17,7 +21,7 @@ from typing import AsyncIterator
 import pytest
 import torch
 
-from labkit.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream, TokenEvent
+from labkit.async_engine import AsyncEngine, EngineSpec, EngineStopped, QueueFull, RequestStream, TokenEvent
 from labkit.engine import ABORTED, WAITING, Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, stream
 from labkit.model import ModelConfig, Transformer
@@ -37,6 +41,16 @@ one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 def make_engine(model: Transformer = MODEL, num_blocks: int = 64, block_size: int = 4, eos_id: int | None = None,
                 **config: int) -> Engine:
     return Engine(model, num_blocks, block_size, SchedulerConfig(**config), eos_id=eos_id)
+
+
+def engine_in_process(eos_id: int | None, config: dict) -> Engine:
+    """The tests' engine as an engine process builds it (``EngineSpec`` imports this module by name)."""
+    torch.set_num_threads(1)
+    return make_engine(eos_id=eos_id, **config)
+
+
+def failing_build() -> Engine:
+    raise FileNotFoundError("no checkpoint 'nowhere' (injected)")
 
 
 def params(n: int, **changes: object) -> SamplingParams:
@@ -89,7 +103,8 @@ def gated(engine: Engine) -> Gate:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: Engine, max_waiting: int = 256, gate: Gate | None = None) -> AsyncIterator[AsyncEngine]:
+async def serving(engine: Engine | EngineSpec, max_waiting: int = 256,
+                  gate: Gate | None = None) -> AsyncIterator[AsyncEngine]:
     """An ``AsyncEngine`` around ``engine``, shut down at the end (its gate opened first)."""
     served = AsyncEngine(engine, max_waiting)
     try:
@@ -112,9 +127,12 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 3 * LIMIT_S))
 
 
-def test_each_stream_gets_its_requests_tokens_in_order_as_the_offline_engine_makes_them():
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_each_stream_gets_its_requests_tokens_in_order_as_the_offline_engine_makes_them(where):
     """Nine requests, greedy and seeded, joining a running batch at different times (four at most,
-    prompts chunked by 16), one stopping at its EOS: each stream is the offline engine's output."""
+    prompts chunked by 16), one stopping at its EOS: each stream is the offline engine's output,
+    the engine in a thread or in a process; each caller's request learns its arrival on the
+    engine's clock, before its first token."""
     eos = alone(Request(0, prompt(0, 5), params(3)))[-1]  # request 0 stops at its third token, or before
 
     def requests() -> list[Request]:  # fresh ones for each run
@@ -122,17 +140,19 @@ def test_each_stream_gets_its_requests_tokens_in_order_as_the_offline_engine_mak
                         params(4 + 3 * i % 13, temperature=0.8 * (i % 2), seed=i, stop_at_eos=i == 0))
                 for i in range(9)]
 
-    config = dict(max_num_seqs=4, max_num_batched_tokens=16, eos_id=eos)
-    offline = make_engine(**config).run(requests())
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    offline, served_requests = make_engine(eos_id=eos, **config).run(requests()), requests()
 
     async def online() -> list[list[TokenEvent]]:
-        async with serving(make_engine(**config)) as served:
+        engine = make_engine(eos_id=eos, **config) if where == "thread" else EngineSpec(engine_in_process, (eos, config))
+        async with serving(engine) as served:
             async def later(request: Request, delay_s: float) -> list[TokenEvent]:
                 await asyncio.sleep(delay_s)
                 return await collect(served, request)
-            return await asyncio.gather(*(later(r, 0.002 * r.request_id) for r in requests()))
+            return await asyncio.gather(*(later(r, 0.002 * r.request_id) for r in served_requests))
 
-    for events, reference in zip(run(online()), offline):
+    for events, reference, request in zip(run(online()), offline, served_requests):
+        assert 0 < request.arrival_time <= events[0].time
         assert [e.token for e in events] == reference.output
         reason = "stop" if reference.request_id == 0 else "length"
         assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [reason]
@@ -312,3 +332,65 @@ def test_a_step_that_raises_fails_the_live_streams_and_the_engine_serves_on():
     assert failures and all(isinstance(f, RuntimeError) and "boom (injected)" in str(f) for f in failed), failed
     assert a.status == b.status == ABORTED
     assert [e.token for e in events] == alone(c) and events[-1].finish_reason == "length"
+
+
+def test_an_engine_process_aborts_frees_its_blocks_and_checks_requests_as_the_engine_would():
+    """In a process: a request too long for the pool is refused at once, with the engine's message;
+    one aborted while it decodes ends with "abort" after its first tokens, and the stats (the
+    engine's, delivered) show every block free again; a request that runs on is unaffected."""
+    config = dict(num_blocks=24, max_num_seqs=4)
+
+    async def scenario() -> tuple[list[TokenEvent], list[TokenEvent], AsyncEngine]:
+        async with serving(EngineSpec(engine_in_process, (None, config))) as served:
+            with pytest.raises(ValueError, match="needs 28 blocks of 4 tokens but the pool has only 24"):
+                served.stream(Request("huge", prompt(1, 50), params(60)))
+            long_events, kept = [], asyncio.create_task(collect(served, Request("kept", prompt(2, 6), params(12))))
+            async for event in served.stream(Request("long", prompt(3, 5), params(40))):
+                long_events.append(event)
+                if len(long_events) == 3:
+                    served.abort("long")
+            kept_events = await kept
+            for _ in range(int(LIMIT_S / 0.01)):  # the stats come with the step after the abort
+                if served.stats.blocks_free == 24 and served.stats.running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return long_events, kept_events, served
+
+    long_events, kept_events, served = run(scenario())
+    assert 3 <= len(long_events) - 1 < 40 and (long_events[-1].token, long_events[-1].finish_reason) == (None, "abort")
+    assert [e.token for e in long_events[:-1]] == alone(Request("long", prompt(3, 5), params(40)))[:len(long_events) - 1]
+    assert [e.token for e in kept_events] == alone(Request("kept", prompt(2, 6), params(12)))
+    assert (served.stats.blocks_free, served.stats.blocks_used, served.stats.running) == (24, 0, 0)
+    assert served.stats.generated_tokens >= 12 + 3 and not served.alive
+
+
+def test_an_engine_process_that_dies_fails_its_streams_and_refuses_new_requests():
+    """SIGKILL to the engine's process mid-stream: the stream raises, saying the process ended and
+    its exit code; the engine is no longer alive, and a new request gets ``EngineStopped``."""
+    async def scenario() -> tuple[list[TokenEvent], BaseException, AsyncEngine]:
+        async with serving(EngineSpec(engine_in_process, (None, {}))) as served:
+            events, stream = [], served.stream(Request("r", prompt(4, 5), params(100)))
+            with pytest.raises(RuntimeError) as failure:
+                async for event in stream:
+                    events.append(event)
+                    if len(events) == 2:
+                        os.kill(served._core._process.pid, signal.SIGKILL)
+            with pytest.raises(EngineStopped):
+                served.stream(Request("late", prompt(5, 4), params(2)))
+            return events, failure.value, served
+
+    events, failure, served = run(scenario())
+    assert 2 <= len(events) < 100 and all(e.finish_reason is None for e in events)
+    assert "the engine process ended (exit code -9)" in str(failure) and not served.alive
+
+
+def test_an_engine_that_cannot_be_built_says_why():
+    """A build that raises in the engine's process: ``RuntimeError`` with its traceback, and the
+    process is gone. A build the process could not import (a lambda, a notebook cell's function) is
+    refused by name before any process starts."""
+    with pytest.raises(RuntimeError, match=r"failed to build(.|\n)*no checkpoint 'nowhere' \(injected\)"):
+        AsyncEngine(EngineSpec(failing_build))
+    with pytest.raises(ValueError, match="cannot be started in another process"):
+        AsyncEngine(EngineSpec(lambda: make_engine()))
+    with pytest.raises(TypeError, match="EngineCore .* or an EngineSpec"):
+        AsyncEngine("target")

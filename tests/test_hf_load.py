@@ -3,12 +3,13 @@ same logits. transformers is the independent reference for the whole forward pas
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from labkit.load import config_from_hf, load, load_config
+from labkit.load import TOKENIZER, config_from_hf, load, load_config, load_tokenizer
 from labkit.shapes import shape_config
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -173,12 +174,18 @@ def test_labkit_checkpoints_round_trip_from_a_path_given_as_a_string(tmp_path):
         load(str(tmp_path / "other"), device="cpu")
 
 
-def test_load_config_reads_what_load_would_build_without_its_weights(tmp_path):
-    """Shipped, Hugging Face and ``shape:`` names alike (the parallel labs check a layout with it before any
-    process starts)."""
-    _save_hf(tmp_path, num_key_value_heads=2)
-    for name in ("target", "mqa", str(tmp_path)):
-        assert load_config(name) == load(name, device="cpu")[0].config
+def test_load_config_and_load_tokenizer_read_what_load_would_build_without_its_weights(tmp_path):
+    """Shipped, Hugging Face and ``shape:`` names alike (the parallel labs check a layout with the config
+    before any process starts; the server reads both while its engine's process loads the weights)."""
+    _save_hf(tmp_path / "bare", num_key_value_heads=2)
+    _save_hf(tmp_path / "with", num_key_value_heads=2)
+    shutil.copy(TOKENIZER, tmp_path / "with" / "tokenizer.json")
+    for name in ("target", "mqa", str(tmp_path / "bare"), str(tmp_path / "with")):
+        model, tokenizer = load(name, device="cpu")
+        assert load_config(name) == model.config
+        own = load_tokenizer(name)
+        assert (own is tokenizer is None) == name.endswith("bare") and (own is None or own.to_str() == tokenizer.to_str())
+    assert load_tokenizer("shape:Llama-3.2-1B") is None
     assert load_config("shape:Llama-3.2-1B") == shape_config("Llama-3.2-1B")  # what load builds it from
     with pytest.raises(FileNotFoundError, match="no checkpoint 'nowhere'"):
         load_config("nowhere")

@@ -5,7 +5,8 @@ stopped): the official ``openai`` client completes and streams the offline engin
 clients that hang up abort their requests, and the others still complete; 1,000 requests do not
 grow the server's memory; bad input gets a 4xx naming the field, a full queue a 503 with
 Retry-After, a missing key a 401; chat completions on a model with a chat template have OpenAI's
-chat shape; SIGTERM during a load run, or a parent that dies, ends the process within seconds."""
+chat shape; SIGTERM during a load run, or a parent that dies, ends the process within seconds, its
+engine's process with it, and an engine process whose server was killed ends on its own."""
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +34,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of, stream
 from labkit.load import save_checkpoint
 from labkit.model import ModelConfig, Transformer, forward_tokens
+from labkit.serve import _alive
 
 from tiny_models import one_torch_thread
 
@@ -432,6 +434,26 @@ def vm_rss_kb(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1))
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its engine's, multiprocessing's resource tracker), from /proc."""
+    return [int(task.name) for task in Path("/proc").iterdir() if task.name.isdigit()
+            and _parent_of(task) == pid]
+
+
+def _parent_of(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # gone meanwhile
+        return None
+
+
+def all_end(pids: list[int], limit_s: float) -> bool:
+    """Whether every process of ``pids`` has ended (or is a zombie) within ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(pid) for pid in pids)
+
 
 SOAK_REQUESTS, SOAK_WARMUP, SOAK_CONCURRENCY = 1000, 300, 16
 SOAK_PROMPT = 256  # distinct token ids per request: a request kept by mistake keeps ~10 KB of them
@@ -439,10 +461,10 @@ SOAK_GROWTH_KB = 2048
 
 
 def test_a_soak_of_1000_requests_does_not_grow_the_servers_memory(http, fleet):
-    """VmRSS after a warm-up of 300 requests against after all 1,000 (idle both times). Without a
-    leak it grew 0.2 to 0.7 MB over the last 700 (the allocators settling); a server that keeps
-    each request's record (made to, for a check) grew 7.4 MB, its 256 prompt ids alone being ~10 KB
-    a request. 2 MB lies between."""
+    """VmRSS of the server and of each process it started (its engine's) after a warm-up of 300
+    requests against after all 1,000 (idle both times). Without a leak each grew 0.2 to 0.7 MB over
+    the last 700 (the allocators settling); an engine that keeps each request's record (made to,
+    for a check) grew 7.4 MB, its 256 prompt ids alone being ~10 KB a request. 2 MB lies between."""
     server = fleet.get("tiny")
     prompts = [[(7 * i + j) % 4096 for j in range(SOAK_PROMPT)] for i in range(SOAK_REQUESTS)]
 
@@ -463,11 +485,13 @@ def test_a_soak_of_1000_requests_does_not_grow_the_servers_memory(http, fleet):
 
     run(soak(range(SOAK_WARMUP)), 120)
     assert_idle(settled_metrics(http, server.url))
-    warm = vm_rss_kb(server.process.pid)
+    pids = [server.process.pid, *children(server.process.pid)]
+    warm = [vm_rss_kb(pid) for pid in pids]
     run(soak(range(SOAK_WARMUP, SOAK_REQUESTS)), 240)
     assert_idle(settled_metrics(http, server.url))
-    growth = vm_rss_kb(server.process.pid) - warm
-    assert growth < SOAK_GROWTH_KB, f"the server grew by {growth} kB over {SOAK_REQUESTS - SOAK_WARMUP} requests"
+    growth = [vm_rss_kb(pid) - kb for pid, kb in zip(pids, warm)]
+    assert len(pids) >= 2 and max(growth) < SOAK_GROWTH_KB, (
+        f"the server and its engine's process grew by {growth} kB over {SOAK_REQUESTS - SOAK_WARMUP} requests")
 
 
 # bad input and refusals --------------------------------------------------------------------------
@@ -577,7 +601,8 @@ def test_chat_completions_through_the_models_template_have_openais_chat_shape(ht
 
 # stopping ----------------------------------------------------------------------------------------
 
-EXIT_LIMIT_S = 8.0  # --drain 0.5 s for what runs, then uvicorn closes and the engine thread joins: ~1.5 s here
+EXIT_LIMIT_S = 8.0  # --drain 0.5 s for what runs, then uvicorn closes and the engine process ends: ~1.5 s here
+
 
 
 def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_limit(fleet):
@@ -604,8 +629,9 @@ def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_
             await asyncio.to_thread(server.process.wait, EXIT_LIMIT_S)
             return await asyncio.gather(*streams), time.monotonic() - sent
 
+    started = children(server.process.pid)
     streams, exit_s = run(load_then_sigterm(), 60)
-    assert exit_s < EXIT_LIMIT_S
+    assert exit_s < EXIT_LIMIT_S and len(started) >= 1 and all_end(started, 1.0)
     for got in streams:
         assert got.done and len(got.ids) == 1 and got.reasons[:-1] == [None] * (len(got.reasons) - 1)
         assert got.reasons[-1] == "abort" or (got.reasons[-1] == "length" and len(got.texts) == 500)
@@ -614,6 +640,18 @@ def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_
 
 def test_a_server_whose_parent_dies_exits_on_its_own(fleet):
     server = fleet.get("tiny")
+    started = children(server.process.pid)
     fleet.parents[-1].kill()
     fleet.parents[-1].wait()  # reaped: its pid is gone, which the server checks twice a second
     server.process.wait(EXIT_LIMIT_S)  # TimeoutExpired if it stays
+    assert len(started) >= 1 and all_end(started, 1.0)
+
+
+def test_an_engine_process_whose_server_is_killed_ends_on_its_own(fleet):
+    """SIGKILL to the server (no drain, no goodbye): its engine's process finds its command pipe
+    closed and exits."""
+    server = fleet.get("busy")
+    started = children(server.process.pid)
+    server.process.kill()
+    server.process.wait(EXIT_LIMIT_S)
+    assert len(started) >= 1 and all_end(started, EXIT_LIMIT_S)

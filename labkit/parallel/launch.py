@@ -16,23 +16,23 @@ killed or restarted leaves none).
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import shutil
-import sys
 import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from labkit.spawning import check_importable, main_not_rerun
 
 
 
@@ -75,9 +75,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     ``threads``: torch's threads per rank (default: ``default_threads``); ``backend``: see ``backend_for``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
-    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
-                         "at the top of an importable module (a notebook cell's function is not)")
+    check_importable(fn)
     backend, devices = backend_for(world_size, backend)
     threads = threads or default_threads(world_size)
     context = mp.get_context("spawn")
@@ -89,7 +87,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
              for r in range(world_size)]
     finished = False
     try:
-        with _main_not_rerun():
+        with main_not_rerun():
             for p in procs:
                 p.start()
         result = _collect(procs, results, time.monotonic() + timeout_s)
@@ -99,22 +97,6 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
         _stop(procs, grace_s=5.0 if finished else 0.0)
         results.close()
         shutil.rmtree(store, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _main_not_rerun() -> Iterator[None]:
-    """Start processes without spawn running the caller's script again in each: ``fn`` is never from
-    ``__main__`` (checked), so a rank needs nothing of it, and a script need not guard its top level with
-    ``if __name__ == "__main__"``. Spawn re-imports the main module by its file or module name; both are
-    hidden while the ranks start, as a notebook kernel's (which has neither) always are."""
-    main = sys.modules["__main__"]
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
 
 
 def _collect(procs: list, results, deadline: float) -> Any:

@@ -1,0 +1,36 @@
+"""Starting Python processes with ``spawn`` from anywhere: a notebook, a script with no
+``if __name__ == "__main__"`` guard, a pytest worker.
+
+A spawned process is a fresh interpreter that imports by name what it must run, and re-imports
+the starter's main module first. ``check_importable`` refuses, by name, a function the new process
+could not import (a notebook cell's, a nested one); ``main_not_rerun`` hides the main module while
+processes start, so that a script's top level does not run again in each.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+
+def check_importable(fn: Any) -> None:
+    """ValueError unless ``fn`` is a module's top-level function, which another process can import."""
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
+                         "at the top of an importable module (a notebook cell's function is not)")
+
+
+@contextlib.contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """Start processes without spawn running the caller's script again in each: what they run is never
+    from ``__main__`` (``check_importable``), so they need nothing of it. Spawn re-imports the main
+    module by its file or module name; both are hidden while the processes start, as a notebook
+    kernel's (which has neither) always are."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
