@@ -106,7 +106,7 @@ RATE_FACTORS = (0.5, 0.9, 1.5)  # of labkit's saturation request rate: below, ne
 NAIVE_SERVER = Path(__file__).with_name("naive_server.py")
 QUICK = dict(requests=8, naive_requests=2, rate_requests=6, naive_rate_requests=2, pairs=4, pair_tokens=32)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-CORES = os.cpu_count()
+CORES = len(os.sched_getaffinity(0))  # the cores this process may use
 SERVER_COUNTERS = ("engine_steps_total", "generation_tokens_total", "inter_token_latency_seconds_sum",
                    "inter_token_latency_seconds_count")
 
@@ -166,19 +166,6 @@ def run_offline(model: Transformer, eos_id: int | None, workload: Workload, args
 # driving a server ---------------------------------------------------------------------------------
 
 
-def engine_process(pid: int) -> int | None:
-    """The pid of a labkit server's engine process (the child that runs multiprocessing's
-    ``spawn_main``; its resource tracker is the other), None when its engine steps in a thread."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if (proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
-                    and b"spawn_main" in (proc / "cmdline").read_bytes()):
-                return int(proc.name)
-        except (OSError, ValueError):  # gone meanwhile
-            continue
-    return None
-
-
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) of a process's main thread, and of all its other threads (those
     that have exited included), from /proc."""
@@ -203,7 +190,7 @@ def drive(server: BackgroundServer, name: str, bodies: list[dict], args: argpars
     client, the texts, and with ``counters`` how much the server's ``SERVER_COUNTERS`` grew
     (labkit's server only)."""
     before = scrape(server.url) if counters else {}
-    engine = engine_process(server.process.pid)
+    engine = server.engine_pid
     engine_cpu = sum(cpu_seconds(engine)) if engine else None
     server_cpu, client_cpu = cpu_seconds(server.process.pid), time.process_time()
     result = asyncio.run(loadgen.run_load(server.url, bodies, rate=rate, concurrency=concurrency, seed=args.seed + 2,
@@ -387,7 +374,7 @@ def print_header(args: argparse.Namespace, model: Transformer, workload: Workloa
     print(f"{datetime.date.today()}  {device_name('cpu')}  torch {torch.__version__}  transformers "
           f"{transformers.__version__}  model {args.model} ({model.num_parameters():,} parameters, fp32)")
     print("command: " + " ".join([os.path.relpath(sys.executable), *sys.argv]))
-    print(f"{os.cpu_count()} cores, shared by each server process and this load generator; every engine (offline, "
+    print(f"{CORES} cores, shared by each server process and this load generator; every engine (offline, "
           f"labkit's server, transformers in the naive server) computes with {args.threads} torch "
           f"thread{'s' * (args.threads != 1)}")
     lengths = [len(ids) for ids in workload.ids]

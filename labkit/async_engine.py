@@ -29,8 +29,11 @@ request is then removed wherever it is and its blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import multiprocessing as mp
+import pickle
 import queue
 import signal
 import threading
@@ -55,7 +58,7 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine as the thread last saw it: gauges, and totals since the start."""
+    """The engine as its loop last saw it: gauges, and totals since the start."""
 
     running: int = 0
     waiting: int = 0
@@ -80,7 +83,7 @@ class EngineStopped(RuntimeError):
 class EngineSpec:
     """An engine to run in a process of its own: that process builds it with ``build(*args)``, so
     ``build`` must be importable by name (a module's function, not a notebook cell's) and ``args``
-    picklable."""
+    picklable. The process is a daemon, which may start no process of its own."""
 
     build: Callable[..., EngineCore]
     args: tuple = ()
@@ -88,13 +91,13 @@ class EngineSpec:
 
 @dataclass
 class Delivery:
-    """What the engine loop sends after it applied commands or stepped: each request's new events
-    (a ``TokenEvent``, or the error that ends its stream), the arrival time the engine gave each
-    request that got its first token (an engine in a process serves a copy of the request: this
-    is how the caller's learns it), and the engine's stats."""
+    """What the engine loop sends after it applied commands or stepped, by stream (each ``stream``
+    call's key): new events (a ``TokenEvent``, or the error that ends the stream), the arrival time
+    the engine gave each request that got its first token (an engine in a process serves a copy of
+    the request: this is how the caller's copy learns it), and the engine's stats."""
 
-    events: list[tuple[Hashable, Any]] = field(default_factory=list)
-    arrivals: dict[Hashable, float] = field(default_factory=dict)
+    events: list[tuple[int, Any]] = field(default_factory=list)
+    arrivals: dict[int, float] = field(default_factory=dict)
     stats: EngineStats | None = None
 
 
@@ -103,8 +106,9 @@ class RequestStream:
     reason (an engine failure raises). Closing it before the end (``aclose``, or dropping it: a client
     gone) aborts the request, wherever it is."""
 
-    def __init__(self, engine: AsyncEngine, request_id: Hashable, sink: asyncio.Queue) -> None:
-        self._engine, self.request_id, self._sink = engine, request_id, sink
+    def __init__(self, engine: AsyncEngine, request_id: Hashable, key: int, sink: asyncio.Queue,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._engine, self.request_id, self._key, self._sink, self._loop = engine, request_id, key, sink, loop
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -124,20 +128,25 @@ class RequestStream:
         self._end(abort=True)
 
     def __del__(self) -> None:
-        self._end(abort=True)
+        """Dropped unfinished (from whichever thread collects it): end it on its event loop, or here
+        if that loop has closed and nothing else runs there."""
+        if not self._done:
+            try:
+                self._loop.call_soon_threadsafe(self._end, True)
+            except RuntimeError:
+                self._end(True)
 
     def _end(self, abort: bool) -> None:
         if not self._done:
             self._done = True
-            self._engine._release(self.request_id, abort)
+            self._engine._release(self.request_id, self._key, abort)
 
 
 @dataclass
 class _Sink:
-    """Where one request's events go: its event loop and queue (the caller's ``Request`` learns its arrival)."""
+    """Where one stream's events go; its caller's ``Request`` (which learns its arrival time)."""
 
     request: Request
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
 
@@ -145,25 +154,28 @@ class AsyncEngine:
     """An engine behind an event loop (see the module docstring): an ``EngineCore`` stepped in a thread, or
     an ``EngineSpec`` built and stepped in a process of its own. ``max_waiting``: how many requests may
     wait for admission before ``stream`` raises ``QueueFull``. Building the engine in a process waits for
-    it (up to ``start_timeout_s``); a build that fails raises ``RuntimeError`` with its traceback."""
+    it (up to ``start_timeout_s``); a build that fails raises ``RuntimeError`` saying why. An
+    ``AsyncEngine`` serves the event loop of its first ``stream`` call, which alone touches its state."""
 
     def __init__(self, engine: EngineCore | EngineSpec, max_waiting: int = 256,
                  start_timeout_s: float = 300.0) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting={max_waiting} must be at least 1")
         self.max_waiting, self.accepting = max_waiting, True
-        self._ids: set[Hashable] = set()  # requests between stream()'s start and end (event loop side)
-        # a request's sink: added by stream(), removed by _deliver with its last event (or by _release)
-        self._sinks: dict[Hashable, _Sink] = {}
+        self.stats = EngineStats()  # replaced whole by each delivery (the engine loop's first one at its start)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving: dict[Hashable, int] = {}  # request id -> its stream's key, from stream() to the stream's end
+        self._sinks: dict[int, _Sink] = {}  # key -> a stream whose last event has not come
+        self._keys = itertools.count()
         if isinstance(engine, EngineSpec):
-            self._core: _ThreadCore | _ProcessCore = _ProcessCore(engine, self._deliver, self._lost, start_timeout_s)
+            self._core: _ThreadCore | _ProcessCore = _ProcessCore(engine, self._receive, self._receive_loss,
+                                                                  start_timeout_s)
         elif isinstance(engine, EngineCore):
-            self._core = _ThreadCore(engine, self._deliver)
+            self._core = _ThreadCore(engine, self._receive)
         else:
             raise TypeError(f"engine must be an EngineCore (stepped in a thread) or an EngineSpec (built and stepped "
                             f"in a process), got {type(engine).__name__}")
         self.limits: EngineLimits = self._core.limits
-        self.stats = EngineStats(blocks_free=self.limits.num_blocks)  # replaced whole by each delivery
 
     # the event loop's side ------------------------------------------------------------------------
 
@@ -173,33 +185,45 @@ class AsyncEngine:
         return self._core.alive
 
     @property
+    def engine_pid(self) -> int | None:
+        """The engine's process (None: it steps in a thread of this one)."""
+        return self._core.pid
+
+    @property
     def num_waiting(self) -> int:
         """Requests being served beyond the batch's cap (``max_num_seqs``): those must wait. Counted
         on the event loop's side, so that a burst is counted before the engine loop sees it."""
-        return max(0, len(self._ids) - self.limits.config.max_num_seqs)
+        return max(0, len(self._serving) - self.limits.config.max_num_seqs)
 
     def stream(self, request: Request) -> RequestStream:
         """Serve ``request``: it joins the engine at once, and the returned ``RequestStream`` yields a
         ``TokenEvent`` per sampled token, the last with its finish reason. Raises ``ValueError`` for
-        a request the engine could never serve, ``QueueFull`` or ``EngineStopped``."""
+        a request the engine could never serve, ``QueueFull`` or ``EngineStopped``. An engine in a
+        process serves a copy of ``request``: of what the engine writes in it, only
+        ``arrival_time`` comes back (the events carry the tokens and their times)."""
         self._admit(request)
-        sink = _Sink(request, asyncio.get_running_loop(), asyncio.Queue())
-        self._ids.add(request.request_id)
-        self._sinks[request.request_id] = sink
-        self._core.send(("add", request))
-        return RequestStream(self, request.request_id, sink.queue)
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError("this AsyncEngine serves another event loop (the one of its first stream() call)")
+        key = next(self._keys)
+        self._serving[request.request_id], self._sinks[key] = key, _Sink(request, asyncio.Queue())
+        self._core.send(("add", key, request))
+        return RequestStream(self, request.request_id, key, self._sinks[key].queue, loop)
 
-    def _release(self, request_id: Hashable, abort: bool) -> None:
+    def _release(self, request_id: Hashable, key: int, abort: bool) -> None:
         """A stream has ended (``abort``: before its request finished, which must go)."""
-        self._ids.discard(request_id)
+        if self._serving.get(request_id) == key:
+            del self._serving[request_id]
         if abort:
-            self._sinks.pop(request_id, None)
-            self.abort(request_id)
+            self._sinks.pop(key, None)
+            self._abort(request_id, key)
 
     def _admit(self, request: Request) -> None:
         if not self.accepting or not self.alive:
             raise EngineStopped("the server is shutting down and takes no new request")
-        if request.request_id in self._ids:
+        if request.request_id in self._serving:
             raise ValueError(f"a request with id {request.request_id!r} is already being served: ids must be unique")
         self.limits.check(request)
         if self.num_waiting >= self.max_waiting:
@@ -209,62 +233,69 @@ class AsyncEngine:
     def abort(self, request_id: Hashable) -> None:
         """Remove a request at the next step boundary, wherever it is, and free its blocks; its
         stream ends with finish reason "abort". Unknown or finished ids are ignored."""
+        if (key := self._serving.get(request_id)) is not None:
+            self._abort(request_id, key)
+
+    def _abort(self, request_id: Hashable, key: int) -> None:
         if self.alive:
-            self._core.send(("abort", request_id))
+            self._core.send(("abort", key, request_id))
 
     async def shutdown(self, drain_s: float = 5.0) -> None:
         """Stop admitting, let what runs finish for up to ``drain_s`` seconds, abort the rest, and
         stop the engine loop (and its process)."""
         self.accepting = False
         deadline = time.monotonic() + drain_s
-        while self._ids and time.monotonic() < deadline and self.alive:
+        while self._serving and time.monotonic() < deadline and self.alive:
             await asyncio.sleep(0.02)
         if self.alive:
-            self._core.send(("stop", None))
+            self._core.send(("stop", None, None))
         await asyncio.get_running_loop().run_in_executor(None, self._core.join, 10.0)
 
-    # the engine loop's side (its thread, or this process's reader of its pipe) -----------------------
-
     def _deliver(self, delivery: Delivery) -> None:
-        """Pass a delivery on: the stats first (a client that has its tokens must find them counted
-        in /metrics), then each event to its request's queue, one wake-up per event loop."""
+        """A delivery, on the event loop: the stats first (a client that has its tokens must find them
+        counted in /metrics), then each event to its stream."""
         if delivery.stats is not None:
             self.stats = delivery.stats
-        for request_id, arrival in delivery.arrivals.items():
-            if (sink := self._sinks.get(request_id)) is not None:
+        for key, arrival in delivery.arrivals.items():
+            if (sink := self._sinks.get(key)) is not None:
                 sink.request.arrival_time = arrival
-        outbox: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in delivery.events:
-            sink = self._sinks.get(request_id)
-            if sink is None:  # its stream was closed
+        for key, item in delivery.events:
+            if (sink := self._sinks.get(key)) is None:  # its stream was closed
                 continue
             if isinstance(item, BaseException) or item.finish_reason is not None:
-                self._sinks.pop(request_id, None)  # (_release may be popping it too)
-            outbox.setdefault(sink.loop, []).append((sink.queue, item))
-        for loop, items in outbox.items():
-            _post(loop, items)
+                del self._sinks[key]
+            sink.queue.put_nowait(item)
 
-    def _lost(self, why: str) -> None:
-        """The engine's process has ended: every request still open fails with ``why``."""
-        self._deliver(Delivery(events=[(request_id, RuntimeError(why)) for request_id in list(self._sinks)]))
+    def _lose(self, why: str) -> None:
+        """The engine's process has ended (on the event loop): every stream still open fails with ``why``,
+        and the gauges say that nothing runs."""
+        old = self.stats
+        stats = dataclasses.replace(old, running=0, waiting=0, blocks_used=0, blocks_free=old.blocks_free + old.blocks_used)
+        self._deliver(Delivery(events=[(key, RuntimeError(why)) for key in self._sinks], stats=stats))
 
+    # from the engine loop's thread, or this process's reader of its pipe --------------------------------
 
-def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
-    """Put items on their queues from another thread (one wake-up of the loop for all of them); a loop
-    that has closed has no one left to read them."""
-    def put_all() -> None:
-        for sink, item in items:
-            sink.put_nowait(item)
-    try:
-        loop.call_soon_threadsafe(put_all)
-    except RuntimeError:
-        pass
+    def _receive(self, delivery: Delivery) -> None:
+        self._on_loop(self._deliver, delivery)
+
+    def _receive_loss(self, why: str) -> None:
+        self._on_loop(self._lose, why)
+
+    def _on_loop(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on the event loop, whose state it changes; before any stream there is none
+        (and so no stream to reach: only stats), and a loop that has closed has no one left to tell."""
+        if self._loop is None:
+            fn(arg)
+            return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, arg)
 
 
 @dataclass
 class _Live:
-    """A request the engine loop serves, and how many of its tokens it has sent."""
+    """A request the engine loop serves: its stream's key, and how many of its tokens it has sent."""
 
+    key: int
     request: Request
     sent: int = 0
 
@@ -272,15 +303,18 @@ class _Live:
 class EngineLoop:
     """The engine's side: the one owner of an ``EngineCore``. It applies the commands from ``inbox``
     between steps (waiting for one when idle), steps while there is work, and hands a ``Delivery`` to
-    ``deliver`` after each round. Commands: ("add", request), ("abort", request_id), ("stop", None)."""
+    ``deliver`` after each round (and one with the stats at its start). Commands: ("add", key,
+    request), ("abort", key, request_id), ("stop", None, None); ``key`` names a stream."""
 
     def __init__(self, engine: EngineCore, inbox: queue.SimpleQueue, deliver: Callable[[Delivery], None]) -> None:
         self.engine, self.inbox, self.deliver = engine, inbox, deliver
-        self.stats = EngineStats(blocks_free=engine.allocator.num_free)
-        self._live: dict[Hashable, _Live] = {}
+        self.stats = EngineStats()
+        self._live: dict[Hashable, _Live] = {}  # by request id: the engine serves one request of an id at a time
         self._out = Delivery()
 
     def run(self) -> None:
+        self._publish()
+        self._flush()
         try:
             stopping = False
             while not stopping:
@@ -292,9 +326,9 @@ class EngineLoop:
             for request_id in list(self._live):
                 self._abort(request_id)
             while not self.inbox.empty():
-                kind, payload = self.inbox.get_nowait()
+                kind, key, _ = self.inbox.get_nowait()
                 if kind == "add":
-                    self._refuse(payload)
+                    self._refuse(key)
             self._flush()
 
     def _apply(self, block: bool) -> bool:
@@ -307,46 +341,48 @@ class EngineLoop:
         while not self.inbox.empty():
             commands.append(self.inbox.get_nowait())
         stopping = False
-        for kind, payload in commands:
+        for kind, key, payload in commands:
             if kind == "stop":
                 stopping = True
             elif kind == "add" and stopping:
-                self._refuse(payload)
+                self._refuse(key)
             elif kind == "add":
-                self._add(payload)
+                self._add(key, payload)
             else:
-                self._abort(payload)
+                self._abort(payload, key)
         if commands:
             self._publish()
         return stopping
 
-    def _add(self, request: Request) -> None:
+    def _add(self, key: int, request: Request) -> None:
         try:
             self.engine.add(request)
         except ValueError as error:
-            self._send(request.request_id, error)
+            self._send(key, error)
             return
-        self._live[request.request_id] = _Live(request)
+        self._live[request.request_id] = _Live(key, request)
 
-    def _refuse(self, request: Request) -> None:
-        self._send(request.request_id, EngineStopped("the engine stopped before this request could start"))
+    def _refuse(self, key: int) -> None:
+        self._send(key, EngineStopped("the engine stopped before this request could start"))
 
-    def _abort(self, request_id: Hashable) -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
+    def _abort(self, request_id: Hashable, key: int | None = None) -> None:
+        """Abort a request (only if it is still ``key``'s, when given: an id may be served again)."""
+        live = self._live.get(request_id)
+        if live is None or key not in (None, live.key):
             return
+        del self._live[request_id]
         self.engine.scheduler.abort(request_id)
         self._publish()
-        self._send(request_id, TokenEvent(None, self.engine.now(), "abort"))
+        self._send(live.key, TokenEvent(None, self.engine.now(), "abort"))
 
     def _step(self) -> None:
         try:
             self.engine.step()
         except Exception as error:  # noqa: BLE001 - a failed step fails its requests, not the server
-            for request_id in list(self._live):
+            for request_id, live in list(self._live.items()):
                 self.engine.scheduler.abort(request_id)
                 del self._live[request_id]
-                self._send(request_id, RuntimeError(f"the engine failed: {error!r}"))
+                self._send(live.key, RuntimeError(f"the engine failed: {error!r}"))
             self._publish()
             return
         record = self.engine.log.pop()  # the loop consumes the log: a server's would grow forever
@@ -366,19 +402,19 @@ class EngineLoop:
             request = live.request
             if live.sent == 0:
                 first.append(request)
-                self._out.arrivals[request_id] = request.arrival_time
+                self._out.arrivals[live.key] = request.arrival_time
             new += len(request.output) - live.sent
             for i in range(live.sent, len(request.output)):
                 last = i == len(request.output) - 1 and request.finish_time is not None
                 reason = ("stop" if stopped_at_eos(request, self.engine.eos_id) else "length") if last else None
-                self._send(request_id, TokenEvent(request.output[i], request.token_times[i], reason))
+                self._send(live.key, TokenEvent(request.output[i], request.token_times[i], reason))
             live.sent = len(request.output)
             if request.finish_time is not None:
                 del self._live[request_id]
         return first, new
 
-    def _send(self, request_id: Hashable, item: TokenEvent | BaseException) -> None:
-        self._out.events.append((request_id, item))
+    def _send(self, key: int, item: TokenEvent | BaseException) -> None:
+        self._out.events.append((key, item))
 
     def _publish(self, **totals: int) -> None:
         """The engine's state now, with ``totals`` added to the running totals, for the next delivery."""
@@ -398,6 +434,8 @@ class EngineLoop:
 
 class _ThreadCore:
     """An ``EngineLoop`` in a thread of this process."""
+
+    pid = None
 
     def __init__(self, engine: EngineCore, deliver: Callable[[Delivery], None]) -> None:
         self.limits = engine.limits
@@ -419,8 +457,10 @@ class _ThreadCore:
 
 class _ProcessCore:
     """An ``EngineLoop`` in a process of its own (``spawn``), fed through one pipe and heard through
-    another; a thread here reads the second and delivers. The process ends itself when this one is
-    gone (its command pipe closes); ``lost`` hears when it ends."""
+    another. Two threads here move the messages: a writer (so that a sender never waits for the pipe,
+    and a send from a garbage collector's finalizer is safe) and a reader, which delivers, and which
+    alone reaps the process when the pipe ends and then calls ``lost``. The process ends itself when
+    this one is gone (its command pipe closes)."""
 
     def __init__(self, spec: EngineSpec, deliver: Callable[[Delivery], None], lost: Callable[[str], None],
                  timeout_s: float) -> None:
@@ -433,91 +473,111 @@ class _ProcessCore:
         with main_not_rerun():
             self._process.start()
         commands_in.close(), outputs_out.close()  # the child's ends: a closed pipe then means a dead peer
-        self._lock = threading.Lock()  # commands come from the event loop, and from any thread's garbage collector
-        self.limits: EngineLimits = self._started(timeout_s)
+        self.pid = self._process.pid
+        try:
+            self.limits: EngineLimits = self._started(timeout_s)
+        except BaseException:
+            self._end_process()
+            self._commands.close(), self._outputs.close()
+            raise
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, args=(deliver,), name="labkit-engine-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, args=(deliver, lost), name="labkit-engine-reader",
                                         daemon=True)
-        self._reader.start()
+        self._writer.start(), self._reader.start()
 
     def _started(self, timeout_s: float) -> EngineLimits:
-        """The engine's limits, once the process has built it; its traceback if the build failed."""
+        """The engine's limits, once the process has built it; a RuntimeError saying why not."""
         deadline = time.monotonic() + timeout_s
         while not self._outputs.poll(0.1):
-            if not self._process.is_alive() or time.monotonic() > deadline:
-                self._stop()
-                self._outputs.close()
-                why = (f"exited with code {self._process.exitcode}" if self._process.exitcode is not None
-                       else f"did not build its engine within {timeout_s:.0f} s")
-                raise RuntimeError(f"the engine process {why} before it was ready")
-        ok, payload = self._outputs.recv()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine process did not build its engine within {timeout_s:g} s")
+        try:
+            ok, payload = self._outputs.recv()
+        except EOFError:  # it died before it could say a word (killed, out of memory, a crash)
+            self._process.join(5.0)
+            raise RuntimeError(f"the engine process exited (exit code {self._process.exitcode}) before it was "
+                               "ready") from None
         if not ok:
-            self._stop()
-            self._outputs.close()
             raise RuntimeError(f"the engine process failed to build its engine:\n{payload}")
         return payload
 
     @property
     def alive(self) -> bool:
-        return self._process.is_alive() and self._reader.is_alive()
+        return self._reader.is_alive()
 
     def send(self, command: tuple) -> None:
-        with self._lock:
+        self._outbox.put(command)
+
+    def _write(self, deliver: Callable[[Delivery], None]) -> None:
+        while (command := self._outbox.get()) is not None:
             try:
                 self._commands.send(command)
-            except OSError:  # the process is gone; the reader has failed its requests
-                pass
+            except (pickle.PicklingError, TypeError, AttributeError) as error:  # only an add carries user data
+                deliver(Delivery(events=[(command[1], ValueError(f"the request cannot be sent to the engine's "
+                                                                 f"process: {error}"))]))
+            except OSError:  # the process is gone: the reader fails what was open
+                break
+        self._commands.close()
 
     def _read(self, deliver: Callable[[Delivery], None], lost: Callable[[str], None]) -> None:
-        while True:
-            try:
-                delivery = self._outputs.recv()
-            except (EOFError, OSError):
-                break
-            deliver(delivery)
-        self._process.join(5.0)
-        lost(f"the engine process ended (exit code {self._process.exitcode}) before this request finished")
+        try:
+            while True:
+                try:
+                    delivery = self._outputs.recv()
+                except (EOFError, OSError):
+                    break
+                deliver(delivery)
+        finally:  # whatever ended it: reap the process, stop the writer, and fail what is open
+            self._end_process()
+            self._outbox.put(None)
+            self._outputs.close()
+            lost(f"the engine process ended (exit code {self._process.exitcode}) before this request finished")
 
     def join(self, timeout_s: float) -> None:
-        self._process.join(timeout_s)
-        self._stop()
+        """Wait for the process to end after a stop (the reader sees it), killing it if it does not."""
         self._reader.join(timeout_s)
-
-    def _stop(self) -> None:
-        """Terminate the process if it still runs, then kill it if it must."""
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5.0)
-        if self._process.is_alive():
+        if self._reader.is_alive():
             self._process.kill()
-            self._process.join()
-        with self._lock:
-            self._commands.close()
+            self._reader.join(timeout_s)
+
+    def _end_process(self) -> None:
+        """Wait a little for the process to exit (its pipe has ended), then kill it (it ignores SIGTERM)."""
+        self._process.join(5.0)
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join(5.0)
 
 
 def _engine_process(spec: EngineSpec, commands: Any, outputs: Any) -> None:
     """The engine process: build the engine, say it is ready (or why not), then run its loop, with a
-    thread that moves commands from the pipe to the loop's inbox (so that a sender never waits for
-    a step to end). The pipe's end (this process's starter gone) stops the loop. Ctrl-C in a terminal
-    reaches every process of its group: this one leaves it to its starter, which drains it."""
+    thread that moves commands from the pipe to the loop's inbox. The pipe's end (this process's
+    starter gone) stops the loop. Signals sent to the whole process group (Ctrl-C in a terminal, a
+    service manager's SIGTERM) are left to the starter, which drains and stops this process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = spec.build(*spec.args)
         limits = engine.limits
     except BaseException:  # noqa: BLE001 - the starter shows it
-        outputs.send((False, traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            outputs.send((False, traceback.format_exc()))
         return
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def forward() -> None:
-        while True:
-            try:
-                inbox.put(commands.recv())
-            except (EOFError, OSError):
-                inbox.put(("stop", None))
-                return
-    threading.Thread(target=forward, name="labkit-engine-inbox", daemon=True).start()
+    threading.Thread(target=_forward, args=(commands, inbox), name="labkit-engine-inbox", daemon=True).start()
     try:
         outputs.send((True, limits))
         EngineLoop(engine, inbox, outputs.send).run()
-    except OSError:  # the starter is gone: no one to tell
+    except (BrokenPipeError, ConnectionResetError):  # the starter is gone: no one to tell
         pass
+
+
+def _forward(commands: Any, inbox: queue.SimpleQueue) -> None:
+    """Move commands from the pipe to the inbox; when the pipe ends, however it ends, stop the loop."""
+    try:
+        while True:
+            inbox.put(commands.recv())
+    except (EOFError, OSError):
+        pass
+    finally:
+        inbox.put(("stop", None, None))

@@ -12,6 +12,7 @@ it watches, so a notebook kernel that is killed or restarted leaves no server be
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -84,6 +85,16 @@ class BackgroundServer:
             return False
 
     @property
+    def engine_pid(self) -> int | None:
+        """labkit's server's engine process (``--engine process``): the child that runs multiprocessing's
+        ``spawn_main`` (the other, its resource tracker, does not); None without one. Linux (/proc)."""
+        for pid in children(self.process.pid):
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+        return None
+
+    @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -114,6 +125,16 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def children(pid: int) -> list[int]:
+    """The running processes that ``pid`` started, from /proc (Linux; elsewhere none are found)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(proc.name))
+    return found
 
 
 def serve_command(model: str = "target", **options: object) -> list[str]:

@@ -485,6 +485,7 @@ class EngineCore:
 
     @property
     def limits(self) -> EngineLimits:
+        """What this engine can serve (``EngineLimits.check`` refuses the rest)."""
         return EngineLimits(self.runner.vocab_size, self.runner.max_seq_len, self.allocator.num_blocks,
                             self.allocator.block_size, self.scheduler.config)
 

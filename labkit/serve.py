@@ -4,8 +4,8 @@
 
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
 what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
-puts it in the continuous batch: an engine in a process of its own (``--engine process``, the default,
-as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need. Each sampled token comes back to the request's coroutine, which
+puts it in the continuous batch: an engine in a process of its own (``--engine process``, the
+default, as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need. Each sampled token comes back to the request's coroutine, which
 turns it into text incrementally (``IncrementalDetokenizer``: a token can end in the middle of a
 UTF-8 character), cuts the text at a stop string (``StopStrings``) and sends it, either as one
 server-sent event per token (``stream: true``, ending with ``data: [DONE]``) or whole at the end.
@@ -463,9 +463,10 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
     folder = CHECKPOINTS / args.model if (CHECKPOINTS / args.model).is_dir() else Path(args.model).expanduser()
     served = ServedModel(args.served_name or Path(args.model).name, tokenizer, config.vocab_size,
                          config.max_seq_len, chat_template_of(folder))
+    if args.engine == "thread":
+        return AsyncEngine(engine_from_args(args), max_waiting=args.max_waiting), served
     try:
-        engine = EngineSpec(engine_from_args, (args,)) if args.engine == "process" else engine_from_args(args)
-        return AsyncEngine(engine, max_waiting=args.max_waiting), served
+        return AsyncEngine(EngineSpec(engine_from_args, (args,)), max_waiting=args.max_waiting), served
     except RuntimeError as error:  # the engine's process could not build it
         raise SystemExit(f"--model {args.model}: {error}") from None
 

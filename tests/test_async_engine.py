@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import signal
 import statistics
@@ -43,14 +44,35 @@ def make_engine(model: Transformer = MODEL, num_blocks: int = 64, block_size: in
     return Engine(model, num_blocks, block_size, SchedulerConfig(**config), eos_id=eos_id)
 
 
-def engine_in_process(eos_id: int | None, config: dict) -> Engine:
-    """The tests' engine as an engine process builds it (``EngineSpec`` imports this module by name)."""
+def engine_in_process(eos_id: int | None, config: dict, step_delay_s: float = 0.0) -> Engine:
+    """The tests' engine as an engine process builds it (``EngineSpec`` imports this module by name);
+    ``step_delay_s``: each step takes that much longer, so that a test has time to act mid-request."""
     torch.set_num_threads(1)
-    return make_engine(eos_id=eos_id, **config)
+    engine = make_engine(eos_id=eos_id, **config)
+    execute = engine.runner.execute
+
+    def slowed(batch):  # noqa: ANN001, ANN202
+        time.sleep(step_delay_s)
+        return execute(batch)
+    engine.runner.execute = slowed
+    return engine
 
 
 def failing_build() -> Engine:
     raise FileNotFoundError("no checkpoint 'nowhere' (injected)")
+
+
+def crashing_build() -> Engine:
+    os._exit(3)
+
+
+def endless_build() -> Engine:
+    time.sleep(600)
+
+
+def engine_processes() -> list:
+    """This process's engine processes still running (``active_children`` also reaps the ended ones)."""
+    return [p for p in multiprocessing.active_children() if p.name == "labkit-engine"]
 
 
 def params(n: int, **changes: object) -> SamplingParams:
@@ -226,6 +248,32 @@ def test_aborting_a_request_while_it_decodes_ends_its_stream_after_the_tokens_it
     assert request.status == ABORTED and all_free(engine)
 
 
+def test_an_id_served_again_right_after_an_abort_gets_only_its_own_tokens():
+    """A stream closed mid-step (the step's token still comes for it), and at once a new request with
+    the same id: the new stream gets exactly its own request's tokens, none of the old one's, and is
+    not ended by the old one's abort."""
+    engine = make_engine()
+    gate = gated(engine)
+    old, new = Request("x", prompt(9, 5), params(20)), Request("x", prompt(10, 6), params(5))
+
+    async def scenario() -> list[TokenEvent]:
+        async with serving(engine, gate=gate) as served:
+            gate.allow(2)  # the prefill and a decode; the third step waits in the gate
+            stream = served.stream(old)
+            assert (await anext(stream)).token is not None and (await anext(stream)).token is not None
+            await gate.step_began()
+            await gate.step_began()
+            await gate.step_began()  # step 3 under way: it still makes a token for the old request
+            await stream.aclose()
+            again = served.stream(new)
+            gate.open()
+            return await read(again)
+
+    events = run(scenario())
+    assert [e.token for e in events] == alone(new) and events[-1].finish_reason == "length"
+    assert all_free(engine)
+
+
 def test_the_event_loop_stays_responsive_while_the_engine_computes():
     """A timer of 5 ms, rearmed while four 512-token prompts run through a model big enough for
     steps of tens of ms: were a step run on the event loop, each timer would fire a step late
@@ -335,13 +383,15 @@ def test_a_step_that_raises_fails_the_live_streams_and_the_engine_serves_on():
 
 
 def test_an_engine_process_aborts_frees_its_blocks_and_checks_requests_as_the_engine_would():
-    """In a process: a request too long for the pool is refused at once, with the engine's message;
-    one aborted while it decodes ends with "abort" after its first tokens, and the stats (the
-    engine's, delivered) show every block free again; a request that runs on is unaffected."""
+    """In a process (steps slowed to 20 ms): a request too long for the pool is refused at once,
+    with the engine's message; one aborted while it decodes ends with "abort" after its first
+    tokens, and the stats (the engine's, delivered) show every block free again; a request that
+    runs on is unaffected; a SIGINT (Ctrl-C reaches a terminal's whole process group) is ignored."""
     config = dict(num_blocks=24, max_num_seqs=4)
 
     async def scenario() -> tuple[list[TokenEvent], list[TokenEvent], AsyncEngine]:
-        async with serving(EngineSpec(engine_in_process, (None, config))) as served:
+        async with serving(EngineSpec(engine_in_process, (None, config, 0.02))) as served:
+            os.kill(served.engine_pid, signal.SIGINT)
             with pytest.raises(ValueError, match="needs 28 blocks of 4 tokens but the pool has only 24"):
                 served.stream(Request("huge", prompt(1, 50), params(60)))
             long_events, kept = [], asyncio.create_task(collect(served, Request("kept", prompt(2, 6), params(12))))
@@ -368,13 +418,13 @@ def test_an_engine_process_that_dies_fails_its_streams_and_refuses_new_requests(
     """SIGKILL to the engine's process mid-stream: the stream raises, saying the process ended and
     its exit code; the engine is no longer alive, and a new request gets ``EngineStopped``."""
     async def scenario() -> tuple[list[TokenEvent], BaseException, AsyncEngine]:
-        async with serving(EngineSpec(engine_in_process, (None, {}))) as served:
+        async with serving(EngineSpec(engine_in_process, (None, {}, 0.02))) as served:
             events, stream = [], served.stream(Request("r", prompt(4, 5), params(100)))
             with pytest.raises(RuntimeError) as failure:
                 async for event in stream:
                     events.append(event)
                     if len(events) == 2:
-                        os.kill(served._core._process.pid, signal.SIGKILL)
+                        os.kill(served.engine_pid, signal.SIGKILL)
             with pytest.raises(EngineStopped):
                 served.stream(Request("late", prompt(5, 4), params(2)))
             return events, failure.value, served
@@ -382,14 +432,42 @@ def test_an_engine_process_that_dies_fails_its_streams_and_refuses_new_requests(
     events, failure, served = run(scenario())
     assert 2 <= len(events) < 100 and all(e.finish_reason is None for e in events)
     assert "the engine process ended (exit code -9)" in str(failure) and not served.alive
+    assert served.stats.running == 0 and served.stats.blocks_used == 0 and not engine_processes()
+
+
+def test_an_engine_process_shuts_down_aborting_what_runs_and_refusing_what_comes():
+    """``shutdown`` with no drain while a request decodes: its stream ends with "abort" after the
+    tokens it had, a new request gets ``EngineStopped``, and the process is gone."""
+    async def scenario() -> tuple[list[TokenEvent], AsyncEngine]:
+        served, events = AsyncEngine(EngineSpec(engine_in_process, (None, {}, 0.02))), []
+        async for event in served.stream(Request("r", prompt(6, 5), params(100))):
+            events.append(event)
+            if len(events) == 2:
+                await served.shutdown(0.0)
+        with pytest.raises(EngineStopped):
+            served.stream(Request("late", prompt(7, 4), params(2)))
+        return events, served
+
+    events, served = run(scenario())
+    assert 2 <= len(events) - 1 < 100 and (events[-1].token, events[-1].finish_reason) == (None, "abort")
+    assert [e.token for e in events[:-1]] == alone(Request("r", prompt(6, 5), params(100)))[:len(events) - 1]
+    assert not served.alive and not engine_processes()
 
 
 def test_an_engine_that_cannot_be_built_says_why():
-    """A build that raises in the engine's process: ``RuntimeError`` with its traceback, and the
+    """A build that raises in the engine's process: ``RuntimeError`` with its traceback; one that
+    kills its process: the exit code; one that never ends: the time it was given. Each time the
     process is gone. A build the process could not import (a lambda, a notebook cell's function) is
     refused by name before any process starts."""
     with pytest.raises(RuntimeError, match=r"failed to build(.|\n)*no checkpoint 'nowhere' \(injected\)"):
         AsyncEngine(EngineSpec(failing_build))
+    assert not engine_processes()
+    with pytest.raises(RuntimeError, match=r"exited \(exit code 3\) before it was ready"):
+        AsyncEngine(EngineSpec(crashing_build))
+    assert not engine_processes()
+    with pytest.raises(RuntimeError, match="did not build its engine within 3 s"):
+        AsyncEngine(EngineSpec(endless_build), start_timeout_s=3)
+    assert not engine_processes()
     with pytest.raises(ValueError, match="cannot be started in another process"):
         AsyncEngine(EngineSpec(lambda: make_engine()))
     with pytest.raises(TypeError, match="EngineCore .* or an EngineSpec"):

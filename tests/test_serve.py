@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.background import BackgroundServer, serve_command
+from labkit.background import BackgroundServer, children, serve_command
 from labkit.corpus import token_ids
 from labkit.detokenize import IncrementalDetokenizer
 from labkit.engine import Engine, Request, SchedulerConfig
@@ -415,6 +415,30 @@ def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tin
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+def test_the_command_lines_engine_in_a_thread_serves_the_offline_greedy_tokens(tiny_folder):
+    """``--engine thread`` (``build_engine``'s other way; the servers above step theirs in a process),
+    in process through ASGI: a completion has the offline engine's greedy tokens."""
+    from labkit.serve import build_engine, create_app, parse_args
+
+    model, tokenizer = labkit.load(str(tiny_folder), device="cpu")
+    prompt = [5, 6, 7, 8]
+    expected = offline_greedy(model, [(prompt, 6)])[0]
+
+    async def scenario() -> tuple[httpx.Response, int | None]:
+        engine, served = build_engine(parse_args(["--model", str(tiny_folder), "--device", "cpu", "--engine", "thread"]))
+        transport = httpx.ASGITransport(app=create_app(engine, served))
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://labkit", timeout=TIMEOUT) as client:
+                return await client.post("/v1/completions", json=body), engine.engine_pid
+        finally:
+            await engine.shutdown(0.0)
+
+    response, pid = run(scenario())
+    assert pid is None and response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == tokenizer.decode(expected)
+
+
 def test_a_client_gone_before_its_answer_aborts_the_request_streamed_or_not(http, target, jobs):
     """A non-streamed request has no stream to cancel: the server checks that its client is still
     there; a streamed one whose client leaves before its first token is cancelled by Starlette."""
@@ -433,18 +457,6 @@ def test_a_client_gone_before_its_answer_aborts_the_request_streamed_or_not(http
 def vm_rss_kb(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1))
-
-def children(pid: int) -> list[int]:
-    """The processes ``pid`` started (its engine's, multiprocessing's resource tracker), from /proc."""
-    return [int(task.name) for task in Path("/proc").iterdir() if task.name.isdigit()
-            and _parent_of(task) == pid]
-
-
-def _parent_of(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):  # gone meanwhile
-        return None
 
 
 def all_end(pids: list[int], limit_s: float) -> bool:
@@ -485,12 +497,12 @@ def test_a_soak_of_1000_requests_does_not_grow_the_servers_memory(http, fleet):
 
     run(soak(range(SOAK_WARMUP)), 120)
     assert_idle(settled_metrics(http, server.url))
-    pids = [server.process.pid, *children(server.process.pid)]
+    pids = [server.process.pid, server.engine_pid]
     warm = [vm_rss_kb(pid) for pid in pids]
     run(soak(range(SOAK_WARMUP, SOAK_REQUESTS)), 240)
     assert_idle(settled_metrics(http, server.url))
     growth = [vm_rss_kb(pid) - kb for pid, kb in zip(pids, warm)]
-    assert len(pids) >= 2 and max(growth) < SOAK_GROWTH_KB, (
+    assert pids[1] is not None and max(growth) < SOAK_GROWTH_KB, (
         f"the server and its engine's process grew by {growth} kB over {SOAK_REQUESTS - SOAK_WARMUP} requests")
 
 
@@ -604,7 +616,6 @@ def test_chat_completions_through_the_models_template_have_openais_chat_shape(ht
 EXIT_LIMIT_S = 8.0  # --drain 0.5 s for what runs, then uvicorn closes and the engine process ends: ~1.5 s here
 
 
-
 def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_limit(fleet):
     """Two requests of 500 tokens, one running and one waiting (on "busy"): the drain of 0.5 s lets
     the running one go on, far from its end; then both end with finish reason "abort"."""
@@ -629,9 +640,9 @@ def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_
             await asyncio.to_thread(server.process.wait, EXIT_LIMIT_S)
             return await asyncio.gather(*streams), time.monotonic() - sent
 
-    started = children(server.process.pid)
+    engine, started = server.engine_pid, children(server.process.pid)
     streams, exit_s = run(load_then_sigterm(), 60)
-    assert exit_s < EXIT_LIMIT_S and len(started) >= 1 and all_end(started, 1.0)
+    assert exit_s < EXIT_LIMIT_S and engine in started and all_end(started, 1.0)
     for got in streams:
         assert got.done and len(got.ids) == 1 and got.reasons[:-1] == [None] * (len(got.reasons) - 1)
         assert got.reasons[-1] == "abort" or (got.reasons[-1] == "length" and len(got.texts) == 500)
@@ -640,18 +651,18 @@ def test_sigterm_during_a_load_run_ends_every_stream_and_the_process_within_the_
 
 def test_a_server_whose_parent_dies_exits_on_its_own(fleet):
     server = fleet.get("tiny")
-    started = children(server.process.pid)
+    engine, started = server.engine_pid, children(server.process.pid)
     fleet.parents[-1].kill()
     fleet.parents[-1].wait()  # reaped: its pid is gone, which the server checks twice a second
     server.process.wait(EXIT_LIMIT_S)  # TimeoutExpired if it stays
-    assert len(started) >= 1 and all_end(started, 1.0)
+    assert engine in started and all_end(started, 1.0)
 
 
 def test_an_engine_process_whose_server_is_killed_ends_on_its_own(fleet):
     """SIGKILL to the server (no drain, no goodbye): its engine's process finds its command pipe
     closed and exits."""
     server = fleet.get("busy")
-    started = children(server.process.pid)
+    engine = server.engine_pid
     server.process.kill()
     server.process.wait(EXIT_LIMIT_S)
-    assert len(started) >= 1 and all_end(started, EXIT_LIMIT_S)
+    assert engine is not None and all_end([engine], EXIT_LIMIT_S)

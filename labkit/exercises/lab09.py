@@ -256,7 +256,7 @@ class FakeEngine:
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
         batch = list(self.running)
-        await asyncio.sleep(0)  # the model runs (labkit's AsyncEngine runs it in a thread of its own)
+        await asyncio.sleep(0)  # the model runs (labkit's AsyncEngine runs it in a process of its own)
         outputs = []
         for request in batch:
             request.produced += 1
