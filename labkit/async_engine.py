@@ -33,13 +33,14 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
+import os
 import pickle
 import queue
-import signal
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Hashable
 
 from labkit.engine import EngineCore, EngineLimits, Request, stopped_at_eos
@@ -106,9 +107,8 @@ class RequestStream:
     reason (an engine failure raises). Closing it before the end (``aclose``, or dropping it: a client
     gone) aborts the request, wherever it is."""
 
-    def __init__(self, engine: AsyncEngine, request_id: Hashable, key: int, sink: asyncio.Queue,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self._engine, self.request_id, self._key, self._sink, self._loop = engine, request_id, key, sink, loop
+    def __init__(self, engine: AsyncEngine, request_id: Hashable, key: int, sink: asyncio.Queue) -> None:
+        self._engine, self.request_id, self._key, self._sink = engine, request_id, key, sink
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -132,7 +132,7 @@ class RequestStream:
         if that loop has closed and nothing else runs there."""
         if not self._done:
             try:
-                self._loop.call_soon_threadsafe(self._end, True)
+                self._engine._loop.call_soon_threadsafe(self._end, True)
             except RuntimeError:
                 self._end(True)
 
@@ -164,14 +164,16 @@ class AsyncEngine:
         self.max_waiting, self.accepting = max_waiting, True
         self.stats = EngineStats()  # replaced whole by each delivery (the engine loop's first one at its start)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._binding = threading.Lock()  # binding the loop, against a delivery deciding where to run
         self._serving: dict[Hashable, int] = {}  # request id -> its stream's key, from stream() to the stream's end
         self._sinks: dict[int, _Sink] = {}  # key -> a stream whose last event has not come
         self._keys = itertools.count()
+        self._ended: str | None = None  # why the engine loop ended, once it has
         if isinstance(engine, EngineSpec):
-            self._core: _ThreadCore | _ProcessCore = _ProcessCore(engine, self._receive, self._receive_loss,
+            self._core: _ThreadCore | _ProcessCore = _ProcessCore(engine, self._receive, self._receive_end,
                                                                   start_timeout_s)
         elif isinstance(engine, EngineCore):
-            self._core = _ThreadCore(engine, self._receive)
+            self._core = _ThreadCore(engine, self._receive, self._receive_end)
         else:
             raise TypeError(f"engine must be an EngineCore (stepped in a thread) or an EngineSpec (built and stepped "
                             f"in a process), got {type(engine).__name__}")
@@ -182,7 +184,7 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         """Whether the engine loop runs (it stops after ``shutdown``, or if its process dies)."""
-        return self._core.alive
+        return self._ended is None and self._core.alive
 
     @property
     def engine_pid(self) -> int | None:
@@ -201,28 +203,32 @@ class AsyncEngine:
         a request the engine could never serve, ``QueueFull`` or ``EngineStopped``. An engine in a
         process serves a copy of ``request``: of what the engine writes in it, only
         ``arrival_time`` comes back (the events carry the tokens and their times)."""
+        self._bind(asyncio.get_running_loop())
         self._admit(request)
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif loop is not self._loop:
-            raise RuntimeError("this AsyncEngine serves another event loop (the one of its first stream() call)")
         key = next(self._keys)
         self._serving[request.request_id], self._sinks[key] = key, _Sink(request, asyncio.Queue())
         self._core.send(("add", key, request))
-        return RequestStream(self, request.request_id, key, self._sinks[key].queue, loop)
+        return RequestStream(self, request.request_id, key, self._sinks[key].queue)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._binding:
+            if self._loop is None:
+                self._loop = loop
+        if loop is not self._loop:
+            raise RuntimeError("this AsyncEngine serves another event loop (the one of its first stream() call)")
 
     def _release(self, request_id: Hashable, key: int, abort: bool) -> None:
         """A stream has ended (``abort``: before its request finished, which must go)."""
-        if self._serving.get(request_id) == key:
-            del self._serving[request_id]
+        self._serving.pop(request_id, None)
         if abort:
             self._sinks.pop(key, None)
             self._abort(request_id, key)
 
     def _admit(self, request: Request) -> None:
-        if not self.accepting or not self.alive:
+        if not self.accepting:
             raise EngineStopped("the server is shutting down and takes no new request")
+        if not self.alive:
+            raise EngineStopped(f"{self._ended or 'the engine loop has ended'}: no new request can be served")
         if request.request_id in self._serving:
             raise ValueError(f"a request with id {request.request_id!r} is already being served: ids must be unique")
         self.limits.check(request)
@@ -266,27 +272,30 @@ class AsyncEngine:
                 del self._sinks[key]
             sink.queue.put_nowait(item)
 
-    def _lose(self, why: str) -> None:
-        """The engine's process has ended (on the event loop): every stream still open fails with ``why``,
-        and the gauges say that nothing runs."""
-        old = self.stats
-        stats = dataclasses.replace(old, running=0, waiting=0, blocks_used=0, blocks_free=old.blocks_free + old.blocks_used)
-        self._deliver(Delivery(events=[(key, RuntimeError(why)) for key in self._sinks], stats=stats))
+    def _engine_ended(self, why: str) -> None:
+        """The engine loop has ended (on the event loop, if one is bound): a stream still open fails,
+        saying ``why``, a new one is refused, and the gauges say that nothing runs."""
+        self._ended, old = why, self.stats
+        stats = dataclasses.replace(old, running=0, waiting=0, blocks_used=0,
+                                    blocks_free=old.blocks_free + old.blocks_used)
+        failed = RuntimeError(f"{why} before this request finished")
+        self._deliver(Delivery(events=[(key, failed) for key in self._sinks], stats=stats))
 
     # from the engine loop's thread, or this process's reader of its pipe --------------------------------
 
     def _receive(self, delivery: Delivery) -> None:
         self._on_loop(self._deliver, delivery)
 
-    def _receive_loss(self, why: str) -> None:
-        self._on_loop(self._lose, why)
+    def _receive_end(self, why: str) -> None:
+        self._on_loop(self._engine_ended, why)
 
     def _on_loop(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run ``fn(arg)`` on the event loop, whose state it changes; before any stream there is none
-        (and so no stream to reach: only stats), and a loop that has closed has no one left to tell."""
-        if self._loop is None:
-            fn(arg)
-            return
+        """Run ``fn(arg)`` on the event loop, whose state it changes; before any stream has bound one,
+        here and now (while no stream can bind it); a loop that has closed has no one left to tell."""
+        with self._binding:
+            if self._loop is None:
+                fn(arg)
+                return
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fn, arg)
 
@@ -334,10 +343,7 @@ class EngineLoop:
     def _apply(self, block: bool) -> bool:
         """Apply the commands posted since the last step, in order (waiting for one when idle);
         True if one of them was stop. A request added after the stop is refused."""
-        try:
-            commands = [self.inbox.get(timeout=0.5)] if block else []
-        except queue.Empty:
-            commands = []
+        commands = [self.inbox.get()] if block else []  # every way the loop ends posts a stop
         while not self.inbox.empty():
             commands.append(self.inbox.get_nowait())
         stopping = False
@@ -437,12 +443,19 @@ class _ThreadCore:
 
     pid = None
 
-    def __init__(self, engine: EngineCore, deliver: Callable[[Delivery], None]) -> None:
+    def __init__(self, engine: EngineCore, deliver: Callable[[Delivery], None], ended: Callable[[str], None]) -> None:
         self.limits = engine.limits
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        loop = EngineLoop(engine, self._inbox, deliver)
-        self._thread = threading.Thread(target=loop.run, name="labkit-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(EngineLoop(engine, self._inbox, deliver), ended),
+                                        name="labkit-engine", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _run(loop: EngineLoop, ended: Callable[[str], None]) -> None:
+        try:
+            loop.run()
+        finally:
+            ended("the engine loop ended")
 
     @property
     def alive(self) -> bool:
@@ -459,10 +472,10 @@ class _ProcessCore:
     """An ``EngineLoop`` in a process of its own (``spawn``), fed through one pipe and heard through
     another. Two threads here move the messages: a writer (so that a sender never waits for the pipe,
     and a send from a garbage collector's finalizer is safe) and a reader, which delivers, and which
-    alone reaps the process when the pipe ends and then calls ``lost``. The process ends itself when
+    alone reaps the process when the pipe ends and then calls ``ended``. The process ends itself when
     this one is gone (its command pipe closes)."""
 
-    def __init__(self, spec: EngineSpec, deliver: Callable[[Delivery], None], lost: Callable[[str], None],
+    def __init__(self, spec: EngineSpec, deliver: Callable[[Delivery], None], ended: Callable[[str], None],
                  timeout_s: float) -> None:
         check_importable(spec.build)
         context = mp.get_context("spawn")
@@ -470,21 +483,29 @@ class _ProcessCore:
         self._outputs, outputs_out = context.Pipe(duplex=False)
         self._process = context.Process(target=_engine_process, args=(spec, commands_in, outputs_out),
                                         name="labkit-engine", daemon=True)
-        with main_not_rerun():
-            self._process.start()
-        commands_in.close(), outputs_out.close()  # the child's ends: a closed pipe then means a dead peer
+        try:
+            with main_not_rerun():
+                self._process.start()
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            self._close_pipes()
+            raise ValueError(f"the EngineSpec cannot be sent to a new process: its args must be picklable "
+                             f"({error})") from None
+        finally:  # the child's ends: a closed pipe then means a dead peer
+            commands_in.close()
+            outputs_out.close()
         self.pid = self._process.pid
         try:
             self.limits: EngineLimits = self._started(timeout_s)
         except BaseException:
-            self._end_process()
-            self._commands.close(), self._outputs.close()
+            self._end_process(wait_s=0.0)  # still building, or dead: nothing to wait for
+            self._close_pipes()
             raise
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, args=(deliver,), name="labkit-engine-writer", daemon=True)
-        self._reader = threading.Thread(target=self._read, args=(deliver, lost), name="labkit-engine-reader",
+        self._reader = threading.Thread(target=self._read, args=(deliver, ended), name="labkit-engine-reader",
                                         daemon=True)
-        self._writer.start(), self._reader.start()
+        self._writer.start()
+        self._reader.start()
 
     def _started(self, timeout_s: float) -> EngineLimits:
         """The engine's limits, once the process has built it; a RuntimeError saying why not."""
@@ -510,29 +531,40 @@ class _ProcessCore:
         self._outbox.put(command)
 
     def _write(self, deliver: Callable[[Delivery], None]) -> None:
-        while (command := self._outbox.get()) is not None:
-            try:
-                self._commands.send(command)
-            except (pickle.PicklingError, TypeError, AttributeError) as error:  # only an add carries user data
-                deliver(Delivery(events=[(command[1], ValueError(f"the request cannot be sent to the engine's "
-                                                                 f"process: {error}"))]))
-            except OSError:  # the process is gone: the reader fails what was open
-                break
-        self._commands.close()
+        """Pickle and send each command until told to stop (None) or the pipe breaks. A command that
+        cannot be pickled (only an add carries the caller's data) fails its stream, and only it."""
+        try:
+            while (command := self._outbox.get()) is not None:
+                try:
+                    data = ForkingPickler.dumps(command)
+                except Exception as error:  # noqa: BLE001 - whatever pickling raises, the request's own fault
+                    if command[0] == "add":
+                        refused = ValueError(f"the request cannot be sent to the engine's process: {error!r}")
+                        deliver(Delivery(events=[(command[1], refused)]))
+                    continue
+                self._commands.send_bytes(data)
+        except OSError:  # the process is gone: the reader fails what was open
+            pass
+        finally:
+            self._commands.close()
 
-    def _read(self, deliver: Callable[[Delivery], None], lost: Callable[[str], None]) -> None:
+    def _read(self, deliver: Callable[[Delivery], None], ended: Callable[[str], None]) -> None:
+        why = None
         try:
             while True:
                 try:
                     delivery = self._outputs.recv()
                 except (EOFError, OSError):
                     break
+                except Exception as error:  # noqa: BLE001 - a message that cannot be read: the engine is lost
+                    why = f"a message from the engine process could not be read ({error!r})"
+                    break
                 deliver(delivery)
         finally:  # whatever ended it: reap the process, stop the writer, and fail what is open
-            self._end_process()
+            self._end_process(wait_s=5.0 if why is None else 0.0)
             self._outbox.put(None)
             self._outputs.close()
-            lost(f"the engine process ended (exit code {self._process.exitcode}) before this request finished")
+            ended(why or f"the engine process ended (exit code {self._process.exitcode})")
 
     def join(self, timeout_s: float) -> None:
         """Wait for the process to end after a stop (the reader sees it), killing it if it does not."""
@@ -541,21 +573,26 @@ class _ProcessCore:
             self._process.kill()
             self._reader.join(timeout_s)
 
-    def _end_process(self) -> None:
-        """Wait a little for the process to exit (its pipe has ended), then kill it (it ignores SIGTERM)."""
-        self._process.join(5.0)
+    def _end_process(self, wait_s: float) -> None:
+        """Give the process ``wait_s`` to exit, then kill it."""
+        self._process.join(wait_s)
         if self._process.exitcode is None:
             self._process.kill()
             self._process.join(5.0)
+
+    def _close_pipes(self) -> None:
+        self._commands.close()
+        self._outputs.close()
 
 
 def _engine_process(spec: EngineSpec, commands: Any, outputs: Any) -> None:
     """The engine process: build the engine, say it is ready (or why not), then run its loop, with a
     thread that moves commands from the pipe to the loop's inbox. The pipe's end (this process's
-    starter gone) stops the loop. Signals sent to the whole process group (Ctrl-C in a terminal, a
-    service manager's SIGTERM) are left to the starter, which drains and stops this process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    starter gone) stops the loop. It leaves its starter's process group: a signal to the whole group
+    (Ctrl-C in a terminal, a service manager's SIGTERM) reaches the starter alone, which drains the
+    engine and then stops it."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
     try:
         engine = spec.build(*spec.args)
         limits = engine.limits

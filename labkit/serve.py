@@ -5,10 +5,11 @@
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
 what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
 puts it in the continuous batch: an engine in a process of its own (``--engine process``, the
-default, as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need. Each sampled token comes back to the request's coroutine, which
-turns it into text incrementally (``IncrementalDetokenizer``: a token can end in the middle of a
-UTF-8 character), cuts the text at a stop string (``StopStrings``) and sends it, either as one
-server-sent event per token (``stream: true``, ending with ``data: [DONE]``) or whole at the end.
+default, as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need.
+Each sampled token comes back to the request's coroutine, which turns it into text incrementally
+(``IncrementalDetokenizer``: a token can end in the middle of a UTF-8 character), cuts the text at
+a stop string (``StopStrings``) and sends it, either as one server-sent event per token
+(``stream: true``, ending with ``data: [DONE]``) or whole at the end.
 
 Endpoints: ``POST /v1/completions``; ``POST /v1/chat/completions`` for a model whose folder has a
 chat template; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (``labkit.serve_metrics``).
