@@ -278,8 +278,8 @@ class AsyncEngine:
         self._ended, old = why, self.stats
         stats = dataclasses.replace(old, running=0, waiting=0, blocks_used=0,
                                     blocks_free=old.blocks_free + old.blocks_used)
-        failed = RuntimeError(f"{why} before this request finished")
-        self._deliver(Delivery(events=[(key, failed) for key in self._sinks], stats=stats))
+        failed = f"{why} before this request finished"  # an exception each: each stream raises its own
+        self._deliver(Delivery(events=[(key, RuntimeError(failed)) for key in self._sinks], stats=stats))
 
     # from the engine loop's thread, or this process's reader of its pipe --------------------------------
 

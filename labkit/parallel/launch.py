@@ -35,7 +35,6 @@ import torch.distributed as dist
 from labkit.spawning import check_importable, main_not_rerun
 
 
-
 class RankError(RuntimeError):
     """A rank raised, died or hung; the message says which rank and shows its traceback."""
 
