@@ -27,8 +27,8 @@ an earlier run's prompts in the cache).
    token of the engine (its process, or the server's threads but the main one: torch starts no
    other with one thread, the rest sleep), of the server's main thread (the event loop: HTTP,
    JSON, detokenizing, events), of the server's other threads beside an engine process (the
-   pipe's reader and writer) and of the load generator (this process), from /proc, against the offline
-   engine's; and the share of the run the engine computed, its CPU seconds over the wall time:
+   pipe's reader and writer) and of the load generator (this process), from /proc, against the
+   offline engine's; and the share of the run the engine computed, its CPU seconds over the wall time:
    the rest of the time it waited, for the GIL (a thread's, while the event loop runs Python) or
    for a core. If the goal is missed, the same requests also run not streamed, which separates
    the cost of one event per token from the rest of the server.
