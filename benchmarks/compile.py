@@ -7,15 +7,18 @@
 1. For each model (fp32, batch 1, ``--context`` tokens cached), timed alternately: the lab's
    eager decode step on the contiguous cache (``generate.decode_step``: what every earlier
    notebook times), the same step eager on the static cache, the static step compiled
-   (``labkit.compile``; on CUDA ``mode="reduce-overhead"``) and, on CUDA, recorded by hand as a
-   CUDA graph (``labkit.cuda_graphs``). Each step's bytes (weights, KV read and written:
+   (``labkit.compile``; on CUDA ``mode="reduce-overhead"``), on a CPU compiled ahead of time
+   (``labkit.aot``: no guard check and no Python wrapper left) and, on CUDA, recorded by hand as
+   a CUDA graph (``labkit.cuda_graphs``). Each step's bytes (weights, KV read and written:
    ``cost.forward_bytes``) over its median time, against a copy of that many bytes (on a CPU the
    last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
 2. Compile time: in this process, and in two fresh processes sharing an empty inductor cache
-   folder: the first compiles from nothing, the second finds the first one's code on disk.
+   folder: the first compiles from nothing, the second finds the first one's code on disk (on a
+   CPU, the same for the step compiled ahead of time, whose second build loads a package).
    With ``--profile``, each step's time split by kind under ``torch.profiler``: matrix products,
    attention, TorchDynamo's guard check, Inductor's generated code, the rest.
-3. Greedy output of 64 tokens: eager, compiled and (CUDA) graphed must be identical.
+3. Greedy output of 64 tokens: eager, compiled, (CPU) compiled ahead of time and (CUDA) graphed
+   must be identical.
 4. On CUDA only: the engine, eager against CUDA graphs per batch bucket (32 requests at once);
    and ``--shape`` (random weights, bf16): eager against graphed decode and the fraction of the
    datasheet bandwidth, notebook 01's naive against cached generation of ``--new-tokens``
@@ -36,29 +39,37 @@ import torch
 
 import labkit
 from labkit import cost
+from labkit.aot import aot_step
 from labkit.bench import alternate, format_seconds
 from labkit.compile import cache_dir, eager_step, static_decoder
 from labkit.device import device_name, get_device, synchronize
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
-from labkit.model import Transformer
+from labkit.model import Transformer, forward_tokens
 from labkit.presets import GPU_PRESETS
 from labkit.shapes import DTYPE_NAMES
-from labkit.static_cache import StaticKVCache
+from labkit.static_cache import StaticKVCache, static_length
 
 def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
-    """The eager, compiled and (``graphs``) graphed decode steps at ``context`` on static caches,
-    each a no-argument callable for ``alternate``, plus the compile time."""
+    """The eager, compiled, (on a CPU) compiled ahead of time and (``graphs``) graphed decode
+    steps at ``context`` on static caches, each a no-argument callable for ``alternate``, plus the
+    compile times."""
     tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     positions = torch.full((1, 1), context, device=model.device)
 
     compiled_cache, compiled = static_decoder(model, context + 1)
     eager = eager_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
+    built = {"compile_s": getattr(compiled, "compile_s", float("nan"))}
+    if model.device.type == "cpu":
+        ahead = aot_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
+        steps["ahead of time"] = lambda: ahead(tokens, positions)
+        built["aot"] = (f"; ahead of time {getattr(ahead, 'build_s', float('nan')):.1f} s" +
+                        (" (its package, from disk)" if getattr(ahead, "from_disk", False) else ""))
     if graphs:
         _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
-    return {"steps": steps, "compile_s": getattr(compiled, "compile_s", float("nan"))}
+    return {"steps": steps, **built}
 
 
 # what each profiler row is, by its name, the first kind that matches: attention first, because
@@ -117,7 +128,7 @@ def time_model(name: str, model: Transformer, context: int, repeats: int, profil
     bandwidth, against = reference_bandwidth(device, step_bytes)
     base = timings["eager contiguous"].median_s
     print(f"\n{name}: {model.num_parameters():,} parameters, {str(model.dtype)[6:]}, context {context}, "
-          f"{step_bytes / 1e6:.1f} MB per step; compile {built['compile_s']:.1f} s")
+          f"{step_bytes / 1e6:.1f} MB per step; compile {built['compile_s']:.1f} s{built.get('aot', '')}")
     print(f"{'':<18}{'median':>10}{'min':>10}{'tokens/s':>10}{'speedup':>9}{'of bound':>10}   bound: "
           f"{against}, {bandwidth / 1e9:.0f} GB/s")
     for label, t in timings.items():
@@ -125,36 +136,57 @@ def time_model(name: str, model: Transformer, context: int, repeats: int, profil
               f"{base / t.median_s:>8.2f}x{step_bytes / t.median_s / bandwidth:>10.2f}" + ("  (noisy)" * t.noisy))
     if profiled:
         print("where the time goes (ms per step, under the profiler, which slows what it records):")
-        profile_split(steps, device)
+        profile_split({label: step for label, step in steps.items() if label != "ahead of time"}, device)
+        if "ahead of time" in steps:
+            print("  ahead of time     one call into its library, whose operators the profiler does not see")
 
 
 def same_output(model: Transformer, prompt: list[int]) -> str:
     params = SamplingParams(max_new_tokens=64, stop_at_eos=False)
-    runs = {"compiled": dict(compiled=True)}
+    runs = {"compiled": lambda: list(stream(model, prompt, params, compiled=True))}
+    if model.device.type == "cpu":
+        runs["ahead of time"] = lambda: ahead_of_time_greedy(model, prompt, params.max_new_tokens)
     if model.device.type == "cuda":
-        runs["graphed"] = dict(use_cuda_graphs=True)
+        runs["graphed"] = lambda: list(stream(model, prompt, params, use_cuda_graphs=True))
     eager = list(stream(model, prompt, params))
-    return ", ".join(f"{k} {'identical' if list(stream(model, prompt, params, **kw)) == eager else 'DIFFERENT'}"
-                     for k, kw in runs.items())
+    return ", ".join(f"{k} {'identical' if run() == eager else 'DIFFERENT'}" for k, run in runs.items())
+
+
+def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens: the prompt prefilled eagerly into a static cache, then decode steps compiled
+    ahead of time (``labkit.aot``), as ``stream(compiled=True)`` does with ``labkit.compile``."""
+    cache = StaticKVCache(model.config, 1, static_length(model.config, len(prompt) + new_tokens), model.dtype,
+                          model.device)
+    step = aot_step(model, cache)
+    logits, tokens = forward_tokens(model, prompt, 0, cache), []
+    for position in range(len(prompt), len(prompt) + new_tokens):
+        tokens.append(int(logits[-1].argmax()))
+        logits = step(torch.tensor([[tokens[-1]]]), torch.tensor([[position]]))[0]
+    return tokens
 
 
 COLD_START = """
 import sys, time, torch, labkit
 from labkit.compile import compile_step
-from labkit.static_cache import StaticKVCache
+from labkit.static_cache import StaticKVCache, static_length
 model, _ = labkit.load(sys.argv[1], device=sys.argv[2])
 step = compile_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
 print(getattr(step, "compile_s", float("nan")))  # nan: no compiler, the step ran eagerly
+if model.device.type == "cpu":
+    from labkit.aot import aot_step
+    step = aot_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
+    print(getattr(step, "build_s", float("nan")))
 """
 
 
-def compile_times(name: str, device: torch.device) -> tuple[float, float]:
-    """Compile time in a fresh process with an empty inductor cache, then in another one that
-    finds the first one's code on disk."""
+def compile_times(name: str, device: torch.device) -> tuple[list[float], list[float]]:
+    """Compile times in a fresh process with an empty inductor cache, then in another one that
+    finds the first one's code on disk: ``torch.compile``'s and, on a CPU, the ahead-of-time build's."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
-        run = lambda: float(subprocess.run([sys.executable, "-c", COLD_START, name, str(device)], env=env,
-                                           capture_output=True, text=True, check=True).stdout.split()[-1])
+        run = lambda: [float(line) for line in subprocess.run(
+            [sys.executable, "-c", COLD_START, name, str(device)], env=env, capture_output=True, text=True,
+            check=True).stdout.split()]
         return run(), run()
 
 
@@ -224,8 +256,9 @@ def main() -> None:
             engine_graphs(model)
         if not args.skip_cold:
             cold, warm = compile_times(name, device)
-            print(f"compile in a fresh process: {cold:.1f} s with an empty inductor cache, {warm:.1f} s "
-                  "with the first one's code on disk")
+            print(f"compile in a fresh process: {cold[0]:.1f} s with an empty inductor cache, {warm[0]:.1f} s "
+                  "with the first one's code on disk" + (f"; ahead of time {cold[1]:.1f} s, then {warm[1]:.2f} s "
+                                                         "(its package)" if len(cold) > 1 else ""))
     if device.type == "cuda":
         gpu_scale(args.shape, args.new_tokens, args.repeats, args.profile)
 
