@@ -9,45 +9,44 @@ For each model, timed alternately at batch 1 after ``--context`` cached tokens:
 - compiled (``labkit.compile``): guard check, then Inductor's generated Python wrapper;
 - compiled with Inductor's C++ wrapper (``cpp_wrapper=True``): guard check, then one call;
 - the same with the guard check skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``:
-  unsafe in general, since a model of other modules would run this graph without a check);
+  unsafe in general, since a model of other modules would run this graph without a check; the
+  row pays for entering and leaving that stance at each call, a few microseconds);
 - compiled ahead of time (``labkit.aot``): no TorchDynamo at all.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import types
 
 import torch
 
 import labkit
 from labkit.aot import aot_step
 from labkit.bench import alternate, format_seconds
-from labkit.compile import compile_step
+from labkit.compile import compile_step, fresh_decode
 from labkit.device import device_name
 from labkit.generate import decode_step
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache, static_length
 
 
-def decode(model: Transformer, cache: StaticKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return model(tokens, plan=cache.plan(positions))
-
-
 def cpp_wrapped(model: Transformer, cache: StaticKVCache, skip_guards: bool):
     """The static step compiled with a C++ wrapper, on a code object of its own (TorchDynamo
     caches per code object), run once; with ``skip_guards``, each call skips the guard check."""
-    function = types.FunctionType(decode.__code__.replace(), globals(), "decode")
-    compiled = torch.compile(function, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    compiled = torch.compile(fresh_decode(), fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     tokens = torch.zeros(1, 1, dtype=torch.long)
     padding = torch.full_like(tokens, -1)  # made outside inference mode, as the timed positions are: no recompile
     with torch.inference_mode():
         compiled(model, cache, tokens, padding)
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
+        with torch.inference_mode():
             return compiled(model, cache, tokens, positions)
-    return step
+
+    def unguarded(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return compiled(model, cache, tokens, positions)
+    return unguarded if skip_guards else step
 
 
 def time_model(name: str, context: int, repeats: int) -> None:

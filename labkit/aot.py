@@ -3,24 +3,29 @@
 A step compiled by ``torch.compile`` (``labkit.compile``) still begins in Python at every call:
 TorchDynamo checks the guards its graph was compiled under, and a Python wrapper calls the
 generated kernels and the library's matrix products one by one. On a CPU, for the lab's models,
-those two are most of what compiling leaves besides the arithmetic (``benchmarks/compile.py
---profile`` splits a step's time). Compiling ahead of time removes both: ``torch.export``
-captures the step once as a graph of the tokens and the positions, whose state (the weights,
-the cache) belongs to a module, and AOTInductor compiles that graph, with a C++ wrapper in place
-of the Python one, into a shared library. A step is then one call into the library.
+those two are a large share of what compiling leaves besides the arithmetic
+(``benchmarks/compile_wrappers.py`` takes the saving apart). Compiling ahead of time removes both:
+``torch.export`` captures the step once as a graph of the tokens and the positions, whose state
+(the weights, the cache) belongs to a module, and AOTInductor compiles that graph, with a C++
+wrapper in place of the Python one, into a shared library. A step is then one call into the library.
 
 What is given up is the guards: the library runs the shapes it was built for, and nothing checks
-anything else. ``AOTStep`` checks the inputs' shapes and dtypes before each call, and each build
-checks one step against the eager step.
+anything else. So ``AOTStep`` checks what it can cheaply before each call (the inputs' shapes and
+dtypes; that no weight or cache tensor has been given new memory), and each build checks a real
+step, attention included, against the eager step.
 
-- The library reads the model's own weights and writes the cache's own tensors: they are handed
-  to it as user-managed constants (pointers, no copy), so the eager prefill and the compiled
-  steps share one cache, as with ``labkit.compile``. A weight updated in place is seen; one
-  replaced by a new tensor is not (build the step again).
+- The library reads the model's own weights and writes the cache's own tensors: each is handed to
+  it as a user-managed constant (a pointer, no copy), and the package holds none of them. So the
+  eager prefill and the compiled steps share one cache, as with ``labkit.compile``, and a weight
+  updated in place is seen. A weight given new memory (``model.to``, ``p.data = ...``) makes the
+  step refuse to run; one replaced by a new tensor object (``load_state_dict(assign=True)``) is
+  not seen: build the step again. torch's runtime keeps the tensors it was handed alive for the
+  rest of the process, so build a step once and reuse it, as an engine does.
 - A build compiles and links a whole library, which takes longer than ``torch.compile``. The
-  package is kept on disk (under Inductor's cache folder) with a key of everything it depends
-  on: the model's modules, config and dtype, the cache's shape, the thread count, the CPU, torch's
-  version and the source of the step's code. A later build with the same key loads it instead.
+  package is kept on disk (under Inductor's cache folder) with a key of what it depends on: the
+  model's modules and config, the name, shape, stride and dtype of every weight and cache tensor,
+  the thread count, the CPU, torch's version and the source of the step's code. A later build with
+  the same key loads it instead, and rebuilds it if it cannot be loaded or disagrees with eager.
 - CPU only. On a GPU, CUDA graphs remove the same costs and the kernel launches besides
   (``labkit.cuda_graphs``, or ``torch.compile``'s ``mode="reduce-overhead"``).
 """
@@ -31,36 +36,45 @@ import inspect
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from labkit import model as model_code, static_cache as static_cache_code
-from labkit.compile import Step, _decode, cache_dir, compiler_problem, eager_step
+from labkit import compile as compile_code, model as model_code, quant as quant_code
+from labkit import static_cache as static_cache_code
+from labkit.compile import Step, cache_dir, compiler_problem, decode_static, eager_step
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache
+
+SOURCES = (model_code, static_cache_code, compile_code, quant_code)  # the code a step's graph comes from
 
 
 class DecodeModule(nn.Module):
     """The decode step as a module whose parameters are the model's weights and whose buffers are
-    the cache's tensors: what ``torch.export`` captures, the cache as state the step writes."""
+    the cache's tensors and the rotary table: what ``torch.export`` captures, the cache as state
+    the step writes."""
 
     def __init__(self, model: Transformer, cache: StaticKVCache) -> None:
         super().__init__()
-        self.model, self.layout = model, cache
+        self.model, self.cache = model, cache
         for i, (k, v) in enumerate(zip(cache.k, cache.v)):
             self.register_buffer(f"k{i}", k, persistent=False)
             self.register_buffer(f"v{i}", v, persistent=False)
         self.register_buffer("key_slots", cache.key_slots, persistent=False)
         self.register_buffer("rows", cache.rows, persistent=False)
+        self.register_buffer("rope", model.rope, persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        layers = range(len(self.layout.k))
-        cache = self.layout.over([getattr(self, f"k{i}") for i in layers], [getattr(self, f"v{i}") for i in layers],
-                                 self.key_slots, self.rows)
-        return _decode(self.model, cache, tokens, positions)
+        layers = range(len(self.cache.k))
+        cache = self.cache.with_tensors([getattr(self, f"k{i}") for i in layers],
+                                        [getattr(self, f"v{i}") for i in layers], self.key_slots, self.rows)
+        table, self.model.rope = self.model.rope, self.rope  # traced as this module's buffer, not baked in
+        try:
+            return decode_static(self.model, cache, tokens, positions)
+        finally:
+            self.model.rope = table
 
     def state(self) -> dict[str, Tensor]:
         """Every weight and cache tensor by the name the library knows it by (tied weights under
@@ -80,90 +94,124 @@ class AOTStep:
     path: Path
     build_s: float
     from_disk: bool
+    handed: list[tuple[Tensor, int]] = field(default_factory=list)  # what the library was given, and where it was
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        shape = (self.module.layout.batch_size, 1)
+        shape = (self.module.cache.batch_size, 1)
         for name, tensor in (("tokens", tokens), ("positions", positions)):
-            if tuple(tensor.shape) != shape or tensor.dtype != torch.long:
-                raise ValueError(f"this step was compiled for {name} of shape {shape}, int64; got "
-                                 f"{tuple(tensor.shape)}, {tensor.dtype} (build another step for other shapes)")
+            if tuple(tensor.shape) != shape or tensor.dtype != torch.long or tensor.device.type != "cpu":
+                raise ValueError(f"this step was compiled for {name} of shape {shape}, int64, on the CPU; got "
+                                 f"{tuple(tensor.shape)}, {tensor.dtype}, on {tensor.device} "
+                                 "(build another step for other shapes)")
+        if any(tensor.data_ptr() != address for tensor, address in self.handed):
+            raise RuntimeError("a weight or cache tensor of this step has new memory since it was built "
+                               "(model.to, or p.data = ...): build the step again")
         with torch.inference_mode():
-            return self.runner(tokens, positions)
+            return self.runner(tokens.contiguous(), positions.contiguous())
 
 
 def package_key(model: Transformer, cache: StaticKVCache) -> str:
     """What a package depends on, hashed: a package built under another key may compute something else."""
-    parts = (str(model), repr(model.config), str(model.dtype), tuple(cache.k[0].shape), len(cache.k),
-             torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
-             inspect.getsource(model_code), inspect.getsource(static_cache_code))
+    layout = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in DecodeModule(model, cache).state().items()]
+    parts = (str(model), repr(model.config), layout, torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
+             torch.__version__, [inspect.getsource(code) for code in SOURCES])
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
 def _export_and_compile(module: DecodeModule, path: Path) -> None:
-    tokens = torch.zeros(module.layout.batch_size, 1, dtype=torch.long)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    tokens = torch.zeros(module.cache.batch_size, 1, dtype=torch.long)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, in export
         program = torch.export.export(module, (tokens, torch.full_like(tokens, -1)), strict=False)
-        try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-            os.replace(partial, path)  # whole or not at all, for a process building the same key beside this one
-        finally:
-            partial.unlink(missing_ok=True)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
 
 
-def _load(module: DecodeModule, path: Path) -> object:
-    """The package at ``path``, reading and writing ``module``'s own tensors. Constants it holds
-    that are not weights or cache (the rotary table) stay its own copies."""
+def _load(module: DecodeModule, path: Path, build_s: float, from_disk: bool) -> AOTStep:
+    """The package at ``path``, reading and writing ``module``'s own tensors; every constant the
+    library needs must be one of them."""
     runner = torch._inductor.aoti_load_package(str(path))
     state = module.state()
-    runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state},
-                          check_full_update=False, user_managed=True)
-    return runner
+    missing = [name for name in runner.get_constant_fqns() if name not in state]
+    if missing:
+        raise RuntimeError(f"the package at {path} needs tensors this model does not have: {missing[:5]}")
+    handed = {name: state[name] for name in runner.get_constant_fqns()}
+    runner.load_constants(handed, check_full_update=True, user_managed=True)
+    return AOTStep(module, runner, path, build_s, from_disk, [(t, t.data_ptr()) for t in handed.values()])
 
 
 def agrees_with_eager(step: AOTStep) -> bool:
-    """One step on padding (it writes only the spare slot) against the eager step on the same cache."""
+    """A step of every row at position 0 (its keys and values then feed its attention) against the
+    eager step on a copy of the cache; the cache is put back as it was."""
     module = step.module
-    tokens = torch.zeros(module.layout.batch_size, 1, dtype=torch.long)
-    positions = torch.full_like(tokens, -1)
-    expected = eager_step(module.model, module.layout)(tokens, positions)
+    cache = module.cache
+    tensors = cache.k + cache.v
+    kept = [t.clone() for t in tensors]
+    copy = cache.with_tensors([t.clone() for t in cache.k], [t.clone() for t in cache.v], cache.key_slots, cache.rows)
+    tokens = torch.arange(1, cache.batch_size + 1)[:, None] % module.model.config.vocab_size
+    positions = torch.zeros_like(tokens)
+    try:
+        expected = eager_step(module.model, copy)(tokens, positions)
+        got = step(tokens, positions)
+    finally:
+        for tensor, before in zip(tensors, kept):
+            tensor.copy_(before)
     tolerance = 1e-4 if module.model.dtype == torch.float32 else 3e-2
-    return torch.allclose(step(tokens, positions), expected, rtol=tolerance, atol=tolerance)
+    return torch.allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def _from_disk(module: DecodeModule, path: Path) -> AOTStep | None:
+    """The package at ``path`` if there is one that loads and agrees with eager; one that does not
+    (corrupt, or from code its key did not see) is removed."""
+    if not path.exists():
+        return None
+    start = time.perf_counter()
+    try:
+        step = _load(module, path, 0.0, from_disk=True)
+        if agrees_with_eager(step):
+            step.build_s = time.perf_counter() - start
+            return step
+    except RuntimeError:
+        pass
+    path.unlink(missing_ok=True)
+    return None
 
 
 def _build(module: DecodeModule, folder: Path) -> AOTStep:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{package_key(module.model, module.layout)}.pt2"
+    path = folder / f"{package_key(module.model, module.cache)}.pt2"
+    if step := _from_disk(module, path):
+        return step
     start = time.perf_counter()
-    if path.exists():
-        step = AOTStep(module, _load(module, path), path, time.perf_counter() - start, from_disk=True)
-        if agrees_with_eager(step):
-            return step
-        path.unlink()  # a package its key did not fully describe (the model's code changed elsewhere)
-    _export_and_compile(module, path)
-    step = AOTStep(module, _load(module, path), path, time.perf_counter() - start, from_disk=False)
-    if not agrees_with_eager(step):
-        raise RuntimeError(f"the step compiled ahead of time disagrees with the eager step ({path})")
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        _export_and_compile(module, partial)
+        step = _load(module, partial, 0.0, from_disk=False)
+        if not agrees_with_eager(step):
+            raise RuntimeError("the step compiled ahead of time disagrees with the eager step")
+        os.replace(partial, path)  # whole, and checked, or not at all: a process may build the same key beside this one
+    finally:
+        partial.unlink(missing_ok=True)
+    step.path, step.build_s = path, time.perf_counter() - start
     return step
 
 
 def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None = None) -> AOTStep | Step:
     """The one-token decode step of ``model`` on ``cache``, compiled ahead of time, its package
     kept in ``folder`` (default: ``labkit_aot`` in Inductor's cache folder). Where it cannot be
-    built (no C++ compiler, or the export or the compiler fails), a warning says why and the eager
-    step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
+    built (no C++ compiler, or the export, the compiler or the check fails), a warning says why and
+    the eager step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
     if model.device.type != "cpu":
         raise ValueError(f"aot_step compiles for a CPU; on {model.device} use CUDA graphs "
                          "(labkit.cuda_graphs, or labkit.compile, whose mode records them on a GPU)")
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
         return eager_step(model, cache)
-    from torch._dynamo.exc import TorchDynamoException  # imported late, as in labkit.compile
     folder = Path(folder) if folder is not None else Path(cache_dir()) / "labkit_aot"
     try:
         return _build(DecodeModule(model, cache), folder)
-    except (TorchDynamoException, RuntimeError, OSError) as error:
-        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {type(error).__name__}: "
-                      f"{str(error).strip().splitlines()[0][:300]}", stacklevel=2)
+    except Exception as error:  # export and Inductor raise many kinds; each leaves the eager step, said
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {type(error).__name__}: {first}",
+                      stacklevel=2)
         return eager_step(model, cache)

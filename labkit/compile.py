@@ -44,9 +44,15 @@ from labkit.static_cache import StaticKVCache, static_length
 Step = Callable[[Tensor, Tensor], Tensor]
 
 
-def _decode(model: Transformer, cache: StaticKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+def decode_static(model: Transformer, cache: StaticKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
     """One step through the static cache: logits ``[B, T, vocab]``."""
     return model(tokens, plan=cache.plan(positions))
+
+
+def fresh_decode() -> Callable:
+    """``decode_static`` on a code object of its own: TorchDynamo keeps its graphs, and its
+    recompile limit, per code object, so each compiled function gets one."""
+    return types.FunctionType(decode_static.__code__.replace(), decode_static.__globals__, decode_static.__name__)
 
 
 # One compiled function per set of shapes, each on a code object of its own: TorchDynamo keeps
@@ -60,8 +66,7 @@ def _compiled_decode(model: Transformer, cache: StaticKVCache) -> Callable:
     # the config's repr, not the config: a Llama-3 config holds a dict (rope_scaling), which does not hash
     key = (mode, repr(model.config), model.dtype, str(model.device), cache.batch_size, cache.max_len)
     if key not in _compiled:
-        fresh = types.FunctionType(_decode.__code__.replace(), _decode.__globals__, _decode.__name__)
-        _compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, mode=mode)
+        _compiled[key] = torch.compile(fresh_decode(), fullgraph=True, dynamic=False, mode=mode)
     return _compiled[key]
 
 
@@ -119,7 +124,7 @@ def eager_step(model: Transformer, cache: StaticKVCache) -> Step:
     """The same step as ``compile_step``'s, not compiled: the baseline to compare it with."""
     def step(tokens: Tensor, positions: Tensor) -> Tensor:
         with torch.inference_mode():
-            return _decode(model, cache, tokens, positions)
+            return decode_static(model, cache, tokens, positions)
     return step
 
 

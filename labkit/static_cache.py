@@ -76,12 +76,12 @@ class StaticKVCache:
         and reads those rows here (how one cache serves graphs of several batch sizes)."""
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"n={n} must be in 1..batch_size={self.batch_size}")
-        return self.over([k[:n] for k in self.k], [v[:n] for v in self.v], self.key_slots, self.rows[:n])
+        return self.with_tensors([k[:n] for k in self.k], [v[:n] for v in self.v], self.key_slots, self.rows[:n])
 
-    def over(self, k: list[Tensor], v: list[Tensor], key_slots: Tensor, rows: Tensor) -> StaticKVCache:
+    def with_tensors(self, k: list[Tensor], v: list[Tensor], key_slots: Tensor, rows: Tensor) -> StaticKVCache:
         """A cache of this one's length whose tensors are the ones given (no copy): a view of some
-        of its rows, or its own tensors reached another way (``labkit.aot`` reads them as a
-        module's buffers, so that ``torch.export`` sees them as state it may write)."""
+        of its rows, its own tensors reached another way (``labkit.aot`` reads them as a module's
+        buffers, so that ``torch.export`` sees them as state it may write), or copies of them."""
         view = object.__new__(StaticKVCache)
         view.max_len, view.k, view.v, view.key_slots, view.rows = self.max_len, k, v, key_slots, rows
         return view

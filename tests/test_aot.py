@@ -54,7 +54,7 @@ def test_the_step_gives_the_eager_logits_and_writes_its_own_cache(built):
     eager = eager_step(model, eager_cache)
     for tokens, positions in _steps():
         torch.testing.assert_close(step(tokens, positions), eager(tokens, positions), rtol=1e-5, atol=1e-5)
-    mine = step.module.layout
+    mine = step.module.cache
     for written, expected in zip(mine.k + mine.v, eager_cache.k + eager_cache.v):
         assert written[:, :, :2].abs().sum() > 0  # slots the steps wrote
         torch.testing.assert_close(written[:, :, :LENGTH], expected[:, :, :LENGTH], rtol=1e-5, atol=1e-5)
@@ -80,33 +80,60 @@ def test_a_weight_updated_in_place_is_seen(folder):
     torch.testing.assert_close(after, eager_step(model, _cache())(*_padding()), rtol=1e-5, atol=1e-5)
 
 
-class Doubled(Transformer):
-    """The same modules, config and printout as a Transformer, other logits: a change the package's
-    key cannot see."""
-
-    def forward(self, *args, **kwargs):
-        return 2 * super().forward(*args, **kwargs)
+def _no_builds(monkeypatch):
+    def fail(module, path):
+        raise RuntimeError("no build in this test")
+    monkeypatch.setattr(aot, "_export_and_compile", fail)
 
 
-Doubled.__name__ = "Transformer"
-
-
-def test_a_package_that_disagrees_with_the_eager_step_is_built_again(built, tmp_path):
+def test_a_package_whose_attention_disagrees_with_the_eager_step_is_removed(built, tmp_path, monkeypatch):
+    """Code the key cannot see changed attention alone: the build's check must run attention on
+    keys and values that are not zeros to notice."""
     shutil.copy(built[1].path, tmp_path)
-    torch.manual_seed(0)
-    doubled = Doubled(CONFIG).eval()
-    assert aot.package_key(doubled, _cache()) == built[1].path.stem
-    step = aot.aot_step(doubled, _cache(), tmp_path)
-    assert isinstance(step, aot.AOTStep) and not step.from_disk
-    tokens, positions = _padding()
-    torch.testing.assert_close(step(tokens, positions), eager_step(doubled, _cache())(tokens, positions),
-                               rtol=1e-5, atol=1e-5)
-    assert [p.name for p in tmp_path.iterdir()] == [built[1].path.name]  # no partial file left
+    from labkit import static_cache
+    attention = static_cache.attention
+    monkeypatch.setattr(static_cache, "attention", lambda *args: 2 * attention(*args))
+    _no_builds(monkeypatch)
+    with pytest.warns(UserWarning, match="no build in this test"):
+        step = aot.aot_step(_model(0), _cache(), tmp_path)
+    assert not isinstance(step, aot.AOTStep) and not list(tmp_path.iterdir())
+
+
+def test_a_corrupt_package_is_removed_not_loaded(tmp_path, monkeypatch):
+    path = tmp_path / f"{aot.package_key(_model(0), _cache())}.pt2"
+    path.write_bytes(b"PK\x03\x04 cut short")
+    _no_builds(monkeypatch)
+    with pytest.warns(UserWarning, match="no build in this test"):
+        aot.aot_step(_model(0), _cache(), tmp_path)
+    assert not path.exists()
+
+
+def test_a_weight_given_new_memory_makes_the_step_refuse(folder):
+    model = _model(3)
+    step = aot.aot_step(model, _cache(), folder)
+    step(*_padding())
+    model.norm.weight.data = model.norm.weight.data.clone()
+    with pytest.raises(RuntimeError, match="new memory since it was built .* build the step again"):
+        step(*_padding())
+    model = _model(3)
+    step = aot.aot_step(model, _cache(), folder)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="new memory"):
+        step(*_padding())
+
+
+def test_inputs_that_are_not_contiguous_give_the_right_logits(built):
+    model, step = built
+    sequence = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    tokens, positions = sequence[:, -1:], torch.tensor([[0, 0, 0], [0, 0, 0]])[:, :1]
+    assert not tokens.is_contiguous()
+    eager = eager_step(model, _cache())(tokens.contiguous(), positions.contiguous())
+    torch.testing.assert_close(step(tokens, positions), eager, rtol=1e-5, atol=1e-5)
 
 
 def test_other_shapes_and_dtypes_are_refused_naming_the_ones_compiled_for(built):
     step = built[1]
-    with pytest.raises(ValueError, match=r"compiled for tokens of shape \(2, 1\), int64; got \(1, 1\)"):
+    with pytest.raises(ValueError, match=r"compiled for tokens of shape \(2, 1\), int64, on the CPU; got \(1, 1\)"):
         step(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"positions .* got \(2, 1\), torch.int32"):
         step(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int32))
@@ -118,6 +145,12 @@ def test_the_key_holds_what_the_package_depends_on_and_not_the_weights():
     assert aot.package_key(_model(0), StaticKVCache(CONFIG, 1, LENGTH)) != key
     assert aot.package_key(_model(0), StaticKVCache(CONFIG, BATCH, 2 * LENGTH)) != key
     assert aot.package_key(_model(0).to(torch.float64), StaticKVCache(CONFIG, BATCH, LENGTH, torch.float64)) != key
+    assert aot.package_key(_model(0), StaticKVCache(CONFIG, BATCH, LENGTH, torch.bfloat16)) != key  # the cache's dtype
+    transposed = _model(0)
+    weight = transposed.blocks[0].attn.wqkv.weight
+    flipped = weight.data.contiguous() if not weight.is_contiguous() else weight.data.t().contiguous().t()
+    weight.data = flipped  # the same values in the other memory order: other strides
+    assert aot.package_key(transposed, _cache()) != key
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -141,6 +174,7 @@ def test_without_a_compiler_the_step_runs_eagerly_and_says_why(monkeypatch, tmp_
 
 def test_a_failed_build_runs_eagerly_and_says_why(monkeypatch, tmp_path):
     def fail(module, path):
+        path.write_bytes(b"half a package")
         raise RuntimeError("the linker ran out of disk")
     monkeypatch.setattr(aot, "_export_and_compile", fail)
     with pytest.warns(UserWarning, match="compiling ahead of time failed, so the step runs eagerly: "
