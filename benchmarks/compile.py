@@ -39,7 +39,7 @@ import torch
 
 import labkit
 from labkit import cost
-from labkit.aot import aot_step
+from labkit.aot import AOTStep, aot_step
 from labkit.bench import alternate, format_seconds
 from labkit.compile import cache_dir, eager_step, static_decoder
 from labkit.device import device_name, get_device, synchronize
@@ -64,8 +64,8 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     if model.device.type == "cpu":
         ahead = aot_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
         steps["ahead of time"] = lambda: ahead(tokens, positions)
-        built["aot"] = (f"; ahead of time {getattr(ahead, 'build_s', float('nan')):.1f} s" +
-                        (" (its package, from disk)" if getattr(ahead, "from_disk", False) else ""))
+        built["aot"] = ("; ahead of time: could not build, the row runs eagerly" if not isinstance(ahead, AOTStep) else
+                        f"; ahead of time {ahead.build_s:.1f} s" + (" (its package, from disk)" * ahead.from_disk))
     if graphs:
         _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
@@ -154,7 +154,8 @@ def same_output(model: Transformer, prompt: list[int]) -> str:
 
 def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens: the prompt prefilled eagerly into a static cache, then decode steps compiled
-    ahead of time (``labkit.aot``), as ``stream(compiled=True)`` does with ``labkit.compile``."""
+    ahead of time (``labkit.aot``), as ``stream(compiled=True)`` does with ``labkit.compile``
+    (``stream`` does not offer this step: each build keeps its cache for the life of the process)."""
     cache = StaticKVCache(model.config, 1, static_length(model.config, len(prompt) + new_tokens), model.dtype,
                           model.device)
     step = aot_step(model, cache)
@@ -173,7 +174,7 @@ model, _ = labkit.load(sys.argv[1], device=sys.argv[2])
 step = compile_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
 print(getattr(step, "compile_s", float("nan")))  # nan: no compiler, the step ran eagerly
 if model.device.type == "cpu":
-    from labkit.aot import aot_step
+    from labkit.aot import AOTStep, aot_step
     step = aot_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
     print(getattr(step, "build_s", float("nan")))
 """

@@ -21,7 +21,7 @@ import datetime
 import torch
 
 import labkit
-from labkit.aot import aot_step
+from labkit.aot import AOTStep, aot_step
 from labkit.bench import alternate, format_seconds
 from labkit.compile import compile_step, fresh_decode
 from labkit.device import device_name
@@ -63,6 +63,8 @@ def time_model(name: str, context: int, repeats: int) -> None:
                         warmup=5, repeats=repeats)
     eager = timings["eager"].median_s
     print(f"\n{name}, context {context}, batch 1, float32")
+    if not isinstance(steps["ahead of time"], AOTStep):
+        print("ahead of time: could not build (the warning says why); its row ran eagerly")
     print(f"{'':<24}{'median':>10}{'min':>10}{'vs eager':>10}")
     for label, t in timings.items():
         print(f"{label:<24}{format_seconds(t.median_s):>10}{format_seconds(t.min_s):>10}{eager / t.median_s:>9.2f}x"

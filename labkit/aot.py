@@ -11,8 +11,8 @@ wrapper in place of the Python one, into a shared library. A step is then one ca
 
 What is given up is the guards: the library runs the shapes it was built for, and nothing checks
 anything else. So ``AOTStep`` checks what it can cheaply before each call (the inputs' shapes and
-dtypes; that no weight or cache tensor has been given new memory), and each build checks a real
-step, attention included, against the eager step.
+dtypes; that no weight or cache tensor has been given new memory), and each build checks two real
+steps, rotary positions and attention included, against the eager step.
 
 - The library reads the model's own weights and writes the cache's own tensors: each is handed to
   it as a user-managed constant (a pointer, no copy), and the package holds none of them. So the
@@ -20,12 +20,17 @@ step, attention included, against the eager step.
   updated in place is seen. A weight given new memory (``model.to``, ``p.data = ...``) makes the
   step refuse to run; one replaced by a new tensor object (``load_state_dict(assign=True)``) is
   not seen: build the step again. torch's runtime keeps the tensors it was handed alive for the
-  rest of the process, so build a step once and reuse it, as an engine does.
+  rest of the process, so build a step once and reuse it, as an engine does (which is why
+  ``generate.stream`` does not offer this step: it would build one per generation). While a step
+  is being exported, the model's weights are swapped for stand-ins: do not use the model from
+  another thread then.
 - A build compiles and links a whole library, which takes longer than ``torch.compile``. The
   package is kept on disk (under Inductor's cache folder) with a key of what it depends on: the
   model's modules and config, the name, shape, stride and dtype of every weight and cache tensor,
-  the thread count, the CPU, torch's version and the source of the step's code. A later build with
-  the same key loads it instead, and rebuilds it if it cannot be loaded or disagrees with eager.
+  the thread count, the CPU's model and instruction set, torch's version and the source of the
+  modules the step's code comes from. A later build with the same key loads it instead, and
+  builds it again if it cannot be loaded or disagrees with eager. The folder keeps the
+  ``KEEP`` packages used last.
 - CPU only. On a GPU, CUDA graphs remove the same costs and the kernel launches besides
   (``labkit.cuda_graphs``, or ``torch.compile``'s ``mode="reduce-overhead"``).
 """
@@ -34,21 +39,27 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from labkit import compile as compile_code, model as model_code, quant as quant_code
-from labkit import static_cache as static_cache_code
-from labkit.compile import Step, cache_dir, compiler_problem, decode_static, eager_step
+from labkit import static_cache as static_cache_code, validate as validate_code
+from labkit.compile import Step, cache_dir, compiler_problem, decode_static, eager_step, failure_line
+from labkit.device import device_name
+from labkit.kernels import int4_linear as int4_code
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache
 
-SOURCES = (model_code, static_cache_code, compile_code, quant_code)  # the code a step's graph comes from
+# the modules a step's graph comes from, this one included (the export's arguments)
+SOURCES = (model_code, static_cache_code, compile_code, quant_code, int4_code, validate_code, sys.modules[__name__])
+KEEP = 16  # packages kept in a folder, the ones used last
+CHECKED_POSITIONS = 2  # steps the build's check runs: position 0, then 1 (rotation, and attention over two slots)
 
 
 class DecodeModule(nn.Module):
@@ -87,14 +98,14 @@ class DecodeModule(nn.Module):
 class AOTStep:
     """A decode step compiled ahead of time: call it with tokens and positions ``[B, 1]`` for the
     logits. ``build_s`` is how long making it took (export, compile and link, or loading the
-    package from disk when ``from_disk``)."""
+    package from disk when ``from_disk``; the check against eager included)."""
 
     module: DecodeModule
     runner: object  # torch._inductor's AOTICompiledModel
     path: Path
-    build_s: float
     from_disk: bool
-    handed: list[tuple[Tensor, int]] = field(default_factory=list)  # what the library was given, and where it was
+    handed: list[tuple[Tensor, int]]  # what the library was given, and where its memory was
+    build_s: float = 0.0
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         shape = (self.module.cache.batch_size, 1)
@@ -113,8 +124,8 @@ class AOTStep:
 def package_key(model: Transformer, cache: StaticKVCache) -> str:
     """What a package depends on, hashed: a package built under another key may compute something else."""
     layout = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in DecodeModule(model, cache).state().items()]
-    parts = (str(model), repr(model.config), layout, torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
-             torch.__version__, [inspect.getsource(code) for code in SOURCES])
+    parts = (str(model), repr(model.config), layout, device_name("cpu"), torch.backends.cpu.get_cpu_capability(),
+             torch.__version__, [inspect.getsource(code) for code in SOURCES])  # device_name: the CPU and threads
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -127,7 +138,7 @@ def _export_and_compile(module: DecodeModule, path: Path) -> None:
                                                  inductor_configs={"aot_inductor.package_constants_in_so": False})
 
 
-def _load(module: DecodeModule, path: Path, build_s: float, from_disk: bool) -> AOTStep:
+def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
     """The package at ``path``, reading and writing ``module``'s own tensors; every constant the
     library needs must be one of them."""
     runner = torch._inductor.aoti_load_package(str(path))
@@ -137,27 +148,31 @@ def _load(module: DecodeModule, path: Path, build_s: float, from_disk: bool) -> 
         raise RuntimeError(f"the package at {path} needs tensors this model does not have: {missing[:5]}")
     handed = {name: state[name] for name in runner.get_constant_fqns()}
     runner.load_constants(handed, check_full_update=True, user_managed=True)
-    return AOTStep(module, runner, path, build_s, from_disk, [(t, t.data_ptr()) for t in handed.values()])
+    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()])
 
 
 def agrees_with_eager(step: AOTStep) -> bool:
-    """A step of every row at position 0 (its keys and values then feed its attention) against the
-    eager step on a copy of the cache; the cache is put back as it was."""
-    module = step.module
-    cache = module.cache
+    """Steps of every row at positions 0 and 1 (rotation, and attention over keys and values just
+    written) against the eager step on a fresh cache: the logits, and the slots written in the
+    cache's own tensors. Those slots are put back as they were."""
+    module, cache = step.module, step.module.cache
+    fresh = StaticKVCache(module.model.config, cache.batch_size, cache.max_len, cache.k[0].dtype, "cpu")
+    eager = eager_step(module.model, fresh)
     tensors = cache.k + cache.v
-    kept = [t.clone() for t in tensors]
-    copy = cache.with_tensors([t.clone() for t in cache.k], [t.clone() for t in cache.v], cache.key_slots, cache.rows)
+    kept = [t[:, :, :CHECKED_POSITIONS].clone() for t in tensors]
     tokens = torch.arange(1, cache.batch_size + 1)[:, None] % module.model.config.vocab_size
-    positions = torch.zeros_like(tokens)
+    tolerance = 1e-4 if module.model.dtype == torch.float32 else 3e-2
+    close = lambda a, b: torch.allclose(a, b, rtol=tolerance, atol=tolerance, equal_nan=True)
     try:
-        expected = eager_step(module.model, copy)(tokens, positions)
-        got = step(tokens, positions)
+        agree = True
+        for position in range(CHECKED_POSITIONS):
+            positions = torch.full_like(tokens, position)
+            agree &= close(step(tokens, positions), eager(tokens, positions))
+        written = [t[:, :, :CHECKED_POSITIONS] for t in tensors]
+        return agree and all(close(a, b[:, :, :CHECKED_POSITIONS]) for a, b in zip(written, fresh.k + fresh.v))
     finally:
         for tensor, before in zip(tensors, kept):
-            tensor.copy_(before)
-    tolerance = 1e-4 if module.model.dtype == torch.float32 else 3e-2
-    return torch.allclose(got, expected, rtol=tolerance, atol=tolerance)
+            tensor[:, :, :CHECKED_POSITIONS] = before
 
 
 def _from_disk(module: DecodeModule, path: Path) -> AOTStep | None:
@@ -167,14 +182,23 @@ def _from_disk(module: DecodeModule, path: Path) -> AOTStep | None:
         return None
     start = time.perf_counter()
     try:
-        step = _load(module, path, 0.0, from_disk=True)
+        step = _load(module, path, from_disk=True)
         if agrees_with_eager(step):
             step.build_s = time.perf_counter() - start
+            os.utime(path)  # used now: kept by _prune
             return step
-    except RuntimeError:
+    except Exception:  # whatever stops a package from loading or agreeing, it is not used again
         pass
     path.unlink(missing_ok=True)
     return None
+
+
+def _prune(folder: Path) -> None:
+    """Remove all but the ``KEEP`` packages used last (a key per model, batch size and length
+    adds up); a package in use stays readable until it is closed."""
+    packages = [p for p in folder.glob("*.pt2") if not p.name.endswith(".partial.pt2")]
+    for old in sorted(packages, key=lambda p: p.stat().st_mtime, reverse=True)[KEEP:]:
+        old.unlink(missing_ok=True)
 
 
 def _build(module: DecodeModule, folder: Path) -> AOTStep:
@@ -186,13 +210,14 @@ def _build(module: DecodeModule, folder: Path) -> AOTStep:
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
         _export_and_compile(module, partial)
-        step = _load(module, partial, 0.0, from_disk=False)
+        step = _load(module, partial, from_disk=False)
         if not agrees_with_eager(step):
             raise RuntimeError("the step compiled ahead of time disagrees with the eager step")
         os.replace(partial, path)  # whole, and checked, or not at all: a process may build the same key beside this one
     finally:
         partial.unlink(missing_ok=True)
     step.path, step.build_s = path, time.perf_counter() - start
+    _prune(folder)
     return step
 
 
@@ -211,7 +236,5 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
     try:
         return _build(DecodeModule(model, cache), folder)
     except Exception as error:  # export and Inductor raise many kinds; each leaves the eager step, said
-        first = (str(error).strip().splitlines() or [""])[0][:300]
-        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {type(error).__name__}: {first}",
-                      stacklevel=2)
+        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {failure_line(error)}", stacklevel=2)
         return eager_step(model, cache)

@@ -70,6 +70,11 @@ def _compiled_decode(model: Transformer, cache: StaticKVCache) -> Callable:
     return _compiled[key]
 
 
+def failure_line(error: BaseException) -> str:
+    """An error's type and the first line of its message (a compiler's can run to pages), for a warning."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
 def compiler_problem(device: torch.device | str) -> str | None:
     """Why ``torch.compile`` cannot run on ``device`` here, or None when it can: on a CPU,
     inductor writes C++ and needs a compiler to build it."""
@@ -146,8 +151,7 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
     try:
         step.warm_up(tokens)
     except (TorchDynamoException, RuntimeError, OSError) as error:
-        warnings.warn(f"torch.compile failed, so the step runs eagerly: {type(error).__name__}: "
-                      f"{str(error).strip().splitlines()[0][:300]}", stacklevel=2)
+        warnings.warn(f"torch.compile failed, so the step runs eagerly: {failure_line(error)}", stacklevel=2)
         return eager_step(model, cache)
     return step
 

@@ -2,6 +2,8 @@
 weights into its own cache, a package reused or rebuilt, and clear refusals."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 
 import pytest
@@ -58,6 +60,39 @@ def test_the_step_gives_the_eager_logits_and_writes_its_own_cache(built):
     for written, expected in zip(mine.k + mine.v, eager_cache.k + eager_cache.v):
         assert written[:, :, :2].abs().sum() > 0  # slots the steps wrote
         torch.testing.assert_close(written[:, :, :LENGTH], expected[:, :, :LENGTH], rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_leaves_a_filled_cache_as_it_was_and_decodes_after_an_eager_prefill(built, folder):
+    """What benchmarks/compile.py does: prefill eagerly into the static cache, then decode compiled
+    ahead of time; the build's check must not disturb what the prefill wrote."""
+    model = built[0]
+    cache, reference = _cache(), _cache()
+    prompt = torch.tensor([[5, 9, 2], [7, 1, 3]])
+    for c in (cache, reference):
+        forward = model(prompt, plan=c.plan(torch.arange(3).expand(2, 3)))
+    before = [t.clone() for t in cache.k + cache.v]
+    step = aot.aot_step(model, cache, folder)
+    assert step.from_disk and all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, before))
+    eager = eager_step(model, reference)
+    tokens = forward[:, -1:].argmax(-1)
+    for position in range(3, 7):
+        positions = torch.full_like(tokens, position)
+        logits = step(tokens, positions)
+        torch.testing.assert_close(logits, eager(tokens, positions), rtol=1e-5, atol=1e-5)
+        tokens = logits[:, -1:].argmax(-1)
+    assert model.rope is built[0].rope and model.rope.dtype == torch.float32  # put back after the export
+
+
+def test_tied_embeddings_are_read_under_both_names(tmp_path):
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    torch.manual_seed(4)
+    model = Transformer(config).eval()
+    step = aot.aot_step(model, StaticKVCache(config, BATCH, LENGTH), tmp_path)
+    assert isinstance(step, aot.AOTStep)
+    with torch.no_grad():
+        model.embed.weight.mul_(3)  # the LM head too: one tensor
+    torch.testing.assert_close(step(*_padding()), eager_step(model, StaticKVCache(config, BATCH, LENGTH))(*_padding()),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_of_the_same_shapes_loads_the_package_and_computes_with_its_own_weights(built, folder):
@@ -181,3 +216,13 @@ def test_a_failed_build_runs_eagerly_and_says_why(monkeypatch, tmp_path):
                                          "RuntimeError: the linker ran out of disk"):
         step = aot.aot_step(_model(0), _cache(), tmp_path)
     assert not isinstance(step, aot.AOTStep) and not list(tmp_path.iterdir())
+
+
+def test_the_folder_keeps_the_packages_used_last(tmp_path, monkeypatch):
+    for age, name in enumerate(["new", "old", "older"]):
+        (tmp_path / f"{name}.pt2").write_bytes(b"")
+        os.utime(tmp_path / f"{name}.pt2", (1e9 - age, 1e9 - age))
+    (tmp_path / "x.123.partial.pt2").write_bytes(b"")  # another process's build in progress
+    monkeypatch.setattr(aot, "KEEP", 2)
+    aot._prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt2", "old.pt2", "x.123.partial.pt2"]
