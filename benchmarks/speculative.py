@@ -2,7 +2,7 @@
 heads (chains and trees) and early exit (lab 11).
 
     python benchmarks/speculative.py [--prompts 4] [--new-tokens 128] [--ks 2 3 4 6 8] [--repeats 2]
-                                     [--compiled-draft] [--tree-sizes 5 6 8 16 32]
+                                     [--compiled-draft | --aot-draft] [--tree-sizes 5 6 8 16 32]
                                      [--exit-layers 1 2 3] [--exit-ks 2 3 4 6]
                                      [--drafters draft lookup medusa early-exit]
 
@@ -20,8 +20,8 @@ Printed per configuration: speedup (ratio of median times; beside it the ratio o
 a noisy machine disturbs less), draft acceptance rate, mean accepted
 draft tokens per target call, tokens per target call, acceptance by depth; then the cost of a
 draft step and of verifying k + 1 tokens, relative to one target decode step. With
-``--compiled-draft`` the draft model's one-token steps run compiled (``labkit.compile``), and its
-step cost is printed both ways.
+``--compiled-draft`` the draft model's one-token steps run compiled (``labkit.compile``), with
+``--aot-draft`` compiled ahead of time (``labkit.aot``), and its step cost is printed both ways.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import datetime
 import torch
 
 import labkit
+from labkit.aot import aot_step
 from labkit.bench import compare, measure
 from labkit.compile import static_decoder
 from labkit.device import device_name
@@ -40,6 +41,7 @@ from labkit.early_exit import self_speculative_stream
 from labkit.heads import load_exit_adapters, load_medusa
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, SpeculationStats, continuation_prompts,
                                 editing_prompts, speculative_stream)
+from labkit.static_cache import StaticKVCache, static_length
 
 
 def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
@@ -47,9 +49,13 @@ def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
     return measure(decode_step(model, context, tokens), warmup=5, repeats=50, device="cpu").median_s
 
 
-def compiled_step_cost(model: torch.nn.Module, context: int = 128) -> float:
-    """Median seconds of one compiled one-token step after ``context`` cached ones (static cache)."""
-    _, step = static_decoder(model, context + 1)
+def compiled_step_cost(model: torch.nn.Module, context: int = 128, ahead_of_time: bool = False) -> float:
+    """Median seconds of one compiled (or compiled ahead of time) one-token step after ``context``
+    cached ones (static cache)."""
+    if ahead_of_time:
+        step = aot_step(model, StaticKVCache(model.config, 1, static_length(model.config, context + 1)))
+    else:
+        _, step = static_decoder(model, context + 1)
     tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), context)
     return measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s
 
@@ -108,6 +114,10 @@ def early_exit_runs(target, params, layers, ks) -> dict:
         target, layer, p, params, k, adapter=adapters[layer], stats=s)) for layer in layers for k in ks}
 
 
+def draft_label(args: argparse.Namespace) -> str:
+    return " (compiled ahead of time)" if args.aot_draft else " (compiled)" if args.compiled_draft else ""
+
+
 GOALS = {"draft": 1.5, "lookup": 1.5, "early-exit": 1.3}  # Medusa's goal is below: a tree, ahead of chains
 
 
@@ -117,7 +127,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 6, 8])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--compiled-draft", action="store_true", help="compile the draft model's decode step")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--compiled-draft", action="store_true", help="compile the draft model's decode step")
+    how.add_argument("--aot-draft", action="store_true", help="compile the draft's decode step ahead of time")
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=[5, 6, 8, 16, 32], help="Medusa tree nodes")
     parser.add_argument("--exit-layers", type=int, nargs="+", default=[1, 2, 3], help="early-exit layers")
     parser.add_argument("--exit-ks", type=int, nargs="+", default=[2, 3, 4, 6], help="early-exit drafts per round")
@@ -136,14 +148,15 @@ def main() -> None:
     speedups = {}
     for name in args.drafters:
         title, workload, make_runs = DRAFTERS[name]
-        print(f"\n{title}{' (compiled)' * (name == 'draft' and args.compiled_draft)}, {workload} workload")
+        print(f"\n{title}{draft_label(args) * (name == 'draft')}, {workload} workload")
         speedups[name] = sweep(target, make_runs(target, draft, tokenizer, params, args), workloads[workload], params,
                                args.repeats)
     one = step_cost(target, 1)
     print(f"\none forward call, relative to a target decode step ({one * 1e3:.2f} ms) at context 128:")
     print(f"  draft decode step: {step_cost(draft, 1) / one:.3f}")
-    if args.compiled_draft:
-        print(f"  draft decode step, compiled: {compiled_step_cost(draft) / one:.3f}")
+    if args.compiled_draft or args.aot_draft:
+        cost = compiled_step_cost(draft, ahead_of_time=args.aot_draft)
+        print(f"  draft decode step, {draft_label(args).strip(' ()')}: {cost / one:.3f}")
     tokens = sorted({k + 1 for k in args.ks} | {n + 1 for n in args.tree_sizes})
     print("  the target over n tokens (verifying k = n - 1 drafts or a tree of n - 1 candidates): "
           + ", ".join(f"n={n} {step_cost(target, n) / one:.2f}" for n in tokens))
@@ -161,7 +174,7 @@ def main() -> None:
 
 DRAFTERS = {  # name: (title, workload, runs(target, draft, tokenizer, params, args))
     "draft": ("draft model", "continuation", lambda target, draft, tokenizer, params, args: drafter_runs(
-        target, ModelDrafter(draft, compiled=args.compiled_draft), params, args.ks)),
+        target, ModelDrafter(draft, compiled=args.compiled_draft, ahead_of_time=args.aot_draft), params, args.ks)),
     "lookup": ("prompt lookup", "editing", lambda target, draft, tokenizer, params, args: drafter_runs(
         target, PromptLookupDrafter(target.config.vocab_size), params, args.ks)),
     "medusa": ("Medusa heads (chains, then trees)", "continuation",

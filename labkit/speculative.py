@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from labkit.aot import aot_step
 from labkit.compile import static_decoder
 from labkit.corpus import functions
 from labkit.device import synchronize
@@ -127,10 +128,14 @@ class ModelDrafter:
 
     With ``compiled``, the draft keeps a static cache and its one-token steps run compiled
     (``labkit.compile``): a small draft's step is almost all overhead, which compiling removes.
-    Catching up on several tokens (the prompt, or a bonus token) stays eager."""
+    With ``ahead_of_time`` (a CPU only), they run compiled ahead of time (``labkit.aot``), which
+    removes the guard check and the Python wrapper too; the step is built once per cache length and
+    reused by every generation. Catching up on several tokens (the prompt, or a bonus token) stays
+    eager."""
 
-    def __init__(self, model: Transformer, compiled: bool = False) -> None:
-        self.model, self.vocab_size, self.compiled = model, model.config.vocab_size, compiled
+    def __init__(self, model: Transformer, compiled: bool = False, ahead_of_time: bool = False) -> None:
+        self.model, self.vocab_size = model, model.config.vocab_size
+        self.compiled, self.ahead_of_time = compiled or ahead_of_time, ahead_of_time
         self.cache: ContiguousKVCache | StaticKVCache | None = None
         self.step: Callable[[Tensor, Tensor], Tensor] | None = None
         self.length = 0  # tokens of the sequence in the cache
@@ -142,7 +147,11 @@ class ModelDrafter:
             self.cache = ContiguousKVCache(config, 1, capacity, dtype, device)
             return
         if self.cache is None or self.cache.max_len != static_length(config, capacity):  # else reused
-            self.cache, self.step = static_decoder(self.model, capacity)
+            if self.ahead_of_time:
+                self.cache = StaticKVCache(config, 1, static_length(config, capacity), dtype, device)
+                self.step = aot_step(self.model, self.cache)
+            else:
+                self.cache, self.step = static_decoder(self.model, capacity)
 
     def _logits(self, fed: list[int]) -> Tensor:
         """The last logits of ``fed`` run after the cached tokens."""

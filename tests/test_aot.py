@@ -226,3 +226,25 @@ def test_the_folder_keeps_the_packages_used_last(tmp_path, monkeypatch):
     monkeypatch.setattr(aot, "KEEP", 2)
     aot._prune(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt2", "old.pt2", "x.123.partial.pt2"]
+
+
+def test_a_draft_compiled_ahead_of_time_drafts_what_the_eager_draft_does(built):
+    """The same rounds, token for token, from a draft that agrees with the target often but not
+    always, and one build for two generations (the drafter keeps its cache and step)."""
+    from labkit.generate import SamplingParams
+    from labkit.speculative import ModelDrafter, SpeculationStats, speculative_stream
+    target, draft = built[0], _model(0)  # the target's weights, then noise
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    drafters = {"eager": ModelDrafter(draft), "ahead of time": ModelDrafter(draft, ahead_of_time=True)}
+    rounds = {}
+    for label, drafter in drafters.items():
+        stats = SpeculationStats(k=4)
+        for prompt in ([3, 4, 5], [9, 8]):
+            list(speculative_stream(target, drafter, prompt, params, k=4, stats=stats))
+        rounds[label] = stats.rounds
+    step = drafters["ahead of time"].step
+    assert isinstance(step, aot.AOTStep) and rounds["ahead of time"] == rounds["eager"]
+    assert any(0 < r.accepted < 4 for r in rounds["eager"]), "no round rolled back: the test would not cover it"
