@@ -30,7 +30,11 @@ def tensor_parallel_run(rank: Rank, name: str, prompts: list[list[int]], new_tok
 
 
 def _write_pid(rank: Rank, pid_folder: str) -> None:
-    Path(pid_folder, str(rank.rank)).write_text(str(os.getpid()))
+    """The rank's pid in a file named by its rank, written whole or not at all: the launcher may stop
+    a rank at any moment, and a half-written file would read as no pid."""
+    partial = Path(pid_folder, f"{rank.rank}.partial")
+    partial.write_text(str(os.getpid()))
+    os.replace(partial, Path(pid_folder, str(rank.rank)))
 
 
 def raise_on_rank_one(rank: Rank, pid_folder: str) -> None:

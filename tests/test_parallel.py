@@ -34,8 +34,9 @@ def _alive(pid: int) -> bool:
 
 
 def _pids(folder: Path) -> list[int]:
-    """The pids the ranks wrote into ``folder`` (each rank a file named by its rank)."""
-    return [int(f.read_text()) for f in folder.iterdir()]
+    """The pids the ranks wrote into ``folder`` (each rank a file named by its rank; a rank stopped
+    while writing leaves only a ``.partial`` file)."""
+    return [int(f.read_text()) for f in folder.iterdir() if f.suffix != ".partial"]
 
 
 def _all_gone(pids: list[int], within_s: float = 10.0) -> bool:
