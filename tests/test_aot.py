@@ -2,6 +2,7 @@
 weights into its own cache, a package reused or rebuilt, and clear refusals."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -14,7 +15,8 @@ from labkit.compile import eager_step
 from labkit.model import ModelConfig, Transformer
 from labkit.static_cache import StaticKVCache
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=512)
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=512,
+                     tie_embeddings=True)  # as the lab's models: one tensor under two names
 BATCH, LENGTH = 2, 32
 
 
@@ -83,16 +85,13 @@ def test_a_build_leaves_a_filled_cache_as_it_was_and_decodes_after_an_eager_pref
     assert model.rope is built[0].rope and model.rope.dtype == torch.float32  # put back after the export
 
 
-def test_tied_embeddings_are_read_under_both_names(tmp_path):
-    config = dataclasses.replace(CONFIG, tie_embeddings=True)
-    torch.manual_seed(4)
-    model = Transformer(config).eval()
-    step = aot.aot_step(model, StaticKVCache(config, BATCH, LENGTH), tmp_path)
-    assert isinstance(step, aot.AOTStep)
+def test_tied_embeddings_are_read_under_both_names(folder):
+    model = _model(4)
+    step = aot.aot_step(model, _cache(), folder)
+    assert step.from_disk and model.lm_head.weight is model.embed.weight
     with torch.no_grad():
         model.embed.weight.mul_(3)  # the LM head too: one tensor
-    torch.testing.assert_close(step(*_padding()), eager_step(model, StaticKVCache(config, BATCH, LENGTH))(*_padding()),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step(*_padding()), eager_step(model, _cache())(*_padding()), rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_of_the_same_shapes_loads_the_package_and_computes_with_its_own_weights(built, folder):
@@ -228,12 +227,15 @@ def test_the_folder_keeps_the_packages_used_last(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt2", "old.pt2", "x.123.partial.pt2"]
 
 
-def test_a_draft_compiled_ahead_of_time_drafts_what_the_eager_draft_does(built):
+def test_a_draft_compiled_ahead_of_time_drafts_what_the_eager_draft_does():
     """The same rounds, token for token, from a draft that agrees with the target often but not
     always, and one build for two generations (the drafter keeps its cache and step)."""
     from labkit.generate import SamplingParams
     from labkit.speculative import ModelDrafter, SpeculationStats, speculative_stream
-    target, draft = built[0], _model(0)  # the target's weights, then noise
+    untied = dataclasses.replace(CONFIG, tie_embeddings=False)  # tied, this tiny model's drafts all pass or all fail
+    torch.manual_seed(0)
+    target = Transformer(untied).eval()
+    draft = copy.deepcopy(target)  # the target's weights, then noise
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
