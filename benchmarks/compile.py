@@ -39,7 +39,7 @@ import torch
 
 import labkit
 from labkit import cost
-from labkit.aot import AOTStep, aot_step
+from labkit.aot import AOTStep
 from labkit.bench import alternate, format_seconds
 from labkit.compile import cache_dir, eager_step, static_decoder
 from labkit.device import device_name, get_device, synchronize
@@ -48,7 +48,7 @@ from labkit.hardware import measure_bandwidth
 from labkit.model import Transformer, forward_tokens
 from labkit.presets import GPU_PRESETS
 from labkit.shapes import DTYPE_NAMES
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache
 
 def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     """The eager, compiled, (on a CPU) compiled ahead of time and (``graphs``) graphed decode
@@ -62,7 +62,7 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
     built = {"compile_s": getattr(compiled, "compile_s", float("nan"))}
     if model.device.type == "cpu":
-        ahead = aot_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
+        _, ahead = static_decoder(model, context + 1, ahead_of_time=True)
         steps["ahead of time"] = lambda: ahead(tokens, positions)
         built["aot"] = ("; ahead of time: could not build, the row runs eagerly" if not isinstance(ahead, AOTStep) else
                         f"; ahead of time {ahead.build_s:.1f} s" + (" (its package, from disk)" * ahead.from_disk))
@@ -156,9 +156,7 @@ def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int)
     """Greedy tokens: the prompt prefilled eagerly into a static cache, then decode steps compiled
     ahead of time (``labkit.aot``), as ``stream(compiled=True)`` does with ``labkit.compile``
     (``stream`` does not offer this step: each build keeps its cache for the life of the process)."""
-    cache = StaticKVCache(model.config, 1, static_length(model.config, len(prompt) + new_tokens), model.dtype,
-                          model.device)
-    step = aot_step(model, cache)
+    cache, step = static_decoder(model, len(prompt) + new_tokens, ahead_of_time=True)
     logits, tokens = forward_tokens(model, prompt, 0, cache), []
     for position in range(len(prompt), len(prompt) + new_tokens):
         tokens.append(int(logits[-1].argmax()))
@@ -169,12 +167,12 @@ def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int)
 COLD_START = """
 import sys, time, torch, labkit
 from labkit.compile import compile_step
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache
 model, _ = labkit.load(sys.argv[1], device=sys.argv[2])
 step = compile_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
 print(getattr(step, "compile_s", float("nan")))  # nan: no compiler, the step ran eagerly
 if model.device.type == "cpu":
-    from labkit.aot import AOTStep, aot_step
+    from labkit.aot import aot_step
     step = aot_step(model, StaticKVCache(model.config, 1, 512, model.dtype, model.device))
     print(getattr(step, "build_s", float("nan")))
 """

@@ -31,7 +31,6 @@ import datetime
 import torch
 
 import labkit
-from labkit.aot import aot_step
 from labkit.bench import compare, measure
 from labkit.compile import static_decoder
 from labkit.device import device_name
@@ -41,7 +40,6 @@ from labkit.early_exit import self_speculative_stream
 from labkit.heads import load_exit_adapters, load_medusa
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, SpeculationStats, continuation_prompts,
                                 editing_prompts, speculative_stream)
-from labkit.static_cache import StaticKVCache, static_length
 
 
 def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
@@ -52,10 +50,7 @@ def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
 def compiled_step_cost(model: torch.nn.Module, context: int = 128, ahead_of_time: bool = False) -> float:
     """Median seconds of one compiled (or compiled ahead of time) one-token step after ``context``
     cached ones (static cache)."""
-    if ahead_of_time:
-        step = aot_step(model, StaticKVCache(model.config, 1, static_length(model.config, context + 1)))
-    else:
-        _, step = static_decoder(model, context + 1)
+    _, step = static_decoder(model, context + 1, ahead_of_time=ahead_of_time)
     tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), context)
     return measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s
 

@@ -156,11 +156,18 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
     return step
 
 
-def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = False
-                   ) -> tuple[StaticKVCache, CompiledStep | Step]:
+def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = False, ahead_of_time: bool = False
+                   ) -> tuple[StaticKVCache, Step]:
     """A static cache of one row for a sequence of ``tokens`` tokens (its length rounded up by
     ``static_length``) and its decode step, compiled, or with ``use_cuda_graphs`` recorded as a
-    CUDA graph (``labkit.cuda_graphs``). Each call makes a new cache, so on a GPU a new recording:
-    a few milliseconds, paid once per generation."""
+    CUDA graph (``labkit.cuda_graphs``), or with ``ahead_of_time`` compiled ahead of time
+    (``labkit.aot``, a CPU only). Each call makes a new cache, so on a GPU a new recording: a few
+    milliseconds, paid once per generation; ahead of time, a build that keeps its cache for the
+    life of the process, so that one is made once and reused."""
+    if use_cuda_graphs and ahead_of_time:
+        raise ValueError("a decode step is recorded as a CUDA graph or compiled ahead of time, not both")
     cache = StaticKVCache(model.config, 1, static_length(model.config, tokens), model.dtype, model.device)
+    if ahead_of_time:
+        from labkit.aot import aot_step  # here: labkit.aot builds on this module
+        return cache, aot_step(model, cache)
     return cache, GraphedStep(model, cache) if use_cuda_graphs else compile_step(model, cache)

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from labkit.aot import aot_step
 from labkit.compile import static_decoder
 from labkit.corpus import functions
 from labkit.device import synchronize
@@ -147,11 +146,7 @@ class ModelDrafter:
             self.cache = ContiguousKVCache(config, 1, capacity, dtype, device)
             return
         if self.cache is None or self.cache.max_len != static_length(config, capacity):  # else reused
-            if self.ahead_of_time:
-                self.cache = StaticKVCache(config, 1, static_length(config, capacity), dtype, device)
-                self.step = aot_step(self.model, self.cache)
-            else:
-                self.cache, self.step = static_decoder(self.model, capacity)
+            self.cache, self.step = static_decoder(self.model, capacity, ahead_of_time=self.ahead_of_time)
 
     def _logits(self, fed: list[int]) -> Tensor:
         """The last logits of ``fed`` run after the cached tokens."""
