@@ -1,87 +1,146 @@
-"""On a CUDA GPU: the Triton INT4 kernel's launch parameters (features per program, inputs per
-step, warps) swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x), each
-configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each layer
-shape with their bandwidth, and where the library's defaults stand. Each configuration compiles
+"""The Triton INT4 kernel's launch parameters (features per program, groups per step, warps, programs
+per feature tile) on a CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least
+2.5x), each configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each
+layer shape with their bandwidth, and where the library's defaults stand. Each configuration compiles
 first (a second or two), so the sweep stops at --budget seconds per shape.
 
     python benchmarks/int4_gpu_sweep.py --shapes 4096x11008 11008x4096 --budget 100
 
-(Through commit 4a84ebf the kernel multiplied with tl.dot, and this script swept that form and the
-matrix-vector form the kernel now has: BENCHMARKS.md, issue 35.)
+Without a GPU, ``--ptx`` compiles the kernel for an H100 (sm_90) at each configuration and counts the
+instructions in its loop, per 4-bit code, with the time that issuing them alone would take on an
+H100 (a floor: it assumes every scheduler issues at every cycle):
+
+    python benchmarks/int4_gpu_sweep.py --ptx
+
+(Through commit 4a84ebf the kernel multiplied with tl.dot, through e299b08 it loaded a scale and a
+zero point per code and summed across threads at every step; BENCHMARKS.md, issue 35.)
 """
 import argparse
+import collections
+import os
+import re
+import sys
 import time
+
+if __name__ == "__main__" and "--ptx" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"  # compile for a GPU, which Triton can do without one
 
 import torch
 import torch.nn.functional as F
 
 from labkit.bench import alternate
-from labkit.cuda_graphs import record
 from labkit.device import device_name
-from labkit.kernels.int4_matmul import int4_matmul_kernel, int4_matmul
-from labkit.kernels.runtime import triton
+from labkit.kernels.int4_matmul import int4_matmul, int4_matmul_kernel
+from labkit.kernels.runtime import compile_for_gpu, triton
 from labkit.quant import QuantLinear, Scheme
 
 CALLS = 50
-dev = torch.device("cuda")
-GRID = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (1, 2, 4)]
-DEFAULT = (4, 512, 4)  # int4_matmul's block_n, block_k and warps on a GPU
+GROUP = 64
+GRID = [(bn, groups, warps, split) for bn in (2, 4, 8, 16) for groups in (4, 8, 16) for warps in (2, 4, 8)
+        for split in (1, 2, 4)]
+DEFAULT = (4, 8, 4, 1)  # int4_matmul's block_n, groups (512 inputs at g64), warps and split_k on a GPU
+# H100 SXM datasheet: 132 SMs, 4 schedulers each issuing one warp instruction a cycle, boost 1.98 GHz
+H100_WARP_INSTRUCTIONS_PER_S = 132 * 4 * 1.98e9
 
 
-def graphed(call):
+def graphed(call, device):
     """``CALLS`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
-    return record(lambda: [call() for _ in range(CALLS)], dev)[0].replay
+    from labkit.cuda_graphs import record
+    return record(lambda: [call() for _ in range(CALLS)], device)[0].replay
 
 
-def sweep(in_f, out_f, budget_s):
+def sweep(in_f, out_f, budget_s, device):
     """Every configuration on an ``in_f -> out_f`` layer until ``budget_s`` runs out; the best 8."""
     t_start = time.monotonic()
-    linear = torch.nn.Linear(in_f, out_f, bias=False, device=dev, dtype=torch.float16)
-    layer = QuantLinear.from_linear(linear, Scheme(4, 64))
-    x = torch.randn(1, in_f, device=dev, dtype=torch.float16)
-    out = torch.empty(1, out_f, device=dev, dtype=torch.float16)
-    fp16 = graphed(lambda: F.linear(x, linear.weight))
+    linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.float16)
+    layer = QuantLinear.from_linear(linear, Scheme(4, GROUP))
+    x = torch.randn(1, in_f, device=device, dtype=torch.float16)
+    fp16 = graphed(lambda: F.linear(x, linear.weight), device)
+    want = F.linear(x.float(), layer.dequantized_weight().float())
     rows = []
-    for bn, bk, w in GRID:
+    for bn, groups, warps, split in GRID:
         if time.monotonic() - t_start > budget_s:
             print("  sweep budget spent", flush=True)
             break
         try:
-            def call(bn=bn, bk=bk, w=w):
-                int4_matmul_kernel[(triton.cdiv(out_f, bn),)](
-                    x, layer.packed, layer.scales, layer.zeros, out, 1, out_f, in_f, 64, HAS_ZEROS=True, ROWS=1,
-                    BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-            call()
-            torch.cuda.synchronize()
-            want = int4_matmul(x, layer.packed, layer.scales, layer.zeros, 64)
-            err = (out.float() - want.float()).abs().max().item()
-            g = graphed(call)
-            t = alternate({"fp16": fp16, "int4": g}, warmup=3, repeats=15, device=dev)
+            def call(bn=bn, groups=groups, warps=warps, split=split):
+                return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, bn, groups, split, warps)
+            err = (call().float() - want).abs().max().item()
+            t = alternate({"fp16": fp16, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
             ratio = t["fp16"].median_s / t["int4"].median_s
-            rows.append((ratio, bn, bk, w, t["int4"].median_s / CALLS * 1e6, t["fp16"].median_s / CALLS * 1e6, err))
-        except Exception as exc:  # a config Triton cannot compile (shared memory, shapes)
-            print(f"  {bn} {bk} {w}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-    rows.sort(reverse=True)
-    nbytes = out_f * in_f / 2 + 2 * 2 * out_f * in_f / 64
-    print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 {2 * in_f * out_f / 1e6:.1f} MB)")
-    for ratio, bn, bk, w, us, fp_us, err in rows[:8]:
-        print(f"  BN {bn:3} BK {bk:3} warps {w}: {us:6.1f} us ({nbytes / us / 1e3:6.0f} GB/s)  fp16 {fp_us:6.1f} us "
-              f"({2 * in_f * out_f / fp_us / 1e3:6.0f} GB/s)  {ratio:.2f}x  max err vs library {err:.3g}", flush=True)
-    default = [r for r in rows if r[1:4] == DEFAULT]
+            rows.append((ratio, (bn, groups, warps, split), t["int4"].median_s / CALLS * 1e6,
+                         t["fp16"].median_s / CALLS * 1e6, err))
+        except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
+            print(f"  {bn} {groups} {warps} {split}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    rows.sort(key=lambda r: r[0], reverse=True)
+    nbytes = out_f * in_f / 2 + 2 * 2 * out_f * in_f / GROUP
+    print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "
+          f"{2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
+    for ratio, (bn, groups, warps, split), us, fp_us, err in rows[:8]:
+        print(f"  BN {bn:2} groups {groups:2} warps {warps} split {split}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)"
+              f"  fp16 {fp_us:5.1f} us ({2 * in_f * out_f / fp_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}",
+              flush=True)
+    default = [r for r in rows if r[1] == DEFAULT]
     if default:
-        print(f"  the library's defaults (BN, BK, warps = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
+        print(f"  the library's defaults (BN, groups, warps, split = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
+
+
+def loop_instructions(kernel, constexprs: dict, num_warps: int, types: dict) -> collections.Counter:
+    """The instructions in the loop of ``kernel`` compiled for an H100 (sm_90), by opcode: the lines
+    between the PTX's loop header and the branch back to it. ``types``: as ``compile_for_gpu`` takes them."""
+    compiled = compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps)
+    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
+    header = next(i for i, line in enumerate(lines) if "Loop Header" in line)
+    label = lines[header].split(":")[0]
+    counts = collections.Counter()
+    for line in lines[header + 1:]:
+        op = re.match(r"(?:@!?%p\d+\s+)?([a-z][\w.]*)", line)
+        if op and op.group(1) not in ("loc",):
+            counts[op.group(1)] += 1
+        if re.search(rf"bra(\.uni)?\s+{re.escape(label)};", line):
+            return counts
+    raise RuntimeError("no loop found in the kernel's PTX")
+
+
+def ptx(shapes):
+    """Instructions per code in the kernel's loop at each configuration (batch 1, g64, fp16), and the
+    time issuing them would take on an H100 for each layer shape."""
+    types = {"X": "*fp16", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": "*fp16"}
+    print(f"int4_matmul_kernel compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
+          "the loop's instructions per thread and step:")
+    codes = {}  # one floor per layer size
+    for i, o in (map(int, s.split("x")) for s in shapes):
+        codes.setdefault(i * o, f"{i}->{o}")
+    print("  BN groups warps  instr  per code  loads  barriers   "
+          + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, name in codes.items()))
+    for bn, groups, warps in sorted({c[:3] for c in GRID if c[0] * c[1] * GROUP // 2 >= 32 * c[2]}):
+        constexprs = dict(HAS_ZEROS=True, ROWS=1, BLOCK_N=bn, GROUP=GROUP, GROUPS=groups, SPLIT_K=1)
+        counts = loop_instructions(int4_matmul_kernel, constexprs, warps, types)
+        total = sum(counts.values())
+        per_code = total / (bn * groups * GROUP / (32 * warps))
+        loads = sum(n for op, n in counts.items() if op.startswith("ld.global"))
+        floors = [f"{n * per_code / 32 / H100_WARP_INSTRUCTIONS_PER_S * 1e6:26.1f} us" for n in codes]
+        print(f"  {bn:2} {groups:6} {warps:5} {total:6} {per_code:9.2f} {loads:6} {counts['bar.sync']:9}   "
+              + "   ".join(floors), flush=True)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["4096x11008", "11008x4096"], help="IN x OUT")
     parser.add_argument("--budget", type=float, default=100, help="seconds per shape")
+    parser.add_argument("--ptx", action="store_true", help="count the loop's instructions for an H100; no GPU needed")
     args = parser.parse_args(argv)
-    print(device_name(dev), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     start = time.monotonic()
-    for shape in args.shapes:
-        sweep(*map(int, shape.split("x")), args.budget)
-    print(f"sweep took {time.monotonic() - start:.0f} s", flush=True)
+    if args.ptx:
+        ptx(args.shapes)
+    else:
+        if not torch.cuda.is_available():
+            parser.error("the sweep times the kernel on a CUDA GPU; without one, --ptx counts its instructions")
+        device = torch.device("cuda")
+        print(device_name(device), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+        for shape in args.shapes:
+            sweep(*map(int, shape.split("x")), args.budget, device)
+    print(f"took {time.monotonic() - start:.0f} s", flush=True)
     return 0
 
 

@@ -92,15 +92,16 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features,in_features,group_size,symmetric,rows,blocks", [
-    (37, 128, 64, False, 1, (None, None)),  # decode: one row; outputs not a multiple of the tile
-    (20, 96, 32, True, 3, (32, 64)),  # symmetric; inputs not a multiple of the tile
+    (37, 128, 64, False, 1, {}),  # decode: one row; outputs not a multiple of the tile
+    (20, 96, 32, True, 3, dict(block_n=32, groups=4)),  # symmetric; groups not a multiple of a step's
+    (9, 144, 24, False, 8, dict(groups=4, split_k=2)),  # a group of 24 (a padded tile); two programs a tile
 ])
 def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
                                                          rows, blocks):
     packed, scales, zeros, weight = _layer(out_features, in_features, group_size, symmetric)
     x = _inputs(rows, in_features).to(dtype)
     on_device = [t if t is None else t.to(DEVICE) for t in (x, packed, scales, zeros)]
-    y = int4_matmul(*on_device, group_size, *blocks)
+    y = int4_matmul(*on_device, group_size, **blocks)
     assert y.shape == (rows, out_features) and y.dtype == dtype
     # the weights are rounded to x's dtype, as QuantLinear's PyTorch path rounds them; fp32 on a GPU runs in fp32
     _assert_matches(y.cpu(), x, weight, {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype])
@@ -168,20 +169,14 @@ def test_both_cpu_operators_load_in_either_order():
 
 
 _COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from labkit.kernels.int4_matmul import int4_matmul_kernel
+from labkit.kernels.runtime import compile_for_gpu
 
-for capability, dtype in ((90, "fp16"), (80, "bf16")):
-    pointers = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": f"*{dtype}"}
-    constexprs = dict(HAS_ZEROS=True, ROWS=1, BLOCK_N=4, BLOCK_K=512)
-    kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
-             for name in int4_matmul_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(int4_matmul_kernel.arg_names)
-               if kinds[name] != "constexpr"}
-    compiled = triton.compile(ASTSource(fn=int4_matmul_kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
+for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2)):
+    types = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16",
+             "Out": "*fp32" if split > 1 else f"*{dtype}"}
+    constexprs = dict(HAS_ZEROS=True, ROWS=rows, BLOCK_N=4, GROUP=64, GROUPS=8, SPLIT_K=split)
+    compiled = compile_for_gpu(int4_matmul_kernel, types, constexprs, capability, num_warps=4)
     print("int4", capability, dtype, "cubin" in compiled.asm)
 """
 

@@ -254,21 +254,15 @@ def test_without_triton_the_package_imports_and_says_what_is_missing():
 _COMPILE = """
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from labkit.kernels import flash_attention_kernel, paged_decode_kernel
 from labkit.kernels.flash import tiles
 from labkit.kernels.paged_decode import decode_tile
+from labkit.kernels.runtime import compile_for_gpu
 
 SHARED = {90: 232448, 80: 166912}  # bytes of shared memory a block may use on an H100, an A100
 
 def build(kernel, pointers, constexprs, capability, **options):
-    kinds = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
-    kinds["scale_log2e"] = "fp32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)  # as a launch on
-               if kinds[name] not in ("constexpr", "fp32")}  # 16-aligned tensors with sizes of 4096 sees them
-    compiled = triton.compile(ASTSource(fn=kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", capability, 32), options=options)
+    compiled = compile_for_gpu(kernel, {**pointers, "scale_log2e": "fp32"}, constexprs, capability, **options)
     return compiled.asm, compiled.metadata.shared
 
 NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

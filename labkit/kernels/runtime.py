@@ -53,3 +53,21 @@ def unit_last_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The tensors, copied only where needed so that their last dimension is contiguous: the
     kernels pass every other stride but step along the head dimension by 1."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def compile_for_gpu(kernel, types: dict[str, str], constexprs: dict, capability: int, **options):
+    """``kernel`` (a ``@triton.jit`` function) compiled for an NVIDIA GPU of compute ``capability``
+    (90: an H100, 80: an A100), which Triton can do without one: the path the interpreter never
+    takes (layouts, types, tile sizes), down to PTX and a cubin. ``types``: the Triton type of each
+    argument that is not an int32 (``"*fp16"``, ``"fp32"``); every pointer and integer is taken as
+    a multiple of 16, as a launch on contiguous tensors with such sizes sees them. ``options``:
+    ``num_warps``, ``num_stages``. Returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata``).
+    Call it with ``TRITON_INTERPRET=0`` set before triton is imported."""
+    require_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kinds = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if kinds[name] == "i32" or kinds[name].startswith("*")}
+    return triton.compile(ASTSource(fn=kernel, signature=kinds, constexprs=constexprs, attrs=aligned),
+                          target=GPUTarget("cuda", capability, 32), options=options)
