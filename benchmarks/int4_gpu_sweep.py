@@ -8,7 +8,7 @@ first (a second or two), so the sweep stops at --budget seconds per shape.
 
 Without a GPU, ``--ptx`` compiles the kernel for an H100 (sm_90) at each configuration and counts the
 instructions in its loop, per 4-bit code, with the time that issuing them alone would take on an
-H100 (a floor: it assumes every scheduler issues at every cycle):
+H100 (a floor: it assumes every scheduler issues at every cycle; ``labkit.kernels.issue``):
 
     python benchmarks/int4_gpu_sweep.py --ptx
 
@@ -16,9 +16,7 @@ H100 (a floor: it assumes every scheduler issues at every cycle):
 zero point per code and summed across threads at every step; BENCHMARKS.md, issue 35.)
 """
 import argparse
-import collections
 import os
-import re
 import sys
 import time
 
@@ -30,8 +28,9 @@ import torch.nn.functional as F
 
 from labkit.bench import alternate
 from labkit.device import device_name
-from labkit.kernels.int4_matmul import int4_matmul, int4_matmul_kernel
-from labkit.kernels.runtime import compile_for_gpu, triton
+from labkit.kernels.int4_matmul import int4_matmul
+from labkit.kernels.issue import H100, int4_loop, per_code
+from labkit.kernels.runtime import triton
 from labkit.quant import QuantLinear, Scheme
 
 CALLS = 50
@@ -39,8 +38,6 @@ GROUP = 64
 GRID = [(bn, groups, warps, split) for bn in (2, 4, 8, 16) for groups in (4, 8, 16) for warps in (2, 4, 8)
         for split in (1, 2, 4)]
 DEFAULT = (4, 8, 4, 1)  # int4_matmul's block_n, groups (512 inputs at g64), warps and split_k on a GPU
-# H100 SXM datasheet: 132 SMs, 4 schedulers each issuing one warp instruction a cycle, boost 1.98 GHz
-H100_WARP_INSTRUCTIONS_PER_S = 132 * 4 * 1.98e9
 
 
 def graphed(call, device):
@@ -85,27 +82,9 @@ def sweep(in_f, out_f, budget_s, device):
         print(f"  the library's defaults (BN, groups, warps, split = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
 
 
-def loop_instructions(kernel, constexprs: dict, num_warps: int, types: dict) -> collections.Counter:
-    """The instructions in the loop of ``kernel`` compiled for an H100 (sm_90), by opcode: the lines
-    between the PTX's loop header and the branch back to it. ``types``: as ``compile_for_gpu`` takes them."""
-    compiled = compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps)
-    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
-    header = next(i for i, line in enumerate(lines) if "Loop Header" in line)
-    label = lines[header].split(":")[0]
-    counts = collections.Counter()
-    for line in lines[header + 1:]:
-        op = re.match(r"(?:@!?%p\d+\s+)?([a-z][\w.]*)", line)
-        if op and op.group(1) not in ("loc",):
-            counts[op.group(1)] += 1
-        if re.search(rf"bra(\.uni)?\s+{re.escape(label)};", line):
-            return counts
-    raise RuntimeError("no loop found in the kernel's PTX")
-
-
 def ptx(shapes):
     """Instructions per code in the kernel's loop at each configuration (batch 1, g64, fp16), and the
-    time issuing them would take on an H100 for each layer shape."""
-    types = {"X": "*fp16", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": "*fp16"}
+    time issuing them would take on an H100 for each layer size (``labkit.kernels.issue``)."""
     print(f"int4_matmul_kernel compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
           "the loop's instructions per thread and step:")
     codes = {}  # one floor per layer size
@@ -114,13 +93,11 @@ def ptx(shapes):
     print("  BN groups warps  instr  per code  loads  barriers   "
           + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, name in codes.items()))
     for bn, groups, warps in sorted({c[:3] for c in GRID if c[0] * c[1] * GROUP // 2 >= 32 * c[2]}):
-        constexprs = dict(HAS_ZEROS=True, ROWS=1, BLOCK_N=bn, GROUP=GROUP, GROUPS=groups, SPLIT_K=1)
-        counts = loop_instructions(int4_matmul_kernel, constexprs, warps, types)
-        total = sum(counts.values())
-        per_code = total / (bn * groups * GROUP / (32 * warps))
+        counts = int4_loop(bn, groups, warps, GROUP)
+        each = per_code(counts, bn, groups, warps, GROUP)
         loads = sum(n for op, n in counts.items() if op.startswith("ld.global"))
-        floors = [f"{n * per_code / 32 / H100_WARP_INSTRUCTIONS_PER_S * 1e6:26.1f} us" for n in codes]
-        print(f"  {bn:2} {groups:6} {warps:5} {total:6} {per_code:9.2f} {loads:6} {counts['bar.sync']:9}   "
+        floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
+        print(f"  {bn:2} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {counts['bar.sync']:9}   "
               + "   ".join(floors), flush=True)
 
 
