@@ -6,11 +6,12 @@ first (a second or two), so the sweep stops at --budget seconds per shape.
 
     python benchmarks/int4_gpu_sweep.py --shapes 4096x11008 11008x4096 --budget 100
 
-Without a GPU, ``--ptx`` compiles the kernel for an H100 (sm_90) at each configuration and counts the
-instructions in its loop, per 4-bit code, with the time that issuing them alone would take on an
-H100 (a floor: it assumes every scheduler issues at every cycle; ``labkit.kernels.issue``):
+Without a GPU, ``--instructions`` compiles the kernel for an H100 (sm_90) at each configuration and
+counts the machine instructions (SASS) in its loop, per 4-bit code, with the time that issuing them
+alone would take on an H100 (a floor: it assumes every scheduler issues at every cycle;
+``labkit.kernels.issue``):
 
-    python benchmarks/int4_gpu_sweep.py --ptx
+    python benchmarks/int4_gpu_sweep.py --instructions
 
 (Through commit 4a84ebf the kernel multiplied with tl.dot, through e299b08 it loaded a scale and a
 zero point per code and summed across threads at every step; BENCHMARKS.md, issue 35.)
@@ -20,7 +21,7 @@ import os
 import sys
 import time
 
-if __name__ == "__main__" and "--ptx" in sys.argv:
+if __name__ == "__main__" and "--instructions" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "0"  # compile for a GPU, which Triton can do without one
 
 import torch
@@ -82,11 +83,11 @@ def sweep(in_f, out_f, budget_s, device):
         print(f"  the library's defaults (BN, groups, warps, split = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
 
 
-def ptx(shapes):
+def instructions(shapes):
     """Instructions per code in the kernel's loop at each configuration (batch 1, g64, fp16), and the
     time issuing them would take on an H100 for each layer size (``labkit.kernels.issue``)."""
     print(f"int4_matmul_kernel compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
-          "the loop's instructions per thread and step:")
+          "the machine instructions in its loop, per thread and step:")
     codes = {}  # one floor per layer size
     for i, o in (map(int, s.split("x")) for s in shapes):
         codes.setdefault(i * o, f"{i}->{o}")
@@ -95,9 +96,10 @@ def ptx(shapes):
     for bn, groups, warps in sorted({c[:3] for c in GRID if c[0] * c[1] * GROUP // 2 >= 32 * c[2]}):
         counts = int4_loop(bn, groups, warps, GROUP)
         each = per_code(counts, bn, groups, warps, GROUP)
-        loads = sum(n for op, n in counts.items() if op.startswith("ld.global"))
+        loads = sum(n for op, n in counts.items() if op.startswith("LDG"))
         floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
-        print(f"  {bn:2} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {counts['bar.sync']:9}   "
+        barriers = sum(n for op, n in counts.items() if op.startswith("BAR"))
+        print(f"  {bn:2} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
               + "   ".join(floors), flush=True)
 
 
@@ -105,14 +107,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["4096x11008", "11008x4096"], help="IN x OUT")
     parser.add_argument("--budget", type=float, default=100, help="seconds per shape")
-    parser.add_argument("--ptx", action="store_true", help="count the loop's instructions for an H100; no GPU needed")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the loop's instructions for an H100; no GPU needed")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    if args.ptx:
-        ptx(args.shapes)
+    if args.instructions:
+        instructions(args.shapes)
     else:
         if not torch.cuda.is_available():
-            parser.error("the sweep times the kernel on a CUDA GPU; without one, --ptx counts its instructions")
+            parser.error("the sweep times the kernel on a CUDA GPU; without one, --instructions counts its instructions")
         device = torch.device("cuda")
         print(device_name(device), "torch", torch.__version__, "triton", triton.__version__, flush=True)
         for shape in args.shapes:

@@ -22,11 +22,11 @@ enough loads in flight on a large GPU.
 
 It is a matrix-vector product, written as elementwise products and sums rather than ``tl.dot``:
 at one row, tl.dot's 16-row minimum tile wastes 15/16 of its work. On a GPU its speed is set by
-how many instructions it issues per code, not by its bytes (BENCHMARKS.md, issue 35): the first
-matrix-vector form issued about 20 per code in its loop (a load of the scale and the zero point
-per code, a division to find the group, sums across threads at every step) and ran 0.62x fp16
-``F.linear`` on an H100; this form issues 7 to 9 (``benchmarks/int4_gpu_sweep.py --ptx`` counts
-them without a GPU).
+how many instructions it issues per code as much as by its bytes (``labkit.kernels.issue``). The
+first matrix-vector form loaded a scale and a zero point per code, divided to find each code's
+group, converted each code with its own instruction and summed across threads at every step; it
+ran 0.62x fp16 ``F.linear`` on an H100. This form issues about a third as many instructions per
+code (BENCHMARKS.md, issue 35; ``benchmarks/int4_gpu_sweep.py --instructions`` counts them).
 
 On this lab's CPUs it runs in Triton's interpreter (tests only); on a CPU, labkit uses the C++
 operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` chooses between them.

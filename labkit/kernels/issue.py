@@ -1,8 +1,8 @@
 """How many instructions a GPU kernel issues, counted without a GPU.
 
 Triton compiles a kernel for an NVIDIA GPU that the machine does not have
-(``runtime.compile_for_gpu``). The PTX of the kernel's main loop then lists what each warp issues
-per step. An SM issues at most one warp instruction per scheduler per cycle. So a kernel's
+(``runtime.compile_for_gpu``), down to the GPU's machine code (SASS). The kernel's main loop then
+lists what each warp issues per step. An SM issues at most one warp instruction per scheduler per cycle. So a kernel's
 instructions set a floor on its time, as its bytes over the memory bandwidth do, and it takes at
 least the larger of the two.
 
@@ -21,8 +21,8 @@ the kernel is bound by its instructions, not its bytes.
 Where Triton runs in its interpreter (on a CPU: ``triton.jit`` then makes interpreted functions,
 which do not compile), ``int4_loop`` counts in a subprocess:
 ``python -m labkit.kernels.issue BLOCK_N GROUPS WARPS GROUP`` prints the counts as JSON.
-PTX is not quite what the GPU runs, since its assembler may merge or expand instructions, so the
-floor is an estimate from below.
+The floor assumes that every scheduler issues at every cycle, which no kernel quite does: a
+kernel near its floor is bound by its instructions.
 """
 from __future__ import annotations
 
@@ -63,23 +63,26 @@ H100 = IssueRate("H100 SXM", sms=132, schedulers=4, clock_hz=1.98e9)
 
 
 def loop_instructions(kernel, constexprs: dict, types: dict[str, str], num_warps: int) -> collections.Counter:
-    """The instructions in the loop of ``kernel`` compiled for an H100 (sm_90), by opcode: the PTX
-    lines between its loop header and the branch back to it, each one instruction a warp issues per
-    step. ``types``: as ``compile_for_gpu`` takes them. Needs Triton compiling, not interpreting."""
+    """The machine instructions (SASS) in the loop of ``kernel`` compiled for an H100 (sm_90), by
+    opcode: the lines from the loop's label to the branch back to it, each one instruction a warp
+    issues per step. Triton's own disassembler reads them from the cubin (it runs ``cuobjdump``,
+    which Triton ships). ``types``: as ``compile_for_gpu`` takes them. Needs Triton compiling, not
+    interpreting."""
+    from triton.tools.disasm import get_sass
     compiled = compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps)
-    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
-    header = next((i for i, line in enumerate(lines) if "Loop Header" in line), None)
-    if header is None:
-        raise ValueError(f"{kernel.__name__} compiled to PTX without a loop")
-    label = lines[header].split(":")[0]
-    counts: collections.Counter = collections.Counter()
-    for line in lines[header + 1:]:
-        op = re.match(r"(?:@!?%p\d+\s+)?([a-z][\w.]*)", line)
-        if op:
-            counts[op.group(1)] += 1
-        if re.search(rf"bra(\.uni)?\s+{re.escape(label)};", line):
-            return counts
-    raise ValueError(f"{kernel.__name__}'s PTX loop has no branch back to {label}")
+    lines = [line.strip() for line in get_sass(compiled.asm["cubin"]).splitlines()]
+    labels, code = {}, []  # a label's position in code; code: each instruction's text
+    for line in lines:
+        if re.fullmatch(r"LBB\d+:", line):
+            labels[line[:-1]] = len(code)
+        elif ";" in line:
+            code.append(line.split("\t")[-1])
+    loops = [(labels[m.group(1)], end) for end, text in enumerate(code)
+             if (m := re.search(r"\bBRA (LBB\d+);", text)) and labels.get(m.group(1), end + 1) <= end]
+    if not loops:
+        raise ValueError(f"{kernel.__name__} compiled without a loop")
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in code[start:end + 1])
 
 
 def int4_loop(block_n: int = 4, groups: int = 8, num_warps: int = 4, group_size: int = 64,
