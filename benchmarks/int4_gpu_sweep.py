@@ -14,9 +14,10 @@ alone would take on an H100 (a floor: it assumes every scheduler issues at every
     python benchmarks/int4_gpu_sweep.py --instructions
 
 (Through commit 4a84ebf the kernel multiplied with tl.dot, through e299b08 it loaded a scale and a
-zero point per code and summed across threads at every step; BENCHMARKS.md, issue 35.)
+zero point per byte of codes and summed across threads at every step; BENCHMARKS.md, issue 35.)
 """
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -29,16 +30,21 @@ import torch.nn.functional as F
 
 from labkit.bench import alternate
 from labkit.device import device_name
-from labkit.kernels.int4_matmul import int4_matmul
-from labkit.kernels.issue import H100, int4_loop, per_code
+from labkit.kernels.int4_matmul import int4_matmul, launch_parameters
+from labkit.kernels.issue import int4_loop
+from labkit.presets import ISSUE_RATES, gpu
 from labkit.kernels.runtime import triton
 from labkit.quant import QuantLinear, Scheme
 
 CALLS = 50
 GROUP = 64
-GRID = [(bn, groups, warps, split) for bn in (2, 4, 8, 16) for groups in (4, 8, 16) for warps in (2, 4, 8)
-        for split in (1, 2, 4)]
-DEFAULT = (4, 8, 4, 1)  # int4_matmul's block_n, groups (512 inputs at g64), warps and split_k on a GPU
+H100 = ISSUE_RATES["H100-SXM"]
+DEFAULT = launch_parameters(GROUP, on_gpu=True)  # int4_matmul's block_n, groups, split_k and warps on a GPU
+# the library's defaults first, then the rest, those with fewer instructions per code (larger tiles, fewer
+# warps; BENCHMARKS.md) before the others and one program per feature tile before split_k, so that a
+# sweep cut short by its budget has timed the likeliest ones
+GRID = [DEFAULT] + [(bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4) for groups in (16, 8, 4)
+                    for warps in (2, 4) if (bn, groups, split, warps) != DEFAULT]
 
 
 def graphed(call, device):
@@ -56,17 +62,17 @@ def sweep(in_f, out_f, budget_s, device):
     fp16 = graphed(lambda: F.linear(x, linear.weight), device)
     want = F.linear(x.float(), layer.dequantized_weight().float())
     rows = []
-    for bn, groups, warps, split in GRID:
+    for bn, groups, split, warps in GRID:
         if time.monotonic() - t_start > budget_s:
             print("  sweep budget spent", flush=True)
             break
         try:
-            def call(bn=bn, groups=groups, warps=warps, split=split):
+            def call(bn=bn, groups=groups, split=split, warps=warps):
                 return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, bn, groups, split, warps)
             err = (call().float() - want).abs().max().item()
             t = alternate({"fp16": fp16, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
             ratio = t["fp16"].median_s / t["int4"].median_s
-            rows.append((ratio, (bn, groups, warps, split), t["int4"].median_s / CALLS * 1e6,
+            rows.append((ratio, (bn, groups, split, warps), t["int4"].median_s / CALLS * 1e6,
                          t["fp16"].median_s / CALLS * 1e6, err))
         except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
             print(f"  {bn} {groups} {warps} {split}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
@@ -74,13 +80,13 @@ def sweep(in_f, out_f, budget_s, device):
     nbytes = out_f * in_f / 2 + 2 * 2 * out_f * in_f / GROUP
     print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "
           f"{2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
-    for ratio, (bn, groups, warps, split), us, fp_us, err in rows[:8]:
+    for ratio, (bn, groups, split, warps), us, fp_us, err in rows[:8]:
         print(f"  BN {bn:2} groups {groups:2} warps {warps} split {split}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)"
               f"  fp16 {fp_us:5.1f} us ({2 * in_f * out_f / fp_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}",
               flush=True)
     default = [r for r in rows if r[1] == DEFAULT]
     if default:
-        print(f"  the library's defaults (BN, groups, warps, split = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
+        print(f"  the library's defaults (BN, groups, split, warps = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
 
 
 def instructions(shapes):
@@ -88,23 +94,28 @@ def instructions(shapes):
     time issuing them would take on an H100 for each layer size (``labkit.kernels.issue``)."""
     print(f"int4_matmul_kernel compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
           "the machine instructions in its loop, per thread and step:")
-    codes = {}  # one floor per layer size
+    codes = {}  # one floor per layer size: its name and input features
     for i, o in (map(int, s.split("x")) for s in shapes):
-        codes.setdefault(i * o, f"{i}->{o}")
+        codes.setdefault(i * o, (f"{i}->{o}", i))
+    bandwidth = gpu("H100-SXM").bandwidth
+    for n, (name, in_f) in codes.items():
+        int4_bytes, fp16_bytes = n * Scheme(4, GROUP).bits_per_weight(in_f) / 8, 2 * n
+        print(f"  {name}: INT4 g{GROUP} {int4_bytes / 1e6:.1f} MB, read at the datasheet's {bandwidth / 1e12:.2f} TB/s "
+              f"in {int4_bytes / bandwidth * 1e6:.1f} us; fp16 {fp16_bytes / 1e6:.1f} MB in "
+              f"{fp16_bytes / bandwidth * 1e6:.1f} us")
     print("  BN groups warps  instr  per code  loads  barriers   "
-          + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, name in codes.items()))
-    for bn, groups, warps in sorted({c[:3] for c in GRID if c[0] * c[1] * GROUP // 2 >= 32 * c[2]}):
-        counts = int4_loop(bn, groups, warps, GROUP)
-        each = per_code(counts, bn, groups, warps, GROUP)
+          + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, (name, _) in codes.items()))
+    for bn, groups, warps in itertools.product((2, 4, 8, 16), (4, 8, 16), (2, 4, 8)):
+        counts, each = int4_loop(bn, groups, warps, GROUP)
         loads = sum(n for op, n in counts.items() if op.startswith("LDG"))
-        floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
         barriers = sum(n for op, n in counts.items() if op.startswith("BAR"))
+        floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
         print(f"  {bn:2} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
               + "   ".join(floors), flush=True)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--shapes", nargs="+", default=["4096x11008", "11008x4096"], help="IN x OUT")
     parser.add_argument("--budget", type=float, default=100, help="seconds per shape")
     parser.add_argument("--instructions", action="store_true",
@@ -115,7 +126,8 @@ def main(argv=None):
         instructions(args.shapes)
     else:
         if not torch.cuda.is_available():
-            parser.error("the sweep times the kernel on a CUDA GPU; without one, --instructions counts its instructions")
+            parser.error("the sweep times the kernel on a CUDA GPU; without one, --instructions counts its "
+                         "instructions")
         device = torch.device("cuda")
         print(device_name(device), "torch", torch.__version__, "triton", triton.__version__, flush=True)
         for shape in args.shapes:

@@ -55,6 +55,27 @@ class Hardware:
         return attainable_flops(intensity, self.peak_flops, self.bandwidth)
 
 
+@dataclass(frozen=True)
+class IssueRate:
+    """A GPU's peak instruction issue: ``sms`` multiprocessors of ``schedulers`` each issuing one
+    warp instruction (32 threads) per cycle at ``clock_hz``. Instructions set a floor on a
+    kernel's time, as bytes over the bandwidth do (``labkit.kernels.issue`` counts a kernel's)."""
+
+    name: str
+    sms: int
+    schedulers: int
+    clock_hz: float
+
+    @property
+    def warp_instructions_per_s(self) -> float:
+        return self.sms * self.schedulers * self.clock_hz
+
+    def floor_s(self, thread_instructions: float) -> float:
+        """The least time that issuing ``thread_instructions`` (summed over threads, 32 to a warp) can
+        take, with every scheduler issuing at every cycle."""
+        return thread_instructions / 32 / self.warp_instructions_per_s
+
+
 def matmul_flops(m: int, n: int, k: int) -> int:
     """FLOPs of (m x k) @ (k x n): one multiply and one add per term."""
     return 2 * m * n * k

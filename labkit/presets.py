@@ -9,7 +9,7 @@ upper bounds, not measurements: ``labkit.hardware.probe`` measures the machine y
 """
 from __future__ import annotations
 
-from labkit.hardware import Hardware
+from labkit.hardware import Hardware, IssueRate
 from labkit.interconnect import Link
 from labkit.memory import ModelShape
 
@@ -31,6 +31,11 @@ GPU_PRESETS: dict[str, Hardware] = {
     "T4": _gpu("T4 16GB", 16, 0.32, 65, dtype="fp16"),
     "RTX-4090": _gpu("RTX 4090 24GB", 24, 1.008, 165),
 }
+
+
+# Instruction issue, from NVIDIA's H100 datasheet and Hopper architecture whitepaper: the SXM5 part
+# has 132 SMs of 4 warp schedulers, each issuing one warp instruction a cycle, at up to 1.98 GHz.
+ISSUE_RATES: dict[str, IssueRate] = {"H100-SXM": IssueRate("H100 SXM 80GB", sms=132, schedulers=4, clock_hz=1.98e9)}
 
 
 def gpu(name: str) -> Hardware:

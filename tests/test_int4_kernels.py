@@ -95,6 +95,7 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
     (37, 128, 64, False, 1, {}),  # decode: one row; outputs not a multiple of the tile
     (20, 96, 32, True, 3, dict(block_n=32, groups=4)),  # symmetric; groups not a multiple of a step's
     (9, 144, 24, False, 8, dict(groups=4, split_k=2)),  # a group of 24 (a padded tile); two programs a tile
+    (6, 64, 32, False, 2, dict(groups=1, split_k=4)),  # more programs than steps: two of four sum nothing
 ])
 def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
                                                          rows, blocks):
@@ -169,13 +170,13 @@ def test_both_cpu_operators_load_in_either_order():
 
 
 _COMPILE = """
-from labkit.kernels.int4_matmul import int4_matmul_kernel
+from labkit.kernels.int4_matmul import int4_matmul_kernel, kernel_constants
 from labkit.kernels.runtime import compile_for_gpu
 
 for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2)):
     types = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16",
              "Out": "*fp32" if split > 1 else f"*{dtype}"}
-    constexprs = dict(HAS_ZEROS=True, ROWS=rows, BLOCK_N=4, GROUP=64, GROUPS=8, SPLIT_K=split)
+    constexprs = kernel_constants(rows, 64, block_n=4, groups=8, split_k=split, has_zeros=True)
     compiled = compile_for_gpu(int4_matmul_kernel, types, constexprs, capability, num_warps=4)
     print("int4", capability, dtype, "cubin" in compiled.asm)
 """
@@ -191,14 +192,43 @@ def test_the_triton_kernel_compiles_for_hopper_and_ampere_gpus():
 
 
 @needs_triton
+def test_zero_points_need_not_be_whole_numbers():
+    """Zero points are fp16 and may come from elsewhere with fractions: the kernel applies them to each
+    group's sum of x, exactly as the dequantized weight does (a first version rounded them to whole numbers)."""
+    packed, scales, _, _ = _layer(13, 128, 32, symmetric=True)
+    zeros = (torch.rand(13, 4, generator=torch.Generator().manual_seed(2)) * 15).half()  # 7.3, 0.6, ...
+    weight = (quant.unpack_int4(packed).float() - zeros.float().repeat_interleave(32, dim=1)) * \
+        scales.float().repeat_interleave(32, dim=1)
+    x = _inputs(2, 128)
+    _assert_matches(int4_matmul(x, packed, scales, zeros, 32), x, weight, 2e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("change,message", [
+    (dict(split_k=0), r"split_k=0 must be a positive integer"),
+    (dict(block_n=3), r"block_n=3 must be a power of two"),
+    (dict(groups=0), r"groups=0 must be a positive integer"),
+    (dict(num_warps=2.0), r"num_warps=2.0 must be a positive integer"),
+])
+def test_bad_launch_parameters_are_refused_by_name(change, message):
+    packed, scales, zeros, _ = _layer(8, 64, 32, symmetric=False)
+    with pytest.raises(ValueError, match=message):
+        int4_matmul(_inputs(1, 64), packed, scales, zeros, 32, **change)
+
+
+@needs_triton
 def test_the_gpu_kernel_issues_few_instructions_per_code():
     """The Triton kernel's loop, compiled for an H100 and its machine code counted (in a subprocess
     here, as Triton interprets in this one): no conversion instruction per code, one load of codes,
     a scale, a zero point and x per step, and under 12 instructions per code at the GPU defaults,
     where the form before (e299b08) took 30."""
-    from labkit.kernels.issue import H100, int4_loop, per_code
-    counts = int4_loop()
+    from labkit.kernels.issue import int4_loop
+    from labkit.presets import ISSUE_RATES
+    counts, per_code = int4_loop()
     assert not any(op.startswith("I2F") for op in counts), counts
     assert sum(n for op, n in counts.items() if op.startswith("LDG")) <= 6, counts
-    assert 5 < per_code(counts) < 12, counts
-    assert H100.floor_s(32 * H100.warp_instructions_per_s) == pytest.approx(1.0)
+    assert 5 < per_code < 12, counts
+    assert per_code == sum(counts.values()) / (4 * 8 * 64 / 128)  # 4 features x 8 groups of 64 over 128 threads
+    assert ISSUE_RATES["H100-SXM"].floor_s(32 * 528 * 1.98e9) == pytest.approx(1.0)  # 132 SMs x 4 schedulers
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        int4_loop(dtype="int8")

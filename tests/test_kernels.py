@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -412,14 +413,18 @@ def test_the_registered_operator_checks_the_ranges_it_reads_by_itself():
         op(q, k_pool, v_pool, tables[:1], lengths, 1.0)
 
 
-def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes():
-    """Torch's lock file, left by a killed build, had made every later build wait for it forever."""
+def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes(tmp_path):
+    """Torch's lock file, left by a killed build, had made every later build wait for it forever.
+    The cached build is copied to a folder of this test's own (its files' times kept, so that it is
+    still up to date there): a build by another test running beside it must not find the lock first."""
     paged_decode_cpu_module.build()  # built and cached before the timing below
-    lock = paged_decode_cpu_module.build_directory() / "lock"
-    lock.touch()  # as a build killed a moment ago leaves it
-    ran = _python("from labkit.kernels.paged_decode_cpu import build\nbuild()\nprint('built')")
+    cached = paged_decode_cpu_module.build_directory()
+    ours = shutil.copytree(cached, tmp_path / cached.name, ignore=shutil.ignore_patterns("lock"))
+    (ours / "lock").touch()  # as a build killed a moment ago leaves it
+    ran = _python("from labkit.kernels.paged_decode_cpu import build\nbuild()\nprint('built')",
+                  TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert ran.stdout == "built\n" and "left by a build that did not finish" in ran.stderr, ran.stderr
-    assert not lock.exists()
+    assert not (ours / "lock").exists()
 
 
 def test_a_build_waits_for_another_that_is_running():

@@ -59,13 +59,18 @@ def compile_for_gpu(kernel, types: dict[str, str], constexprs: dict, capability:
     """``kernel`` (a ``@triton.jit`` function) compiled for an NVIDIA GPU of compute ``capability``
     (90: an H100, 80: an A100), which Triton can do without one: the path the interpreter never
     takes (layouts, types, tile sizes), down to PTX and a cubin. ``types``: the Triton type of each
-    argument that is not an int32 (``"*fp16"``, ``"fp32"``); every pointer and integer is taken as
-    a multiple of 16, as a launch on contiguous tensors with such sizes sees them. ``options``:
-    ``num_warps``, ``num_stages``. Returns Triton's compiled kernel (``.asm["ptx"]``, ``.metadata``).
-    Call it with ``TRITON_INTERPRET=0`` set before triton is imported."""
+    argument that is not an int32 (``"*fp16"``, ``"fp32"``); every pointer and integer argument is
+    taken as a multiple of 16 (aligned tensors, sizes such as 4096), as Triton would specialise a
+    launch on them. ``options``: ``num_warps``, ``num_stages``. Returns Triton's compiled kernel
+    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``). Call it with ``TRITON_INTERPRET=0`` set
+    before triton is imported (else ``triton.jit`` makes interpreted functions, which do not compile)."""
     require_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    unknown = sorted(set(types) - set(kernel.arg_names)) + sorted(set(constexprs) - set(kernel.arg_names))
+    if unknown:
+        raise ValueError(f"{kernel.__name__} has no argument {', '.join(unknown)}; its arguments: "
+                         f"{', '.join(kernel.arg_names)}")
     kinds = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                if kinds[name] == "i32" or kinds[name].startswith("*")}
