@@ -40,11 +40,12 @@ CALLS = 50
 GROUP = 64
 H100 = ISSUE_RATES["H100-SXM"]
 DEFAULT = launch_parameters(GROUP, on_gpu=True)  # int4_matmul's block_n, groups, split_k and warps on a GPU
-# the library's defaults first, then the rest, those with fewer instructions per code (larger tiles, fewer
-# warps; BENCHMARKS.md) before the others and one program per feature tile before split_k, so that a
-# sweep cut short by its budget has timed the likeliest ones
-GRID = [DEFAULT] + [(bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4) for groups in (16, 8, 4)
-                    for warps in (2, 4) if (bn, groups, split, warps) != DEFAULT]
+# every configuration: the library's defaults first, then those with fewer instructions per code (larger
+# tiles, fewer warps; BENCHMARKS.md) and one program per feature tile, then the rest, so that a sweep cut
+# short by its budget has timed the likeliest ones
+LIKELY = [(bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)]
+GRID = list(dict.fromkeys([DEFAULT] + LIKELY + [(bn, groups, split, warps) for split in (1, 2, 4)
+                                                for bn in (16, 8, 4, 2) for groups in (16, 8, 4) for warps in (2, 4, 1, 8)]))
 
 
 def graphed(call, device):
@@ -75,7 +76,8 @@ def sweep(in_f, out_f, budget_s, device):
             rows.append((ratio, (bn, groups, split, warps), t["int4"].median_s / CALLS * 1e6,
                          t["fp16"].median_s / CALLS * 1e6, err))
         except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
-            print(f"  {bn} {groups} {warps} {split}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            print(f"  BN {bn} groups {groups} split {split} warps {warps}: {type(exc).__name__}: {str(exc)[:120]}",
+                  flush=True)
     rows.sort(key=lambda r: r[0], reverse=True)
     nbytes = out_f * in_f / 2 + 2 * 2 * out_f * in_f / GROUP
     print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "

@@ -35,6 +35,8 @@ operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` choo
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -96,19 +98,23 @@ def launch_parameters(group_size: int, block_n: int | None = None, groups: int |
     (ValueError naming the first that is not a positive integer, or not a power of two where the
     kernel needs one), the others filled in with the defaults for a GPU (``on_gpu``; by default,
     unless Triton interprets) or for the interpreter."""
-    on_gpu = not interpreted() if on_gpu is None else on_gpu
-    chosen = dict(block_n=block_n or (GPU_BLOCK_N if on_gpu else INTERPRETER_BLOCK_N),
-                  groups=groups or (triton.next_power_of_2(max(1, GPU_INPUTS_PER_STEP // group_size)) if on_gpu
-                                    else INTERPRETER_GROUPS),
-                  split_k=split_k, num_warps=num_warps or (GPU_WARPS if on_gpu else 1))
-    for name, value in (("block_n", block_n), ("groups", groups), ("split_k", split_k), ("num_warps", num_warps)):
-        if value is None:
+    given = dict(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
+    for name, value in given.items():
+        if value is None and name != "split_k":
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+        try:
+            value = operator.index(value)  # an int, or an integer type of numpy or torch; not a bool or float
+        except TypeError:
+            value = None
+        if value is None or isinstance(given[name], bool) or value < 1:
+            raise ValueError(f"{name}={given[name]!r} must be a positive integer")
         if name != "split_k" and value & (value - 1):
-            raise ValueError(f"{name}={value} must be a power of two (a tile's sides are)")
-    return chosen["block_n"], chosen["groups"], chosen["split_k"], chosen["num_warps"]
+            raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
+        given[name] = value
+    on_gpu = not interpreted() if on_gpu is None else on_gpu
+    default_groups = triton.next_power_of_2(max(1, GPU_INPUTS_PER_STEP // group_size)) if on_gpu else INTERPRETER_GROUPS
+    return (given["block_n"] or (GPU_BLOCK_N if on_gpu else INTERPRETER_BLOCK_N), given["groups"] or default_groups,
+            given["split_k"], given["num_warps"] or (GPU_WARPS if on_gpu else 1))
 
 
 def kernel_constants(rows: int, group_size: int, block_n: int, groups: int, split_k: int, has_zeros: bool) -> dict:
@@ -124,9 +130,9 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     ``[out, in / 2]`` and fp16 ``scales`` and ``zeros`` ``[out, in / group_size]`` (``zeros`` None: a
     symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``block_n`` output features
     per program and ``groups`` groups per step (powers of two); ``split_k`` programs per feature tile;
-    ``num_warps`` per program. Defaults (``launch_parameters``): on a GPU 4 features, the groups
-    closest to 512 inputs a step (rounded up to a power of two) and 4 warps; 16 features, 2 groups
-    and 1 warp in the interpreter."""
+    ``num_warps`` per program. Defaults (``launch_parameters``): on a GPU 4 features, 512 / group_size
+    groups a step (rounded up to a power of two) and 4 warps; 16 features, 2 groups and 1 warp in the
+    interpreter."""
     check_int4_matmul(x, packed, scales, zeros, group_size, max_rows=MAX_ROWS)
     check_device(*(t for t in (x, packed, scales, zeros) if t is not None))
     block_n, groups, split_k, num_warps = launch_parameters(group_size, block_n, groups, split_k, num_warps)

@@ -27,6 +27,7 @@ one body; the lab's INT4 loop has a step count known only at run time, and is no
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -66,9 +67,12 @@ def int4_loop(block_n: int | None = None, groups: int | None = None, num_warps: 
     """The loop of the lab's INT4 kernel compiled for an H100 at these launch parameters (the GPU
     defaults of ``int4_matmul.launch_parameters`` where None), for one row of ``dtype`` activations
     with zero points: its instructions by opcode, and per 4-bit code (a step's instructions over the
-    codes each thread handles in it). In this process if Triton compiles here, else in a subprocess."""
+    real codes each thread handles in it, padding left out). In this process if Triton compiles
+    here, else in a subprocess. ValueError for a group size the kernel does not take."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: the kernel takes {', '.join(DTYPES)}")
+    if not isinstance(group_size, int) or group_size < 8 or group_size % 8:
+        raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
     from labkit.kernels.int4_matmul import kernel_constants, launch_parameters
     block_n, groups, _, num_warps = launch_parameters(group_size, block_n, groups, 1, num_warps, on_gpu=True)
     if interpreted():
@@ -89,10 +93,13 @@ def _count_in_subprocess(args: list, timeout_s: float) -> collections.Counter:
                              env={**os.environ, "TRITON_INTERPRET": "0"})
     try:
         out, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+    except BaseException as stopped:  # the time limit, or Ctrl-C: the child's own session would outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
-        raise RuntimeError(f"counting the INT4 kernel's instructions took over {timeout_s:g} s; stopped") from None
+        if isinstance(stopped, subprocess.TimeoutExpired):
+            raise RuntimeError(f"counting the INT4 kernel's instructions took over {timeout_s:g} s; stopped") from None
+        raise
     if child.returncode != 0:
         raise RuntimeError(f"counting the INT4 kernel's instructions failed: {err.strip()[-2000:]}")
     return collections.Counter(json.loads(out))
