@@ -44,8 +44,9 @@ DEFAULT = launch_parameters(GROUP, on_gpu=True)  # int4_matmul's block_n, groups
 # tiles, fewer warps; BENCHMARKS.md) and one program per feature tile, then the rest, so that a sweep cut
 # short by its budget has timed the likeliest ones
 LIKELY = [(bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)]
-GRID = list(dict.fromkeys([DEFAULT] + LIKELY + [(bn, groups, split, warps) for split in (1, 2, 4)
-                                                for bn in (16, 8, 4, 2) for groups in (16, 8, 4) for warps in (2, 4, 1, 8)]))
+ALL = [(bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4, 2) for groups in (16, 8, 4)
+       for warps in (2, 4, 1, 8)]
+GRID = list(dict.fromkeys([DEFAULT] + LIKELY + ALL))  # in that order, each once
 
 
 def graphed(call, device):
