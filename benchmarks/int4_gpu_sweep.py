@@ -80,7 +80,7 @@ def sweep(in_f, out_f, budget_s, device):
             print(f"  BN {bn} groups {groups} split {split} warps {warps}: {type(exc).__name__}: {str(exc)[:120]}",
                   flush=True)
     rows.sort(key=lambda r: r[0], reverse=True)
-    nbytes = out_f * in_f / 2 + 2 * 2 * out_f * in_f / GROUP
+    nbytes = layer.nbytes()  # codes, scales and zero points
     print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "
           f"{2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
     for ratio, (bn, groups, split, warps), us, fp_us, err in rows[:8]:

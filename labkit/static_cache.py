@@ -80,8 +80,8 @@ class StaticKVCache:
 
     def with_tensors(self, k: list[Tensor], v: list[Tensor], key_slots: Tensor, rows: Tensor) -> StaticKVCache:
         """A cache of this one's length whose tensors are the ones given (no copy): a view of some
-        of its rows, its own tensors reached another way (``labkit.aot`` reads them as a module's
-        buffers, so that ``torch.export`` sees them as state it may write), or copies of them."""
+        of its rows, or its own tensors reached another way (``labkit.aot`` reads them as a module's
+        buffers, so that ``torch.export`` sees them as state it may write)."""
         view = object.__new__(StaticKVCache)
         view.max_len, view.k, view.v, view.key_slots, view.rows = self.max_len, k, v, key_slots, rows
         return view

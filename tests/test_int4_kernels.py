@@ -170,14 +170,12 @@ def test_both_cpu_operators_load_in_either_order():
 
 
 _COMPILE = """
-from labkit.kernels.int4_matmul import int4_matmul_kernel, kernel_constants
+from labkit.kernels.int4_matmul import int4_matmul_kernel, kernel_constants, kernel_types
 from labkit.kernels.runtime import compile_for_gpu
 
 for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2)):
-    types = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16",
-             "Out": "*fp32" if split > 1 else f"*{dtype}"}
     constexprs = kernel_constants(rows, 64, block_n=4, groups=8, split_k=split, has_zeros=True)
-    compiled = compile_for_gpu(int4_matmul_kernel, types, constexprs, capability, num_warps=4)
+    compiled = compile_for_gpu(int4_matmul_kernel, kernel_types(dtype, split), constexprs, capability, num_warps=4)
     print("int4", capability, dtype, "cubin" in compiled.asm)
 """
 

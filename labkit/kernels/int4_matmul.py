@@ -35,14 +35,12 @@ operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` choo
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import Tensor
 
 from labkit.kernels.int4_matmul_cpu import MAX_ROWS  # one limit on both devices; prefill dequantizes
 from labkit.kernels.runtime import check_device, interpreted, tl, triton
-from labkit.validate import check_int4_matmul
+from labkit.validate import check_int4_matmul, is_int
 
 
 @triton.jit
@@ -98,29 +96,31 @@ def launch_parameters(group_size: int, block_n: int | None = None, groups: int |
     (ValueError naming the first that is not a positive integer, or not a power of two where the
     kernel needs one), the others filled in with the defaults for a GPU (``on_gpu``; by default,
     unless Triton interprets) or for the interpreter."""
-    given = dict(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
-    for name, value in given.items():
+    for name, value in (("block_n", block_n), ("groups", groups), ("split_k", split_k), ("num_warps", num_warps)):
         if value is None and name != "split_k":
-            continue
-        try:
-            value = operator.index(value)  # an int, or an integer type of numpy or torch; not a bool or float
-        except TypeError:
-            value = None
-        if value is None or isinstance(given[name], bool) or value < 1:
-            raise ValueError(f"{name}={given[name]!r} must be a positive integer")
+            continue  # a default, below
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
         if name != "split_k" and value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
-        given[name] = value
     on_gpu = not interpreted() if on_gpu is None else on_gpu
     default_groups = triton.next_power_of_2(max(1, GPU_INPUTS_PER_STEP // group_size)) if on_gpu else INTERPRETER_GROUPS
-    return (given["block_n"] or (GPU_BLOCK_N if on_gpu else INTERPRETER_BLOCK_N), given["groups"] or default_groups,
-            given["split_k"], given["num_warps"] or (GPU_WARPS if on_gpu else 1))
+    return (int(block_n or (GPU_BLOCK_N if on_gpu else INTERPRETER_BLOCK_N)), int(groups or default_groups),
+            int(split_k), int(num_warps or (GPU_WARPS if on_gpu else 1)))
 
 
 def kernel_constants(rows: int, group_size: int, block_n: int, groups: int, split_k: int, has_zeros: bool) -> dict:
     """The kernel's compile-time arguments for ``rows`` rows of activations and these launch parameters."""
     return dict(HAS_ZEROS=has_zeros, ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, GROUP=group_size,
                 PADDED=triton.next_power_of_2(group_size // 2), GROUPS=groups, SPLIT_K=split_k)
+
+
+def kernel_types(dtype: str, split_k: int = 1) -> dict[str, str]:
+    """The Triton types of the kernel's pointers for ``dtype`` activations ("fp16", "bf16" or "fp32"),
+    to compile it for a named GPU (``runtime.compile_for_gpu``): its output is fp32 partial sums
+    when ``split_k`` programs share a tile."""
+    return {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16",
+            "Out": "*fp32" if split_k > 1 else f"*{dtype}"}
 
 
 def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,

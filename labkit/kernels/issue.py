@@ -36,6 +36,7 @@ import subprocess
 import sys
 
 from labkit.kernels.runtime import compile_for_gpu, interpreted
+from labkit.validate import is_int
 
 DTYPES = ("fp16", "bf16", "fp32")
 
@@ -71,17 +72,16 @@ def int4_loop(block_n: int | None = None, groups: int | None = None, num_warps: 
     here, else in a subprocess. ValueError for a group size the kernel does not take."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: the kernel takes {', '.join(DTYPES)}")
-    if not isinstance(group_size, int) or group_size < 8 or group_size % 8:
+    if not is_int(group_size) or group_size < 8 or group_size % 8:
         raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
-    from labkit.kernels.int4_matmul import kernel_constants, launch_parameters
+    from labkit.kernels.int4_matmul import kernel_constants, kernel_types, launch_parameters
     block_n, groups, _, num_warps = launch_parameters(group_size, block_n, groups, 1, num_warps, on_gpu=True)
     if interpreted():
         counts = _count_in_subprocess([block_n, groups, num_warps, group_size, dtype], timeout_s)
     else:
         from labkit.kernels.int4_matmul import int4_matmul_kernel
-        types = {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16", "Out": f"*{dtype}"}
         counts = loop_instructions(int4_matmul_kernel, kernel_constants(1, group_size, block_n, groups, 1, True),
-                                   types, num_warps)
+                                   kernel_types(dtype), num_warps)
     return counts, sum(counts.values()) / (block_n * groups * group_size / (32 * num_warps))
 
 
