@@ -1,6 +1,7 @@
-"""The Triton INT4 kernel's launch parameters (features per program, groups per step, warps, programs
-per feature tile) on a CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least
-2.5x), each configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each
+"""The Triton INT4 kernel's two forms (``gemv`` on the ordinary cores, ``dot`` on the tensor cores)
+and launch parameters (features per program, groups per step, warps, programs per feature tile) on a
+CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x), each
+configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each
 layer shape with their bandwidth, and where the library's defaults stand. Each configuration compiles
 first (a second or two), so the sweep stops at --budget seconds per shape.
 
@@ -13,8 +14,9 @@ alone would take on an H100 (a floor: it assumes every scheduler issues at every
 
     python benchmarks/int4_gpu_sweep.py --instructions
 
-(Through commit 4a84ebf the kernel multiplied with tl.dot, through e299b08 it loaded a scale and a
-zero point per byte of codes and summed across threads at every step; BENCHMARKS.md, issue 35.)
+(Through commit 4a84ebf the kernel multiplied with tl.dot, loading a scale and a zero point per byte
+of codes and converting each code; through e299b08 the matrix-vector form did the same and summed
+across threads at every step; BENCHMARKS.md, issue 35.)
 """
 import argparse
 import itertools
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from labkit.bench import alternate
 from labkit.device import device_name
-from labkit.kernels.int4_matmul import int4_matmul, launch_parameters
+from labkit.kernels.int4_matmul import GPU_FORM, default_split_k, int4_matmul, launch_parameters
 from labkit.kernels.issue import int4_loop
 from labkit.presets import ISSUE_RATES, gpu
 from labkit.kernels.runtime import triton
@@ -39,15 +41,18 @@ from labkit.quant import QuantLinear, Scheme
 CALLS = 50
 GROUP = 64
 H100 = ISSUE_RATES["H100-SXM"]
-DEFAULT = launch_parameters(GROUP, on_gpu=True)  # int4_matmul's block_n, groups, split_k and warps on a GPU
-# every configuration: the library's defaults first, then those with fewer instructions per code (larger
-# tiles, fewer warps; BENCHMARKS.md) and one program per feature tile, then the rest, so that a sweep cut
-# short by its budget has timed the likeliest ones
-LIKELY = [(bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)]
-ALL = [(bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4, 2) for groups in (16, 8, 4)
-       for warps in (2, 4, 1, 8)]
-GRID = list(dict.fromkeys([DEFAULT] + LIKELY + ALL))  # in that order, each once
-
+DEFAULTS = [launch_parameters(GROUP, form, on_gpu=True) for form in ("gemv", "dot")]  # form, block_n, groups,
+# split_k (None: int4_matmul's default_split_k) and warps on a GPU; the library's GPU_FORM first
+DEFAULTS.sort(key=lambda config: config[0] != GPU_FORM)
+# every configuration: the defaults first, then those with fewer instructions per code (BENCHMARKS.md)
+# and the default split, then the rest, so that a sweep cut short by its budget has timed the likeliest
+LIKELY = ([("dot", bn, groups, None, warps) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
+          + [("gemv", bn, groups, None, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
+ALL = ([("dot", bn, groups, split, warps) for split in (None, 1, 2, 4, 8) for bn in (64, 128, 256, 32)
+        for groups in (1, 2, 4, 8) for warps in (4, 8)]
+       + [("gemv", bn, groups, split, warps) for split in (None, 2, 4) for bn in (16, 8, 4, 2)
+          for groups in (16, 8, 4) for warps in (2, 4, 1, 8)])
+GRID = list(dict.fromkeys(DEFAULTS + LIKELY + ALL))  # in that order, each once
 
 def graphed(call, device):
     """``CALLS`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
@@ -64,39 +69,46 @@ def sweep(in_f, out_f, budget_s, device):
     fp16 = graphed(lambda: F.linear(x, linear.weight), device)
     want = F.linear(x.float(), layer.dequantized_weight().float())
     rows = []
-    for bn, groups, split, warps in GRID:
+    for config in GRID:
         if time.monotonic() - t_start > budget_s:
             print("  sweep budget spent", flush=True)
             break
         try:
-            def call(bn=bn, groups=groups, split=split, warps=warps):
-                return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, bn, groups, split, warps)
+            def call(config=config):
+                return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, *config)
             err = (call().float() - want).abs().max().item()
             t = alternate({"fp16": fp16, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
             ratio = t["fp16"].median_s / t["int4"].median_s
-            rows.append((ratio, (bn, groups, split, warps), t["int4"].median_s / CALLS * 1e6,
-                         t["fp16"].median_s / CALLS * 1e6, err))
+            rows.append((ratio, config, t["int4"].median_s / CALLS * 1e6, t["fp16"].median_s / CALLS * 1e6, err))
         except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
-            print(f"  BN {bn} groups {groups} split {split} warps {warps}: {type(exc).__name__}: {str(exc)[:120]}",
-                  flush=True)
+            print(f"  {label(config, in_f, out_f, device)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     rows.sort(key=lambda r: r[0], reverse=True)
-    nbytes = layer.nbytes()  # codes, scales and zero points
+    nbytes = layer.nbytes  # codes, scales and zero points
     print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "
           f"{2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
-    for ratio, (bn, groups, split, warps), us, fp_us, err in rows[:8]:
-        print(f"  BN {bn:2} groups {groups:2} warps {warps} split {split}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)"
-              f"  fp16 {fp_us:5.1f} us ({2 * in_f * out_f / fp_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}",
+    for ratio, config, us, fp_us, err in rows[:8]:
+        print(f"  {label(config, in_f, out_f, device)}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)  "
+              f"fp16 {fp_us:5.1f} us ({2 * in_f * out_f / fp_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}",
               flush=True)
-    default = [r for r in rows if r[1] == DEFAULT]
-    if default:
-        print(f"  the library's defaults (BN, groups, split, warps = {DEFAULT}): {default[0][0]:.2f}x", flush=True)
+    for default in DEFAULTS:
+        timed = [r for r in rows if r[1] == default]
+        if timed:
+            print(f"  the {default[0]} form's defaults ({label(default, in_f, out_f, device)}): {timed[0][0]:.2f}x"
+                  + (" (the library's)" if default[0] == GPU_FORM else ""), flush=True)
+
+
+def label(config, in_f, out_f, device):
+    """A configuration in words, with the split the library chooses where it is left to it."""
+    form, bn, groups, split, warps = config
+    split = split or f"{default_split_k(out_f, in_f, GROUP, bn, groups, device)} (default)"
+    return f"{form:4} BN {bn:3} groups {groups:2} warps {warps} split {split}"
 
 
 def instructions(shapes):
-    """Instructions per code in the kernel's loop at each configuration (batch 1, g64, fp16), and the
+    """Instructions per code in each form's loop at each configuration (batch 1, g64, fp16), and the
     time issuing them would take on an H100 for each layer size (``labkit.kernels.issue``)."""
-    print(f"int4_matmul_kernel compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
-          "the machine instructions in its loop, per thread and step:")
+    print(f"the INT4 kernels compiled for sm_90 (triton {triton.__version__}), one row, g{GROUP}, fp16; "
+          "the machine instructions in their loops, per thread and step:")
     codes = {}  # one floor per layer size: its name and input features
     for i, o in (map(int, s.split("x")) for s in shapes):
         codes.setdefault(i * o, (f"{i}->{o}", i))
@@ -106,16 +118,21 @@ def instructions(shapes):
         print(f"  {name}: INT4 g{GROUP} {int4_bytes / 1e6:.1f} MB, read at the datasheet's {bandwidth / 1e12:.2f} TB/s "
               f"in {int4_bytes / bandwidth * 1e6:.1f} us; fp16 {fp16_bytes / 1e6:.1f} MB in "
               f"{fp16_bytes / bandwidth * 1e6:.1f} us")
-    print("  BN groups warps  instr  per code  loads  barriers   "
+    print("  form   BN groups warps  instr  per code  loads  barriers   "
           + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, (name, _) in codes.items()))
-    for bn, groups, warps in itertools.product((2, 4, 8, 16), (4, 8, 16), (2, 4, 8)):
-        counts, each = int4_loop(bn, groups, warps, GROUP)
+    configs = ([("gemv", *c) for c in itertools.product((2, 4, 8, 16), (4, 8, 16), (2, 4, 8))]
+               + [("dot", *c) for c in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (4, 8))])
+    for form, bn, groups, warps in configs:
+        try:
+            counts, each = int4_loop(form, bn, groups, warps, GROUP)
+        except ValueError as exc:  # e.g. a tile so large that its registers spill and the loop is not found
+            print(f"  {form:4} {bn:4} {groups:6} {warps:5}   {exc}", flush=True)
+            continue
         loads = sum(n for op, n in counts.items() if op.startswith("LDG"))
         barriers = sum(n for op, n in counts.items() if op.startswith("BAR"))
         floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
-        print(f"  {bn:2} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
+        print(f"  {form:4} {bn:4} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
               + "   ".join(floors), flush=True)
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)

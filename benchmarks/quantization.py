@@ -131,10 +131,11 @@ def decode_speed(model: torch.nn.Module, int8: torch.nn.Module, int4: torch.nn.M
 
 
 def gpu_layer(repeats: int, calls: int = 50) -> None:
-    """On CUDA: the Triton INT4 kernel against fp16 F.linear at batch 1 on a Llama-2-7B MLP layer
-    (4096 -> 11008), each as ``calls`` calls in one CUDA graph, so that the kernels are timed, not their launches."""
+    """On CUDA: the Triton INT4 kernel, in each of its forms at its defaults, against fp16 F.linear at
+    batch 1 on a Llama-2-7B MLP layer (4096 -> 11008), each as ``calls`` calls in one CUDA graph, so
+    that the kernels are timed, not their launches."""
     from labkit.cuda_graphs import record
-    from labkit.kernels.int4_matmul import int4_matmul
+    from labkit.kernels.int4_matmul import GPU_FORM, KERNELS, int4_matmul
     device = torch.device("cuda")
 
     def graphed(call: Callable[[], object]) -> Callable[[], None]:
@@ -144,14 +145,18 @@ def gpu_layer(repeats: int, calls: int = 50) -> None:
     linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.float16)
     layer = QuantLinear.from_linear(linear, Scheme(4, 64))
     x = torch.randn(1, 4096, device=device, dtype=torch.float16)
-    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight)),
-             "INT4 g64 (Triton)": graphed(lambda: int4_matmul(x, layer.packed, layer.scales, layer.zeros, 64))}
+    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight))}
+    for form in KERNELS:
+        steps[f"INT4 g64 ({form})"] = graphed(lambda form=form: int4_matmul(x, layer.packed, layer.scales,
+                                                                            layer.zeros, 64, form))
     timed = alternate(steps, warmup=3, repeats=repeats, device=device)
     print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, fp16 against INT4 g64, {calls} calls per graph:")
     for name, t in timed.items():
         print(f"  {name:<20}{t.median_s / calls * 1e6:8.1f} us a call")
-    print(f"  goal >= 2.5x: {timed['fp16 F.linear'].median_s / timed['INT4 g64 (Triton)'].median_s:.2f}x")
-
+    fp16_s = timed["fp16 F.linear"].median_s
+    print("  goal >= 2.5x: " + ", ".join(f"{fp16_s / timed[f'INT4 g64 ({form})'].median_s:.2f}x ({form}"
+                                         + (", the library's form on a GPU)" if form == GPU_FORM else ")")
+                                         for form in KERNELS))
 
 def outlier_figures(windows: int, calibration: int) -> dict[str, float]:
     """The outlier model at INT4 g128 (``labkit.outliers.measure``): perplexities, RTN's loss increase

@@ -90,6 +90,7 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
 
 
 @needs_triton
+@pytest.mark.parametrize("form", ["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features,in_features,group_size,symmetric,rows,blocks", [
     (37, 128, 64, False, 1, {}),  # decode: one row; outputs not a multiple of the tile
@@ -98,11 +99,11 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
     (6, 64, 32, False, 2, dict(groups=1, split_k=4)),  # more programs than steps: two of four sum nothing
 ])
 def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
-                                                         rows, blocks):
+                                                         rows, blocks, form):
     packed, scales, zeros, weight = _layer(out_features, in_features, group_size, symmetric)
     x = _inputs(rows, in_features).to(dtype)
     on_device = [t if t is None else t.to(DEVICE) for t in (x, packed, scales, zeros)]
-    y = int4_matmul(*on_device, group_size, **blocks)
+    y = int4_matmul(*on_device, group_size, form, **blocks)
     assert y.shape == (rows, out_features) and y.dtype == dtype
     # the weights are rounded to x's dtype, as QuantLinear's PyTorch path rounds them; fp32 on a GPU runs in fp32
     _assert_matches(y.cpu(), x, weight, {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype])
@@ -170,13 +171,15 @@ def test_both_cpu_operators_load_in_either_order():
 
 
 _COMPILE = """
-from labkit.kernels.int4_matmul import int4_matmul_kernel, kernel_constants, kernel_types
+from labkit.kernels.int4_matmul import KERNELS, kernel_constants, kernel_types, launch_parameters
 from labkit.kernels.runtime import compile_for_gpu
 
-for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2)):
-    constexprs = kernel_constants(rows, 64, block_n=4, groups=8, split_k=split, has_zeros=True)
-    compiled = compile_for_gpu(int4_matmul_kernel, kernel_types(dtype, split), constexprs, capability, num_warps=4)
-    print("int4", capability, dtype, "cubin" in compiled.asm)
+for form, kernel in KERNELS.items():
+    _, block_n, groups, _, warps = launch_parameters(64, form, on_gpu=True)
+    for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2)):
+        constexprs = kernel_constants(form, rows, 64, block_n, groups, split_k=split, has_zeros=True)
+        compiled = compile_for_gpu(kernel, kernel_types(dtype, split), constexprs, capability, num_warps=warps)
+        print(form, capability, dtype, "cubin" in compiled.asm)
 """
 
 
@@ -186,11 +189,13 @@ def test_the_triton_kernel_compiles_for_hopper_and_ampere_gpus():
     the path the interpreter never takes (the layouts, the types)."""
     ran = _python(_COMPILE, TRITON_INTERPRET="0")
     assert ran.returncode == 0, ran.stderr[-3000:]
-    assert ran.stdout.split("\n")[:2] == ["int4 90 fp16 True", "int4 80 bf16 True"], ran.stdout
+    assert ran.stdout.split("\n")[:4] == ["gemv 90 fp16 True", "gemv 80 bf16 True", "dot 90 fp16 True",
+                                          "dot 80 bf16 True"], ran.stdout
 
 
 @needs_triton
-def test_zero_points_need_not_be_whole_numbers():
+@pytest.mark.parametrize("form", ["gemv", "dot"])
+def test_zero_points_need_not_be_whole_numbers(form):
     """Zero points are fp16 and may come from elsewhere with fractions: the kernel applies them to each
     group's sum of x, exactly as the dequantized weight does (a first version rounded them to whole numbers)."""
     packed, scales, _, _ = _layer(13, 128, 32, symmetric=True)
@@ -198,7 +203,7 @@ def test_zero_points_need_not_be_whole_numbers():
     weight = (quant.unpack_int4(packed).float() - zeros.float().repeat_interleave(32, dim=1)) * \
         scales.float().repeat_interleave(32, dim=1)
     x = _inputs(2, 128)
-    y = int4_matmul(*(t.to(DEVICE) for t in (x, packed, scales, zeros)), 32)
+    y = int4_matmul(*(t.to(DEVICE) for t in (x, packed, scales, zeros)), 32, form)
     _assert_matches(y.cpu(), x, weight, 2e-6)
 
 
@@ -209,7 +214,9 @@ def test_zero_points_need_not_be_whole_numbers():
     (dict(groups=0), r"groups=0 must be a positive integer"),
     (dict(num_warps=2.0), r"num_warps=2.0 must be a positive integer"),
     (dict(num_warps=3), r"num_warps=3 must be a power of two"),
-    (dict(split_k=None), r"split_k=None must be a positive integer"),
+    (dict(split_k=1.5), r"split_k=1.5 must be a positive integer"),
+    (dict(form="dot", block_n=8), r"block_n=8: tl.dot multiplies tiles of at least 16 features"),
+    (dict(form="fused"), r"form='fused': the INT4 kernel comes as 'gemv' or 'dot'"),
 ])
 def test_bad_launch_parameters_are_refused_by_name(change, message):
     packed, scales, zeros, _ = _layer(8, 64, 32, symmetric=False)
@@ -218,20 +225,40 @@ def test_bad_launch_parameters_are_refused_by_name(change, message):
 
 
 @needs_triton
-def test_the_gpu_kernel_issues_few_instructions_per_code():
+def test_a_step_is_never_smaller_than_a_tensor_core_tile():
+    """In the tensor-core form, groups of 8 inputs are 4 bytes: the defaults take at least 4 of them
+    a step, and fewer are refused."""
+    from labkit.kernels.int4_matmul import launch_parameters
+    assert launch_parameters(8, "dot", on_gpu=False)[2] == 4 and launch_parameters(8, "dot", on_gpu=True)[2] == 16
+    assert launch_parameters(8, "gemv", on_gpu=False)[2] == 2
+    with pytest.raises(ValueError, match="groups=2 of 8 inputs make a step of 8 bytes; tl.dot needs at least 16"):
+        launch_parameters(8, "dot", groups=2)
+    packed, scales, zeros, weight = _layer(16, 64, 8, symmetric=False)
+    x = _inputs(1, 64)
+    y = int4_matmul(*(t.to(DEVICE) for t in (x, packed, scales, zeros)), 8, "dot")
+    _assert_matches(y.cpu(), x, weight, 2e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("form,most", [("gemv", 12), ("dot", 6)])
+def test_the_gpu_kernel_issues_few_instructions_per_code(form, most):
     """The Triton kernel's loop, compiled for an H100 and its machine code counted (in a subprocess
-    where Triton interprets in this one): no conversion instruction per code, a few loads a step
-    (codes, a scale, a zero point and x), and under 12 instructions per code at the GPU defaults,
-    where the form timed on an H100 (4a84ebf) took 26."""
+    where Triton interprets in this one), at the GPU defaults: no conversion instruction per code, and
+    under 12 instructions per code in the matrix-vector form (the form timed on an H100, 4a84ebf, took
+    26), under 6 in the tensor-core form, which multiplies on the tensor cores (HGMMA) and dequantizes
+    two fp16 weights per instruction (HFMA2)."""
     from labkit.kernels.int4_matmul import launch_parameters
     from labkit.kernels.issue import int4_loop
     from labkit.presets import ISSUE_RATES
-    counts, per_code = int4_loop()
-    block_n, groups, _, warps = launch_parameters(64, on_gpu=True)
+    counts, per_code = int4_loop(form)
+    _, block_n, groups, _, warps = launch_parameters(64, form, on_gpu=True)
     assert not any(op.startswith("I2F") for op in counts), counts
-    assert sum(n for op, n in counts.items() if op.startswith("LDG")) <= 6, counts
-    assert 5 < per_code < 12, counts
+    assert 2 < per_code < most, counts
     assert per_code == sum(counts.values()) / (block_n * groups * 64 / (32 * warps))  # a step's codes over its threads
+    if form == "dot":
+        assert any(op.startswith("HGMMA") for op in counts) and counts["HFMA2"] > 0, counts
+    else:
+        assert sum(n for op, n in counts.items() if op.startswith("LDG")) <= 6, counts
     assert ISSUE_RATES["H100-SXM"].floor_s(32 * 528 * 1.98e9) == pytest.approx(1.0)  # 132 SMs x 4 schedulers
     with pytest.raises(ValueError, match="dtype='int8'"):
         int4_loop(dtype="int8")

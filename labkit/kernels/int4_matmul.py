@@ -4,31 +4,33 @@ in registers, never written out in full precision:
 
     y[r, o] = sum_i x[r, i] * (code[o, i] - zero[o, g(i)]) * scale[o, g(i)]        g(i) = i // group_size
 
-One program computes ``BLOCK_N`` output features for every row. It walks the input dimension
+A program computes ``BLOCK_N`` output features for every row. It walks the input dimension
 ``GROUPS`` whole groups at a time, as a ``[BLOCK_N, GROUPS, group_size / 2]`` tile of bytes (the
-even column in each low nibble, the odd one in the high nibble), and for each step:
+even column in each low nibble, the odd one in the high nibble). Each step loads each group's
+scale and zero point once and broadcasts them, and turns codes into floats without a conversion
+instruction: a code OR'd into the bits of 2^23 (fp32: ``0x4B000000``) or of 1024.0 (fp16:
+``0x6400``) reads as that number plus the code. Then it multiplies, in one of two forms:
 
-- loads each group's scale and zero point once, as a ``[BLOCK_N, GROUPS]`` tile, and broadcasts them;
-- turns a code into a float without a conversion instruction: ``code | 0x4B000000`` read as a
-  float is exactly ``2**23 + code``, so one subtraction of ``2**23`` gives the code;
-- multiplies the codes by x (loaded once per step as pairs, split into the even and odd columns)
-  and sums each group's products; the zero point and the scale are applied once per group, as
-  ``scale * (sum(code * x) - zero * sum(x))``, with each group's ``sum(x)`` shared by the features
-  (zero points need not be whole numbers);
-- keeps a ``[rows, BLOCK_N, GROUPS]`` fp32 accumulator and sums it across groups only at the end.
+- ``gemv``, on the ordinary cores: one fp32 multiply-add per code and x, summed along each group;
+  the zero point and the scale are applied once per group, as ``scale * (sum(code x) - zero sum(x))``.
+- ``dot``, on the tensor cores: each weight dequantized with one fused multiply-add,
+  ``code * scale - zero * scale`` (in fp16 one instruction does two, ``HFMA2``), then two ``tl.dot``
+  of ``[BLOCK_N, step]`` weights (the even columns', the odd columns') by x transposed, its rows
+  padded to 16, the smallest tile a tensor core multiplies. At one row, 15 of those 16 columns are
+  zeros: wasted arithmetic, which a tensor core has to spare; one of its instructions does a whole
+  tile's multiply-adds. fp16 activations multiply in fp16, bf16 in tf32 (which holds a bf16
+  exactly), fp32 in fp32 (exact, but on the ordinary cores).
 
-``SPLIT_K`` programs share each feature tile, each taking every ``SPLIT_K``-th step and writing
-an fp32 partial sum that ``int4_matmul`` adds up, so that a layer with few outputs still puts
-enough loads in flight on a large GPU.
+Which is faster is for a GPU to say. A GPU runs decode's matrix-vector product at the rate it issues
+instructions as much as at the rate its memory delivers bytes (``labkit.kernels.issue``): the
+``gemv`` form takes about 11 instructions per code at its defaults, the ``dot`` form about 5. But
+the first ``tl.dot`` form timed on an H100 ran far slower than its instruction count alone allowed,
+and the first ``gemv`` form, at 26 per code, ran at 0.62x fp16 ``F.linear`` (BENCHMARKS.md, issue
+35). ``benchmarks/int4_gpu_sweep.py`` times both; ``--instructions`` counts them without a GPU.
 
-It is a matrix-vector product, written as elementwise products and sums rather than ``tl.dot``:
-at one row, tl.dot's 16-row minimum tile wastes 15/16 of its work. On a GPU its speed is set by
-how many instructions it issues per code as much as by its bytes (``labkit.kernels.issue``).
-The first matrix-vector form loaded a scale and a zero point per byte of codes, found each code's
-group by integer arithmetic, converted each code with its own instruction and summed across
-threads at every step; it ran 0.62x fp16 ``F.linear`` on an H100. This form issues fewer than
-half as many instructions per code (BENCHMARKS.md, issue 35; ``benchmarks/int4_gpu_sweep.py
---instructions`` counts them).
+``SPLIT_K`` programs share each feature tile, each taking every ``SPLIT_K``-th step and writing an
+fp32 partial sum that ``int4_matmul`` adds up, so that a layer with few outputs still puts every
+multiprocessor to work; by default, enough for two programs per multiprocessor.
 
 On this lab's CPUs it runs in Triton's interpreter (tests only); on a CPU, labkit uses the C++
 operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` chooses between them.
@@ -44,9 +46,20 @@ from labkit.validate import check_int4_matmul, is_int
 
 
 @triton.jit
-def int4_matmul_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_features,
-                       HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                       PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
+def _code_values(codes, SHIFT: tl.constexpr, MATH: tl.constexpr):
+    """The 4-bit codes at bit ``SHIFT`` of ``codes`` (bytes) as values of type MATH (fp16 or fp32),
+    with no conversion instruction: a code OR'd into the bits of 1024.0 (fp16) or 2^23 (fp32), read
+    as a float, is that number plus the code."""
+    BITS: tl.constexpr = tl.int16 if MATH == tl.float16 else tl.int32
+    MAGIC: tl.constexpr = 0x6400 if MATH == tl.float16 else 0x4B000000
+    BIAS: tl.constexpr = 1024.0 if MATH == tl.float16 else 8388608.0
+    return (((codes.to(BITS) >> SHIFT) & 15) | MAGIC).to(MATH, bitcast=True) - BIAS
+
+
+@triton.jit
+def int4_gemv_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_features,
+                     HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
     # every tensor is contiguous: rows of in_features (x), in_features / 2 (packed), groups (scales,
     # zeros) and out_features (Out: [SPLIT_K, rows, out_features], fp32 partial sums if SPLIT_K > 1);
     # PADDED: a group's bytes rounded up to a power of two, as a tile's sides must be
@@ -65,13 +78,11 @@ def int4_matmul_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_fea
         byte_ok = group_ok[:, None] & (in_group < HALF)[None, :]
         ok = feature_ok[:, None] & group_ok[None, :]  # [BLOCK_N, GROUPS]
         codes = tl.load(Packed + weight_rows[:, None, None] * (in_features // 2) + byte[None, :, :],
-                        mask=feature_ok[:, None, None] & byte_ok[None, :, :], other=0).to(tl.int32)
+                        mask=feature_ok[:, None, None] & byte_ok[None, :, :], other=0)
         at = weight_rows[:, None] * n_groups + group[None, :]
         scale = tl.load(Scales + at, mask=ok, other=0.0).to(tl.float32)
         zero = tl.load(Zeros + at, mask=ok, other=0.0).to(tl.float32) if HAS_ZEROS else 8.0
-        # code | 0x4B000000, read as a float, is 2^23 + code: minus 2^23, the code, with no conversion
-        low = ((codes & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # the even columns' codes
-        high = ((codes >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # the odd columns'
+        low, high = _code_values(codes, 0, tl.float32), _code_values(codes, 4, tl.float32)  # even, odd columns
         for r in tl.static_range(ROWS):  # the tile is read once for every row
             pairs = X + r * in_features + 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]
             x_even, x_odd = tl.split(tl.load(pairs, mask=byte_ok[:, :, None] & (r < rows), other=0.0).to(tl.float32))
@@ -83,65 +94,146 @@ def int4_matmul_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_fea
     tl.store(out, tl.sum(acc, axis=2).to(Out.dtype.element_ty), mask=row_ok[:, None] & feature_ok[None, :])
 
 
-# launch parameters on a GPU: the best measured for the first matrix-vector form on an H100 (this
-# form's best is for benchmarks/int4_gpu_sweep.py to find); in the interpreter, where every program
-# costs time, few large programs
-GPU_BLOCK_N, GPU_INPUTS_PER_STEP, GPU_WARPS = 4, 512, 4
+@triton.jit
+def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_features,
+                    HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                    PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
+    # every tensor is contiguous: rows of in_features (x), in_features / 2 (packed), groups (scales,
+    # zeros) and out_features (Out: [SPLIT_K, rows, out_features], fp32 partial sums if SPLIT_K > 1);
+    # PADDED: a group's bytes rounded up to a power of two, as a tile's sides must be; ROWS >= 16
+    HALF: tl.constexpr = GROUP // 2  # bytes per group
+    STEP: tl.constexpr = GROUPS * PADDED  # bytes per step, padding included
+    # the weights' type, in their arithmetic and in the product: fp16 for fp16 activations (tensor
+    # cores); fp32 for bf16 (tensor cores in tf32, which holds a bf16 exactly) and for fp32 (exact)
+    MATH: tl.constexpr = tl.float16 if X.dtype.element_ty == tl.float16 else tl.float32
+    PRECISION: tl.constexpr = "ieee" if X.dtype.element_ty == tl.float32 else "tf32"
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, ROWS)  # rows past `rows` are padding: zero activations, never stored
+    row_ok = row < rows
+    n_groups = in_features // GROUP
+    # the weights are read unmasked, at indices kept in bounds: a tile's features past the last, a
+    # step's groups past the last and a group's padding read real codes again, and multiply zeros of x
+    weight_rows = tl.minimum(features, out_features - 1).to(tl.int64)  # int64: out * in / 2 can pass 2^31
+    in_group = tl.arange(0, PADDED) if PADDED == HALF else tl.minimum(tl.arange(0, PADDED), HALF - 1)
+    acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
+    for first in range(tl.program_id(1) * GROUPS, n_groups, GROUPS * SPLIT_K):
+        group = first + tl.arange(0, GROUPS)
+        at = tl.minimum(group, n_groups - 1)
+        byte = at[:, None] * HALF + in_group[None, :]  # [GROUPS, PADDED]: byte j holds columns 2j and 2j + 1
+        codes = tl.load(Packed + weight_rows[:, None, None] * (in_features // 2) + byte[None, :, :])
+        params = weight_rows[:, None] * n_groups + at[None, :]
+        scale = tl.load(Scales + params).to(tl.float32)
+        zero = tl.load(Zeros + params).to(tl.float32) if HAS_ZEROS else 8.0
+        scale_m, offset = scale.to(MATH)[:, :, None], (zero * scale).to(MATH)[:, :, None]
+        # weight = code * scale - zero * scale, one fused multiply-add per code
+        low = tl.reshape(_code_values(codes, 0, MATH) * scale_m - offset, [BLOCK_N, STEP])
+        high = tl.reshape(_code_values(codes, 4, MATH) * scale_m - offset, [BLOCK_N, STEP])
+        x = X + row[None, :] * in_features + 2 * tl.reshape(byte, [STEP])[:, None]  # [STEP, ROWS]: x transposed
+        x_ok = tl.reshape((group < n_groups)[:, None] & (tl.arange(0, PADDED) < HALF)[None, :], [STEP])
+        x_ok = x_ok[:, None] & row_ok[None, :]
+        acc = tl.dot(low, tl.load(x, mask=x_ok, other=0.0).to(MATH), acc, input_precision=PRECISION)
+        acc = tl.dot(high, tl.load(x + 1, mask=x_ok, other=0.0).to(MATH), acc, input_precision=PRECISION)
+    out = Out + tl.program_id(1) * rows * out_features + row[None, :] * out_features + features[:, None]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=(features < out_features)[:, None] & row_ok[None, :])
+
+
+
+KERNELS = {"gemv": int4_gemv_kernel, "dot": int4_dot_kernel}
+# the form and launch parameters on a GPU: the matrix-vector form at the best measured for its first
+# version on an H100, until a GPU times both forms (benchmarks/int4_gpu_sweep.py); the tensor-core
+# form's, a guess from its instruction counts and registers (BENCHMARKS.md). In the interpreter,
+# where every program costs time, few large programs.
+GPU_FORM = "gemv"
+GPU_DEFAULTS = {"gemv": (4, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
 INTERPRETER_BLOCK_N, INTERPRETER_GROUPS = 16, 2
+DOT_MIN = 16  # tl.dot's smallest tile side: features per program, and bytes per step
 
 
-def launch_parameters(group_size: int, block_n: int | None = None, groups: int | None = None, split_k: int = 1,
-                      num_warps: int | None = None, on_gpu: bool | None = None) -> tuple[int, int, int, int]:
-    """``(block_n, groups, split_k, num_warps)`` for a layer of ``group_size``: the given ones checked
-    (ValueError naming the first that is not a positive integer, or not a power of two where the
-    kernel needs one), the others filled in with the defaults for a GPU (``on_gpu``; by default,
-    unless Triton interprets) or for the interpreter."""
+def launch_parameters(group_size: int, form: str | None = None, block_n: int | None = None,
+                      groups: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                      on_gpu: bool | None = None) -> tuple[str, int, int, int | None, int]:
+    """``(form, block_n, groups, split_k, num_warps)`` for a layer of ``group_size``: the given ones
+    checked (ValueError naming the first that is not a form, not a positive integer, not a power of
+    two where the kernel needs one, or too small for ``tl.dot``), the others filled in with the
+    defaults for a GPU (``on_gpu``; by default, unless Triton interprets) or for the interpreter.
+    ``split_k`` stays None on a GPU if not given: ``default_split_k`` sets it from the layer and the GPU."""
+    form = form or GPU_FORM
+    if form not in KERNELS:
+        raise ValueError(f"form={form!r}: the INT4 kernel comes as {' or '.join(map(repr, KERNELS))}")
     for name, value in (("block_n", block_n), ("groups", groups), ("split_k", split_k), ("num_warps", num_warps)):
-        if value is None and name != "split_k":
+        if value is None:
             continue  # a default, below
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
         if name != "split_k" and value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
     on_gpu = not interpreted() if on_gpu is None else on_gpu
-    default_groups = triton.next_power_of_2(max(1, GPU_INPUTS_PER_STEP // group_size)) if on_gpu else INTERPRETER_GROUPS
-    return (int(block_n or (GPU_BLOCK_N if on_gpu else INTERPRETER_BLOCK_N)), int(groups or default_groups),
-            int(split_k), int(num_warps or (GPU_WARPS if on_gpu else 1)))
+    gpu_block_n, gpu_inputs, gpu_warps = GPU_DEFAULTS[form]
+    padded = triton.next_power_of_2(group_size // 2)  # a group's bytes in a tile
+    default_groups = gpu_inputs // group_size if on_gpu else INTERPRETER_GROUPS
+    if form == "dot":
+        default_groups = max(default_groups, DOT_MIN // padded)
+    block_n = int(block_n or (gpu_block_n if on_gpu else INTERPRETER_BLOCK_N))
+    groups = int(groups or triton.next_power_of_2(max(1, default_groups)))
+    if form == "dot" and block_n < DOT_MIN:
+        raise ValueError(f"block_n={block_n}: tl.dot multiplies tiles of at least {DOT_MIN} features")
+    if form == "dot" and groups * padded < DOT_MIN:
+        raise ValueError(f"groups={groups} of {group_size} inputs make a step of {groups * padded} bytes; tl.dot "
+                         f"needs at least {DOT_MIN}")
+    split_k = int(split_k) if split_k else (None if on_gpu else 1)
+    return form, block_n, groups, split_k, int(num_warps or (gpu_warps if on_gpu else 1))
 
 
-def kernel_constants(rows: int, group_size: int, block_n: int, groups: int, split_k: int, has_zeros: bool) -> dict:
-    """The kernel's compile-time arguments for ``rows`` rows of activations and these launch parameters."""
-    return dict(HAS_ZEROS=has_zeros, ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, GROUP=group_size,
-                PADDED=triton.next_power_of_2(group_size // 2), GROUPS=groups, SPLIT_K=split_k)
+def default_split_k(out_features: int, in_features: int, group_size: int, block_n: int, groups: int,
+                    device: torch.device) -> int:
+    """Programs per feature tile on ``device``'s GPU: enough for two programs per multiprocessor, at
+    most one per step of the loop."""
+    tiles, steps = triton.cdiv(out_features, block_n), triton.cdiv(in_features // group_size, groups)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(steps, triton.cdiv(2 * sms, tiles)))
+
+
+def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups: int, split_k: int,
+                     has_zeros: bool) -> dict:
+    """The compile-time arguments of ``form``'s kernel for ``rows`` rows of activations and these
+    launch parameters: the rows padded to a power of two, and to 16 for tl.dot."""
+    padded_rows = triton.next_power_of_2(rows)
+    return dict(HAS_ZEROS=has_zeros, ROWS=max(DOT_MIN, padded_rows) if form == "dot" else padded_rows,
+                BLOCK_N=block_n, GROUP=group_size, PADDED=triton.next_power_of_2(group_size // 2), GROUPS=groups,
+                SPLIT_K=split_k)
 
 
 def kernel_types(dtype: str, split_k: int = 1) -> dict[str, str]:
-    """The Triton types of the kernel's pointers for ``dtype`` activations ("fp16", "bf16" or "fp32"),
-    to compile it for a named GPU (``runtime.compile_for_gpu``): its output is fp32 partial sums
-    when ``split_k`` programs share a tile."""
+    """The Triton types of either kernel's pointers for ``dtype`` activations ("fp16", "bf16" or
+    "fp32"), to compile it for a named GPU (``runtime.compile_for_gpu``): its output is fp32 partial
+    sums when ``split_k`` programs share a tile."""
     return {"X": f"*{dtype}", "Packed": "*u8", "Scales": "*fp16", "Zeros": "*fp16",
             "Out": "*fp32" if split_k > 1 else f"*{dtype}"}
 
 
 def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
-                block_n: int | None = None, groups: int | None = None, split_k: int = 1,
-                num_warps: int | None = None) -> Tensor:
+                form: str | None = None, block_n: int | None = None, groups: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None) -> Tensor:
     """``x`` ``[..., in]`` (1 to 8 rows in all) times the INT4 weight held as ``packed`` codes
     ``[out, in / 2]`` and fp16 ``scales`` and ``zeros`` ``[out, in / group_size]`` (``zeros`` None: a
-    symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``block_n`` output features
-    per program and ``groups`` groups per step (powers of two); ``split_k`` programs per feature tile;
-    ``num_warps`` per program. Defaults (``launch_parameters``): on a GPU 4 features, 512 / group_size
-    groups a step (rounded up to a power of two) and 4 warps; 16 features, 2 groups and 1 warp in the
-    interpreter."""
+    symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``form``: "gemv" or
+    "dot" (the module's docstring); ``block_n`` output features per program and ``groups`` groups
+    per step (powers of two); ``split_k`` programs per feature tile; ``num_warps`` per program.
+    Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` at its ``GPU_DEFAULTS`` (inputs per step
+    over the group size, rounded up to a power of two, are the groups) and ``default_split_k``;
+    16 features, 2 groups, one program a tile and 1 warp in the interpreter."""
     check_int4_matmul(x, packed, scales, zeros, group_size, max_rows=MAX_ROWS)
     check_device(*(t for t in (x, packed, scales, zeros) if t is not None))
-    block_n, groups, split_k, num_warps = launch_parameters(group_size, block_n, groups, split_k, num_warps)
+    form, block_n, groups, split_k, num_warps = launch_parameters(group_size, form, block_n, groups, split_k,
+                                                                  num_warps)
     (out_features, _), in_features = packed.shape, x.shape[-1]
+    split_k = split_k or default_split_k(out_features, in_features, group_size, block_n, groups, x.device)
     rows = x.view(-1, in_features)
     out = torch.empty(split_k, len(rows), out_features, dtype=x.dtype if split_k == 1 else torch.float32,
                       device=x.device)
-    int4_matmul_kernel[(triton.cdiv(out_features, block_n), split_k)](
+    KERNELS[form][(triton.cdiv(out_features, block_n), split_k)](
         rows, packed, scales, scales if zeros is None else zeros, out, len(rows), out_features, in_features,
-        **kernel_constants(len(rows), group_size, block_n, groups, split_k, zeros is not None), num_warps=num_warps)
+        **kernel_constants(form, len(rows), group_size, block_n, groups, split_k, zeros is not None),
+        num_warps=num_warps)
     summed = out[0] if split_k == 1 else out.sum(0).to(x.dtype)
     return summed.view(*x.shape[:-1], out_features)

@@ -14,12 +14,14 @@ instructions than a GPU can issue in the time its memory takes to deliver half a
 is bound by its instructions, not its bytes.
 
 - ``loop_instructions(kernel, constexprs, types, num_warps)``: a kernel's loop, by opcode.
-- ``int4_loop(...)``: the lab's INT4 kernel (``labkit.kernels.int4_matmul``) at given launch
-  parameters (its GPU defaults unless told): the loop by opcode, and instructions per 4-bit code.
+- ``int4_loop(...)``: the lab's INT4 kernel (``labkit.kernels.int4_matmul``, either form) at
+  given launch parameters (its GPU defaults unless told): the loop by opcode, and instructions per
+  4-bit code; ``int4_loops`` for several at once.
 
 Where Triton runs in its interpreter (on a CPU: ``triton.jit`` then makes interpreted functions,
 which do not compile), ``int4_loop`` counts in a subprocess:
-``python -m labkit.kernels.issue BLOCK_N GROUPS WARPS GROUP DTYPE`` prints the counts as JSON.
+``python -m labkit.kernels.issue '[[FORM, BLOCK_N, GROUPS, WARPS, GROUP, DTYPE], ...]'`` prints the
+counts as JSON (``int4_loops`` counts several configurations in one such process).
 
 The count is the loop's body once. A loop that the compiler unrolls holds several steps' work in
 one body; the lab's INT4 loop has a step count known only at run time, and is not unrolled.
@@ -63,32 +65,51 @@ def loop_instructions(kernel, constexprs: dict, types: dict[str, str], num_warps
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in code[start:end + 1])
 
 
-def int4_loop(block_n: int | None = None, groups: int | None = None, num_warps: int | None = None,
-              group_size: int = 64, dtype: str = "fp16", timeout_s: float = 120) -> tuple[collections.Counter, float]:
-    """The loop of the lab's INT4 kernel compiled for an H100 at these launch parameters (the GPU
-    defaults of ``int4_matmul.launch_parameters`` where None), for one row of ``dtype`` activations
-    with zero points: its instructions by opcode, and per 4-bit code (a step's instructions over the
-    real codes each thread handles in it, padding left out). In this process if Triton compiles
-    here, else in a subprocess. ValueError for a group size the kernel does not take."""
+def int4_loop(form: str | None = None, block_n: int | None = None, groups: int | None = None,
+              num_warps: int | None = None, group_size: int = 64, dtype: str = "fp16",
+              timeout_s: float = 120) -> tuple[collections.Counter, float]:
+    """The loop of the lab's INT4 kernel in ``form`` ("gemv" or "dot") compiled for an H100 at these
+    launch parameters (the GPU defaults of ``int4_matmul.launch_parameters`` where None), for one
+    row of ``dtype`` activations with zero points: its instructions by opcode, and per 4-bit code
+    (a step's instructions over the real codes each thread handles in it, padding left out). In this
+    process if Triton compiles here, else in a subprocess. ValueError for a group size the kernel
+    does not take."""
+    return int4_loops([dict(form=form, block_n=block_n, groups=groups, num_warps=num_warps, group_size=group_size,
+                            dtype=dtype)], timeout_s)[0]
+
+
+def int4_loops(configs: list[dict], timeout_s: float = 120) -> list[tuple[collections.Counter, float]]:
+    """``int4_loop`` for each of ``configs`` (dicts of its arguments but ``timeout_s``), all compiled in
+    one process: where Triton interprets, one subprocess for all, stopped after ``timeout_s``."""
+    resolved = [_launch(**config) for config in configs]
+    if interpreted():
+        counts = _count_in_subprocess(resolved, timeout_s)
+    else:
+        from labkit.kernels.int4_matmul import KERNELS, kernel_constants, kernel_types
+        counts = [loop_instructions(KERNELS[form], kernel_constants(form, 1, group, block_n, groups, 1, True),
+                                    kernel_types(dtype), warps)
+                  for form, block_n, groups, warps, group, dtype in resolved]
+    return [(c, sum(c.values()) / (block_n * groups * group / (32 * warps)))
+            for c, (_, block_n, groups, warps, group, _) in zip(counts, resolved)]
+
+
+def _launch(form: str | None = None, block_n: int | None = None, groups: int | None = None,
+            num_warps: int | None = None, group_size: int = 64, dtype: str = "fp16") -> list:
+    """``[form, block_n, groups, num_warps, group_size, dtype]`` checked, with the GPU defaults filled in."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: the kernel takes {', '.join(DTYPES)}")
     if not is_int(group_size) or group_size < 8 or group_size % 8:
         raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
-    from labkit.kernels.int4_matmul import kernel_constants, kernel_types, launch_parameters
-    block_n, groups, _, num_warps = launch_parameters(group_size, block_n, groups, 1, num_warps, on_gpu=True)
-    if interpreted():
-        counts = _count_in_subprocess([block_n, groups, num_warps, group_size, dtype], timeout_s)
-    else:
-        from labkit.kernels.int4_matmul import int4_matmul_kernel
-        counts = loop_instructions(int4_matmul_kernel, kernel_constants(1, group_size, block_n, groups, 1, True),
-                                   kernel_types(dtype), num_warps)
-    return counts, sum(counts.values()) / (block_n * groups * group_size / (32 * num_warps))
+    from labkit.kernels.int4_matmul import launch_parameters
+    form, block_n, groups, _, num_warps = launch_parameters(group_size, form, block_n, groups, 1, num_warps,
+                                                            on_gpu=True)
+    return [form, block_n, groups, num_warps, int(group_size), dtype]
 
 
-def _count_in_subprocess(args: list, timeout_s: float) -> collections.Counter:
-    """``int4_loop``'s counts from a fresh Python whose Triton compiles; it and the compiler and
+def _count_in_subprocess(configs: list[list], timeout_s: float) -> list[collections.Counter]:
+    """``int4_loops``'s counts from a fresh Python whose Triton compiles; it and the compiler and
     disassembler it starts are stopped if it outlasts ``timeout_s``."""
-    child = subprocess.Popen([sys.executable, "-m", "labkit.kernels.issue", *map(str, args)], text=True,
+    child = subprocess.Popen([sys.executable, "-m", "labkit.kernels.issue", json.dumps(configs)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                              env={**os.environ, "TRITON_INTERPRET": "0"})
     try:
@@ -102,9 +123,10 @@ def _count_in_subprocess(args: list, timeout_s: float) -> collections.Counter:
         raise
     if child.returncode != 0:
         raise RuntimeError(f"counting the INT4 kernel's instructions failed: {err.strip()[-2000:]}")
-    return collections.Counter(json.loads(out))
+    return [collections.Counter(counts) for counts in json.loads(out)]
 
 
 if __name__ == "__main__":
-    block_n, groups, warps, group = map(int, sys.argv[1:5])
-    print(json.dumps(int4_loop(block_n, groups, warps, group, sys.argv[5])[0]))
+    keys = ("form", "block_n", "groups", "num_warps", "group_size", "dtype")
+    loops = int4_loops([dict(zip(keys, config)) for config in json.loads(sys.argv[1])])
+    print(json.dumps([counts for counts, _ in loops]))
