@@ -1,9 +1,10 @@
 """The Triton INT4 kernel's two forms (``gemv`` on the ordinary cores, ``dot`` on the tensor cores)
 and launch parameters (features per program, groups per step, warps, programs per feature tile) on a
-CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x), each
-configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each
-layer shape with their bandwidth, and where the library's defaults stand. Each configuration compiles
-first (a second or two), so the sweep stops at --budget seconds per shape.
+CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x; ``--dtype bf16``
+sets bf16 activations against bf16 F.linear), each configuration timed as 50 calls in one CUDA
+graph. Prints the best configurations of each layer shape with their bandwidth, and where each
+form's defaults stand. Each configuration compiles first (a second or two), so the sweep stops at
+--budget seconds per shape.
 
     python benchmarks/int4_gpu_sweep.py --shapes 4096x11008 11008x4096 --budget 100
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from labkit.bench import alternate
 from labkit.device import device_name
-from labkit.kernels.int4_matmul import GPU_FORM, default_split_k, int4_matmul, launch_parameters
+from labkit.kernels.int4_matmul import GPU_FORM, KERNELS, default_split_k, int4_matmul, launch_parameters
 from labkit.kernels.issue import int4_loop
 from labkit.presets import ISSUE_RATES, gpu
 from labkit.kernels.runtime import triton
@@ -41,18 +42,20 @@ from labkit.quant import QuantLinear, Scheme
 CALLS = 50
 GROUP = 64
 H100 = ISSUE_RATES["H100-SXM"]
-DEFAULTS = [launch_parameters(GROUP, form, on_gpu=True) for form in ("gemv", "dot")]  # form, block_n, groups,
-# split_k (None: int4_matmul's default_split_k) and warps on a GPU; the library's GPU_FORM first
-DEFAULTS.sort(key=lambda config: config[0] != GPU_FORM)
-# every configuration: the defaults first, then those with fewer instructions per code (BENCHMARKS.md)
-# and the default split, then the rest, so that a sweep cut short by its budget has timed the likeliest
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# each form's defaults on a GPU (form, block_n, groups, split_k, warps; split_k None: int4_matmul's
+# default_split_k), the library's GPU_FORM first
+DEFAULTS = sorted((launch_parameters(GROUP, form, on_gpu=True) for form in KERNELS),
+                  key=lambda config: config[0] != GPU_FORM)
+# every configuration: the defaults first, then those with fewer instructions per code (BENCHMARKS.md),
+# then the rest, so that a sweep cut short by its budget has timed the likeliest
 LIKELY = ([("dot", bn, groups, None, warps) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
-          + [("gemv", bn, groups, None, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
+          + [("gemv", bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
 ALL = ([("dot", bn, groups, split, warps) for split in (None, 1, 2, 4, 8) for bn in (64, 128, 256, 32)
         for groups in (1, 2, 4, 8) for warps in (4, 8)]
-       + [("gemv", bn, groups, split, warps) for split in (None, 2, 4) for bn in (16, 8, 4, 2)
+       + [("gemv", bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4, 2)
           for groups in (16, 8, 4) for warps in (2, 4, 1, 8)])
-GRID = list(dict.fromkeys(DEFAULTS + LIKELY + ALL))  # in that order, each once
+
 
 def graphed(call, device):
     """``CALLS`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
@@ -60,16 +63,24 @@ def graphed(call, device):
     return record(lambda: [call() for _ in range(CALLS)], device)[0].replay
 
 
-def sweep(in_f, out_f, budget_s, device):
+def with_split(config, in_f, out_f, device):
+    """``config`` with the split that ``int4_matmul`` would take for it on this layer where it is None."""
+    form, bn, groups, split, warps = config
+    return form, bn, groups, split or default_split_k(out_f, in_f, GROUP, bn, groups, device), warps
+
+
+def sweep(in_f, out_f, budget_s, device, dtype):
     """Every configuration on an ``in_f -> out_f`` layer until ``budget_s`` runs out; the best 8."""
     t_start = time.monotonic()
-    linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.float16)
+    name = next(name for name, t in DTYPES.items() if t == dtype)
+    linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype)
     layer = QuantLinear.from_linear(linear, Scheme(4, GROUP))
-    x = torch.randn(1, in_f, device=device, dtype=torch.float16)
-    fp16 = graphed(lambda: F.linear(x, linear.weight), device)
+    x = torch.randn(1, in_f, device=device, dtype=dtype)
+    full = graphed(lambda: F.linear(x, linear.weight), device)
     want = F.linear(x.float(), layer.dequantized_weight().float())
+    defaults = [with_split(config, in_f, out_f, device) for config in DEFAULTS]
     rows = []
-    for config in GRID:
+    for config in dict.fromkeys(with_split(config, in_f, out_f, device) for config in DEFAULTS + LIKELY + ALL):
         if time.monotonic() - t_start > budget_s:
             print("  sweep budget spent", flush=True)
             break
@@ -77,30 +88,28 @@ def sweep(in_f, out_f, budget_s, device):
             def call(config=config):
                 return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, *config)
             err = (call().float() - want).abs().max().item()
-            t = alternate({"fp16": fp16, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
-            ratio = t["fp16"].median_s / t["int4"].median_s
-            rows.append((ratio, config, t["int4"].median_s / CALLS * 1e6, t["fp16"].median_s / CALLS * 1e6, err))
+            t = alternate({"full": full, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
+            ratio = t["full"].median_s / t["int4"].median_s
+            rows.append((ratio, config, t["int4"].median_s / CALLS * 1e6, t["full"].median_s / CALLS * 1e6, err))
         except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
-            print(f"  {label(config, in_f, out_f, device)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            print(f"  {label(config)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     rows.sort(key=lambda r: r[0], reverse=True)
     nbytes = layer.nbytes  # codes, scales and zero points
-    print(f"{in_f} -> {out_f}: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, fp16 "
-          f"{2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
-    for ratio, config, us, fp_us, err in rows[:8]:
-        print(f"  {label(config, in_f, out_f, device)}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)  "
-              f"fp16 {fp_us:5.1f} us ({2 * in_f * out_f / fp_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}",
-              flush=True)
-    for default in DEFAULTS:
+    print(f"{in_f} -> {out_f}, {name} activations: best of {len(rows)} configs (INT4 bytes {nbytes / 1e6:.1f} MB, "
+          f"{name} {2 * in_f * out_f / 1e6:.1f} MB; max error against fp32 on the dequantized weight)")
+    for ratio, config, us, full_us, err in rows[:8]:
+        print(f"  {label(config)}: {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s)  {name} F.linear {full_us:5.1f} us "
+              f"({2 * in_f * out_f / full_us / 1e3:5.0f} GB/s)  {ratio:.2f}x  err {err:.3g}", flush=True)
+    for default in defaults:
         timed = [r for r in rows if r[1] == default]
         if timed:
-            print(f"  the {default[0]} form's defaults ({label(default, in_f, out_f, device)}): {timed[0][0]:.2f}x"
+            print(f"  the {default[0]} form's defaults ({label(default)}): {timed[0][0]:.2f}x"
                   + (" (the library's)" if default[0] == GPU_FORM else ""), flush=True)
 
 
-def label(config, in_f, out_f, device):
-    """A configuration in words, with the split the library chooses where it is left to it."""
+def label(config):
+    """A configuration in words."""
     form, bn, groups, split, warps = config
-    split = split or f"{default_split_k(out_f, in_f, GROUP, bn, groups, device)} (default)"
     return f"{form:4} BN {bn:3} groups {groups:2} warps {warps} split {split}"
 
 
@@ -125,19 +134,22 @@ def instructions(shapes):
     for form, bn, groups, warps in configs:
         try:
             counts, each = int4_loop(form, bn, groups, warps, GROUP)
-        except ValueError as exc:  # e.g. a tile so large that its registers spill and the loop is not found
-            print(f"  {form:4} {bn:4} {groups:6} {warps:5}   {exc}", flush=True)
+        except Exception as exc:  # a configuration Triton cannot compile: say so, and go on
+            print(f"  {form:4} {bn:4} {groups:6} {warps:5}   {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
-        loads = sum(n for op, n in counts.items() if op.startswith("LDG"))
+        loads = sum(n for op, n in counts.items() if op.startswith("LDG") and op != "LDGDEPBAR")
         barriers = sum(n for op, n in counts.items() if op.startswith("BAR"))
         floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
         print(f"  {form:4} {bn:4} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
               + "   ".join(floors), flush=True)
 
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--shapes", nargs="+", default=["4096x11008", "11008x4096"], help="IN x OUT")
     parser.add_argument("--budget", type=float, default=100, help="seconds per shape")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp16",
+                        help="the activations' and the full-precision layer's (issue 35's goal is against fp16)")
     parser.add_argument("--instructions", action="store_true",
                         help="count the loop's instructions for an H100; no GPU needed")
     args = parser.parse_args(argv)
@@ -151,7 +163,7 @@ def main(argv=None):
         device = torch.device("cuda")
         print(device_name(device), "torch", torch.__version__, "triton", triton.__version__, flush=True)
         for shape in args.shapes:
-            sweep(*map(int, shape.split("x")), args.budget, device)
+            sweep(*map(int, shape.split("x")), args.budget, device, DTYPES[args.dtype])
     print(f"took {time.monotonic() - start:.0f} s", flush=True)
     return 0
 

@@ -158,6 +158,7 @@ def gpu_layer(repeats: int, calls: int = 50) -> None:
                                          + (", the library's form on a GPU)" if form == GPU_FORM else ")")
                                          for form in KERNELS))
 
+
 def outlier_figures(windows: int, calibration: int) -> dict[str, float]:
     """The outlier model at INT4 g128 (``labkit.outliers.measure``): perplexities, RTN's loss increase
     with its standard error, and the share of it GPTQ and AWQ recover."""

@@ -13,13 +13,15 @@ instruction: a code OR'd into the bits of 2^23 (fp32: ``0x4B000000``) or of 1024
 
 - ``gemv``, on the ordinary cores: one fp32 multiply-add per code and x, summed along each group;
   the zero point and the scale are applied once per group, as ``scale * (sum(code x) - zero sum(x))``.
-- ``dot``, on the tensor cores: each weight dequantized with one fused multiply-add,
-  ``code * scale - zero * scale`` (in fp16 one instruction does two, ``HFMA2``), then two ``tl.dot``
+- ``dot``, on the tensor cores: each weight dequantized in registers, its code's float less 1024
+  then ``code * scale - zero * scale`` (in fp16, ``HADD2`` and ``HFMA2`` each do two weights at
+  once), then two ``tl.dot``
   of ``[BLOCK_N, step]`` weights (the even columns', the odd columns') by x transposed, its rows
   padded to 16, the smallest tile a tensor core multiplies. At one row, 15 of those 16 columns are
   zeros: wasted arithmetic, which a tensor core has to spare; one of its instructions does a whole
-  tile's multiply-adds. fp16 activations multiply in fp16, bf16 in tf32 (which holds a bf16
-  exactly), fp32 in fp32 (exact, but on the ordinary cores).
+  tile's multiply-adds. fp16 activations multiply in fp16; bf16 in tf32, which holds a bf16
+  activation exactly and rounds the weights to 10 bits of mantissa (bf16 has 7); fp32 in fp32
+  (exact, but on the ordinary cores). It takes groups of up to ``DOT_MAX_GROUP`` inputs.
 
 Which is faster is for a GPU to say. A GPU runs decode's matrix-vector product at the rate it issues
 instructions as much as at the rate its memory delivers bytes (``labkit.kernels.issue``): the
@@ -30,12 +32,15 @@ and the first ``gemv`` form, at 26 per code, ran at 0.62x fp16 ``F.linear`` (BEN
 
 ``SPLIT_K`` programs share each feature tile, each taking every ``SPLIT_K``-th step and writing an
 fp32 partial sum that ``int4_matmul`` adds up, so that a layer with few outputs still puts every
-multiprocessor to work; by default, enough for two programs per multiprocessor.
+multiprocessor to work. By default the ``dot`` form, whose programs are few and large, takes
+enough for two programs per multiprocessor, and ``gemv`` one a tile.
 
 On this lab's CPUs it runs in Triton's interpreter (tests only); on a CPU, labkit uses the C++
 operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` chooses between them.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -104,7 +109,8 @@ def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featur
     HALF: tl.constexpr = GROUP // 2  # bytes per group
     STEP: tl.constexpr = GROUPS * PADDED  # bytes per step, padding included
     # the weights' type, in their arithmetic and in the product: fp16 for fp16 activations (tensor
-    # cores); fp32 for bf16 (tensor cores in tf32, which holds a bf16 exactly) and for fp32 (exact)
+    # cores); fp32 for bf16 (tensor cores in tf32, which holds a bf16 activation exactly) and for
+    # fp32 (exact)
     MATH: tl.constexpr = tl.float16 if X.dtype.element_ty == tl.float16 else tl.float32
     PRECISION: tl.constexpr = "ieee" if X.dtype.element_ty == tl.float32 else "tf32"
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +131,7 @@ def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featur
         scale = tl.load(Scales + params).to(tl.float32)
         zero = tl.load(Zeros + params).to(tl.float32) if HAS_ZEROS else 8.0
         scale_m, offset = scale.to(MATH)[:, :, None], (zero * scale).to(MATH)[:, :, None]
-        # weight = code * scale - zero * scale, one fused multiply-add per code
+        # weight = code * scale - zero * scale: a fused multiply-add per code (HFMA2: two in fp16)
         low = tl.reshape(_code_values(codes, 0, MATH) * scale_m - offset, [BLOCK_N, STEP])
         high = tl.reshape(_code_values(codes, 4, MATH) * scale_m - offset, [BLOCK_N, STEP])
         x = X + row[None, :] * in_features + 2 * tl.reshape(byte, [STEP])[:, None]  # [STEP, ROWS]: x transposed
@@ -137,16 +143,17 @@ def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featur
     tl.store(out, acc.to(Out.dtype.element_ty), mask=(features < out_features)[:, None] & row_ok[None, :])
 
 
-
 KERNELS = {"gemv": int4_gemv_kernel, "dot": int4_dot_kernel}
 # the form and launch parameters on a GPU: the matrix-vector form at the best measured for its first
-# version on an H100, until a GPU times both forms (benchmarks/int4_gpu_sweep.py); the tensor-core
-# form's, a guess from its instruction counts and registers (BENCHMARKS.md). In the interpreter,
-# where every program costs time, few large programs.
+# version on an H100 (one program a feature tile), until a GPU times both forms
+# (benchmarks/int4_gpu_sweep.py); the tensor-core form's, a guess from its instruction counts and
+# registers (BENCHMARKS.md), with default_split_k. In the interpreter, where every program costs
+# time, few large programs.
 GPU_FORM = "gemv"
 GPU_DEFAULTS = {"gemv": (4, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
 INTERPRETER_BLOCK_N, INTERPRETER_GROUPS = 16, 2
 DOT_MIN = 16  # tl.dot's smallest tile side: features per program, and bytes per step
+DOT_MAX_GROUP = 256  # the tensor-core form holds a step's whole groups in registers; larger ones spill
 
 
 def launch_parameters(group_size: int, form: str | None = None, block_n: int | None = None,
@@ -154,19 +161,15 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
                       on_gpu: bool | None = None) -> tuple[str, int, int, int | None, int]:
     """``(form, block_n, groups, split_k, num_warps)`` for a layer of ``group_size``: the given ones
     checked (ValueError naming the first that is not a form, not a positive integer, not a power of
-    two where the kernel needs one, or too small for ``tl.dot``), the others filled in with the
-    defaults for a GPU (``on_gpu``; by default, unless Triton interprets) or for the interpreter.
-    ``split_k`` stays None on a GPU if not given: ``default_split_k`` sets it from the layer and the GPU."""
-    form = form or GPU_FORM
+    two where the kernel needs one, or outside what the tensor-core form takes), the others filled
+    in with the defaults for a GPU (``on_gpu``; by default, unless Triton interprets) or for the
+    interpreter. The form defaults to ``GPU_FORM``, or to "gemv" for groups the "dot" form does not
+    take; ``split_k`` stays None for the "dot" form on a GPU if not given: ``default_split_k`` sets
+    it from the layer and the GPU."""
+    form = form or (GPU_FORM if group_size <= DOT_MAX_GROUP else "gemv")
     if form not in KERNELS:
         raise ValueError(f"form={form!r}: the INT4 kernel comes as {' or '.join(map(repr, KERNELS))}")
-    for name, value in (("block_n", block_n), ("groups", groups), ("split_k", split_k), ("num_warps", num_warps)):
-        if value is None:
-            continue  # a default, below
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-        if name != "split_k" and value & (value - 1):
-            raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
+    _check_integers(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
     on_gpu = not interpreted() if on_gpu is None else on_gpu
     gpu_block_n, gpu_inputs, gpu_warps = GPU_DEFAULTS[form]
     padded = triton.next_power_of_2(group_size // 2)  # a group's bytes in a tile
@@ -175,13 +178,39 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
         default_groups = max(default_groups, DOT_MIN // padded)
     block_n = int(block_n or (gpu_block_n if on_gpu else INTERPRETER_BLOCK_N))
     groups = int(groups or triton.next_power_of_2(max(1, default_groups)))
-    if form == "dot" and block_n < DOT_MIN:
-        raise ValueError(f"block_n={block_n}: tl.dot multiplies tiles of at least {DOT_MIN} features")
-    if form == "dot" and groups * padded < DOT_MIN:
-        raise ValueError(f"groups={groups} of {group_size} inputs make a step of {groups * padded} bytes; tl.dot "
-                         f"needs at least {DOT_MIN}")
-    split_k = int(split_k) if split_k else (None if on_gpu else 1)
+    if form == "dot":
+        _check_dot(group_size, block_n, groups * padded)
+    split_k = int(split_k) if split_k else (None if on_gpu and form == "dot" else 1)
     return form, block_n, groups, split_k, int(num_warps or (gpu_warps if on_gpu else 1))
+
+
+def _check_integers(**values: int | None) -> None:
+    """ValueError naming the first of ``values`` given that is not a positive integer, or (all but
+    split_k) not a power of two."""
+    for name, value in values.items():
+        if value is None:
+            continue  # a default
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+        if name != "split_k" and value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
+
+
+def _check_dot(group_size: int, block_n: int, step_bytes: int) -> None:
+    """ValueError if the tensor-core form cannot take these: tiles smaller than tl.dot's, or groups
+    too large to hold in registers."""
+    if group_size > DOT_MAX_GROUP:
+        raise ValueError(f"group_size={group_size}: the 'dot' form takes groups of at most {DOT_MAX_GROUP} inputs "
+                         "(a step holds whole groups in registers); the 'gemv' form takes any")
+    if block_n < DOT_MIN:
+        raise ValueError(f"block_n={block_n}: tl.dot multiplies tiles of at least {DOT_MIN} features")
+    if step_bytes < DOT_MIN:
+        raise ValueError(f"a step of {step_bytes} bytes: tl.dot needs at least {DOT_MIN}; take more groups a step")
+
+
+@functools.lru_cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_split_k(out_features: int, in_features: int, group_size: int, block_n: int, groups: int,
@@ -189,8 +218,7 @@ def default_split_k(out_features: int, in_features: int, group_size: int, block_
     """Programs per feature tile on ``device``'s GPU: enough for two programs per multiprocessor, at
     most one per step of the loop."""
     tiles, steps = triton.cdiv(out_features, block_n), triton.cdiv(in_features // group_size, groups)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(steps, triton.cdiv(2 * sms, tiles)))
+    return max(1, min(steps, triton.cdiv(2 * _multiprocessors(device), tiles)))
 
 
 def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups: int, split_k: int,
@@ -219,9 +247,11 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``form``: "gemv" or
     "dot" (the module's docstring); ``block_n`` output features per program and ``groups`` groups
     per step (powers of two); ``split_k`` programs per feature tile; ``num_warps`` per program.
-    Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` at its ``GPU_DEFAULTS`` (inputs per step
-    over the group size, rounded up to a power of two, are the groups) and ``default_split_k``;
-    16 features, 2 groups, one program a tile and 1 warp in the interpreter."""
+    Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` ("gemv" for groups over
+    ``DOT_MAX_GROUP``) at its ``GPU_DEFAULTS`` (inputs per step over the group size, rounded up to a
+    power of two, are the groups), with one program a tile in the "gemv" form and
+    ``default_split_k`` in the "dot" form; in the interpreter 16 features, 2 groups (in the "dot"
+    form at least 16 bytes of them), one program a tile and 1 warp."""
     check_int4_matmul(x, packed, scales, zeros, group_size, max_rows=MAX_ROWS)
     check_device(*(t for t in (x, packed, scales, zeros) if t is not None))
     form, block_n, groups, split_k, num_warps = launch_parameters(group_size, form, block_n, groups, split_k,

@@ -1,8 +1,9 @@
 """How many instructions a GPU kernel issues, counted without a GPU.
 
 Triton compiles a kernel for an NVIDIA GPU that the machine does not have
-(``runtime.compile_for_gpu``), down to the GPU's machine code (SASS), and its disassembler lists
-the instructions in the kernel's main loop: what each warp issues per step. A multiprocessor
+(``runtime.compile_for_gpu``), down to the GPU's machine code (SASS), and NVIDIA's ``cuobjdump``
+(which Triton ships) lists it: the instructions in the kernel's main loop are what each warp
+issues per step. A multiprocessor
 issues at most one warp instruction per scheduler per cycle (``labkit.hardware.IssueRate``;
 ``labkit.presets.ISSUE_RATES`` has an H100's). So a kernel's instructions set a floor on its time,
 as its bytes over the memory bandwidth do, and it takes at least the larger of the two.
@@ -13,6 +14,7 @@ but for each 4-bit code it still unpacks, multiplies and accumulates. If that co
 instructions than a GPU can issue in the time its memory takes to deliver half a byte, the kernel
 is bound by its instructions, not its bytes.
 
+- ``machine_code(cubin)``: a compiled kernel's instructions and their addresses.
 - ``loop_instructions(kernel, constexprs, types, num_warps)``: a kernel's loop, by opcode.
 - ``int4_loop(...)``: the lab's INT4 kernel (``labkit.kernels.int4_matmul``, either form) at
   given launch parameters (its GPU defaults unless told): the loop by opcode, and instructions per
@@ -36,6 +38,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 
 from labkit.kernels.runtime import compile_for_gpu, interpreted
 from labkit.validate import is_int
@@ -43,26 +46,33 @@ from labkit.validate import is_int
 DTYPES = ("fp16", "bf16", "fp32")
 
 
+def machine_code(cubin: bytes) -> list[tuple[int, str]]:
+    """The machine instructions (SASS) of a compiled kernel, as (address, text), listed by
+    ``cuobjdump -sass``. (Triton's own disassembler, ``triton.tools.disasm``, stops at address
+    0xffff: the end of a kernel of more than 4,096 instructions is lost.)"""
+    from triton import knobs
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        listing = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", file.name], capture_output=True, text=True,
+                                 check=True).stdout
+    return [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]+)\*/\s*([^;]*;)", listing)]
+
+
 def loop_instructions(kernel, constexprs: dict, types: dict[str, str], num_warps: int) -> collections.Counter:
     """The machine instructions (SASS) in the loop of ``kernel`` compiled for an H100 (sm_90), by
-    opcode: from the loop's label to the branch back to it, each one instruction that a warp issues
-    per step (the longest such loop, if there are several). Triton's disassembler reads them from
-    the cubin (it runs ``cuobjdump``, which Triton ships). ``types``: as ``compile_for_gpu`` takes
-    them. ValueError if the kernel has no loop. Needs Triton compiling, not interpreting."""
-    from triton.tools.disasm import get_sass
-    compiled = compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps)
-    labels, code = {}, []  # each label's position in code; code: each instruction's text
-    for line in (line.strip() for line in get_sass(compiled.asm["cubin"]).splitlines()):
-        if re.fullmatch(r"LBB\d+:", line):
-            labels[line[:-1]] = len(code)
-        elif ";" in line:
-            code.append(line.split("\t")[-1])
-    loops = [(labels[m.group(1)], end) for end, text in enumerate(code)  # a branch back over at least one
-             if (m := re.search(r"\bBRA (LBB\d+);", text)) and labels.get(m.group(1), end) < end]  # instruction
+    opcode: from the target of a branch back to that branch, each one instruction that a warp
+    issues per step (the longest such loop, if there are several). ``types``: as
+    ``compile_for_gpu`` takes them. ValueError if the kernel has no loop. Needs Triton compiling,
+    not interpreting."""
+    code = machine_code(compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps).asm["cubin"])
+    loops = [(int(m.group(1), 16), address) for address, text in code  # a branch back over at least one instruction
+             if (m := re.search(r"\bBRA(?:\.U)? (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < address]
     if not loops:
         raise ValueError(f"{kernel.__name__} compiled without a loop")
     start, end = max(loops, key=lambda span: span[1] - span[0])
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in code[start:end + 1])
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].rstrip(";")
+                               for address, text in code if start <= address <= end)
 
 
 def int4_loop(form: str | None = None, block_n: int | None = None, groups: int | None = None,
