@@ -69,10 +69,11 @@ def with_split(config, in_f, out_f, device):
     return form, bn, groups, split or default_split_k(out_f, in_f, GROUP, bn, groups, device), warps
 
 
-def sweep(in_f, out_f, budget_s, device, dtype):
-    """Every configuration on an ``in_f -> out_f`` layer until ``budget_s`` runs out; the best 8."""
+def sweep(in_f, out_f, budget_s, device, name):
+    """Every configuration on an ``in_f -> out_f`` layer with ``name`` activations ("fp16" or "bf16")
+    until ``budget_s`` runs out; the best 8."""
     t_start = time.monotonic()
-    name = next(name for name, t in DTYPES.items() if t == dtype)
+    dtype = DTYPES[name]
     linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype)
     layer = QuantLinear.from_linear(linear, Scheme(4, GROUP))
     x = torch.randn(1, in_f, device=device, dtype=dtype)
@@ -163,7 +164,7 @@ def main(argv=None):
         device = torch.device("cuda")
         print(device_name(device), "torch", torch.__version__, "triton", triton.__version__, flush=True)
         for shape in args.shapes:
-            sweep(*map(int, shape.split("x")), args.budget, device, DTYPES[args.dtype])
+            sweep(*map(int, shape.split("x")), args.budget, device, args.dtype)
     print(f"took {time.monotonic() - start:.0f} s", flush=True)
     return 0
 

@@ -14,14 +14,15 @@ instruction: a code OR'd into the bits of 2^23 (fp32: ``0x4B000000``) or of 1024
 - ``gemv``, on the ordinary cores: one fp32 multiply-add per code and x, summed along each group;
   the zero point and the scale are applied once per group, as ``scale * (sum(code x) - zero sum(x))``.
 - ``dot``, on the tensor cores: each weight dequantized in registers, its code's float less 1024
-  then ``code * scale - zero * scale`` (in fp16, ``HADD2`` and ``HFMA2`` each do two weights at
-  once), then two ``tl.dot``
-  of ``[BLOCK_N, step]`` weights (the even columns', the odd columns') by x transposed, its rows
-  padded to 16, the smallest tile a tensor core multiplies. At one row, 15 of those 16 columns are
-  zeros: wasted arithmetic, which a tensor core has to spare; one of its instructions does a whole
-  tile's multiply-adds. fp16 activations multiply in fp16; bf16 in tf32, which holds a bf16
-  activation exactly and rounds the weights to 10 bits of mantissa (bf16 has 7); fp32 in fp32
-  (exact, but on the ordinary cores). It takes groups of up to ``DOT_MAX_GROUP`` inputs.
+  (in fp32, 2^23) then ``code * scale - zero * scale`` (in fp16, ``HADD2`` and ``HFMA2`` each do
+  two weights at once), then two ``tl.dot`` of ``[BLOCK_N, step]`` weights (the even columns', the
+  odd columns') by x transposed, its rows padded to 16, the smallest tile a tensor core
+  multiplies. At one row, 15 of those 16 columns are zeros: wasted arithmetic, which a tensor core
+  has to spare; one of its instructions does a whole tile's multiply-adds. fp16 activations
+  multiply in fp16; bf16 in tf32, which holds a bf16 activation exactly and keeps 10 bits of the
+  weights' mantissa (bf16 has 7); fp32 in fp32 (exact, but on the ordinary cores). A step's codes
+  must fit in registers: at most ``DOT_MAX_BYTES`` a thread (at the defaults, groups of up to 256
+  inputs).
 
 Which is faster is for a GPU to say. A GPU runs decode's matrix-vector product at the rate it issues
 instructions as much as at the rate its memory delivers bytes (``labkit.kernels.issue``): the
@@ -153,7 +154,11 @@ GPU_FORM = "gemv"
 GPU_DEFAULTS = {"gemv": (4, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
 INTERPRETER_BLOCK_N, INTERPRETER_GROUPS = 16, 2
 DOT_MIN = 16  # tl.dot's smallest tile side: features per program, and bytes per step
-DOT_MAX_GROUP = 256  # the tensor-core form holds a step's whole groups in registers; larger ones spill
+DOT_MAX_BYTES = 128  # bytes of codes per thread and step the tensor-core form holds in registers: more spill
+
+
+class DotTileTooLarge(ValueError):
+    """A step too large for the tensor-core form, which holds its dequantized weights in registers."""
 
 
 def launch_parameters(group_size: int, form: str | None = None, block_n: int | None = None,
@@ -163,10 +168,14 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
     checked (ValueError naming the first that is not a form, not a positive integer, not a power of
     two where the kernel needs one, or outside what the tensor-core form takes), the others filled
     in with the defaults for a GPU (``on_gpu``; by default, unless Triton interprets) or for the
-    interpreter. The form defaults to ``GPU_FORM``, or to "gemv" for groups the "dot" form does not
-    take; ``split_k`` stays None for the "dot" form on a GPU if not given: ``default_split_k`` sets
-    it from the layer and the GPU."""
-    form = form or (GPU_FORM if group_size <= DOT_MAX_GROUP else "gemv")
+    interpreter. The form defaults to ``GPU_FORM``, or to "gemv" where the "dot" form cannot hold
+    a step of the layer's groups (``DotTileTooLarge``); ``split_k`` stays None for the "dot" form
+    on a GPU if not given: ``default_split_k`` sets it from the layer and the GPU."""
+    if form is None:
+        try:
+            return launch_parameters(group_size, GPU_FORM, block_n, groups, split_k, num_warps, on_gpu)
+        except DotTileTooLarge:
+            form = "gemv"
     if form not in KERNELS:
         raise ValueError(f"form={form!r}: the INT4 kernel comes as {' or '.join(map(repr, KERNELS))}")
     _check_integers(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
@@ -178,10 +187,11 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
         default_groups = max(default_groups, DOT_MIN // padded)
     block_n = int(block_n or (gpu_block_n if on_gpu else INTERPRETER_BLOCK_N))
     groups = int(groups or triton.next_power_of_2(max(1, default_groups)))
+    num_warps = int(num_warps or (gpu_warps if on_gpu else 1))
     if form == "dot":
-        _check_dot(group_size, block_n, groups * padded)
+        _check_dot(block_n, groups * padded, num_warps)
     split_k = int(split_k) if split_k else (None if on_gpu and form == "dot" else 1)
-    return form, block_n, groups, split_k, int(num_warps or (gpu_warps if on_gpu else 1))
+    return form, block_n, groups, split_k, num_warps
 
 
 def _check_integers(**values: int | None) -> None:
@@ -196,12 +206,14 @@ def _check_integers(**values: int | None) -> None:
             raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
 
 
-def _check_dot(group_size: int, block_n: int, step_bytes: int) -> None:
-    """ValueError if the tensor-core form cannot take these: tiles smaller than tl.dot's, or groups
-    too large to hold in registers."""
-    if group_size > DOT_MAX_GROUP:
-        raise ValueError(f"group_size={group_size}: the 'dot' form takes groups of at most {DOT_MAX_GROUP} inputs "
-                         "(a step holds whole groups in registers); the 'gemv' form takes any")
+def _check_dot(block_n: int, step_bytes: int, num_warps: int) -> None:
+    """ValueError if the tensor-core form cannot take these: tiles smaller than tl.dot's, or
+    (``DotTileTooLarge``) a step too large to hold in registers."""
+    per_thread = block_n * step_bytes // (32 * num_warps)
+    if per_thread > DOT_MAX_BYTES:
+        raise DotTileTooLarge(f"{block_n} features x {step_bytes} bytes a step over {num_warps} warps are {per_thread} "
+                              f"bytes of codes a thread; the 'dot' form holds them in registers and takes at most "
+                              f"{DOT_MAX_BYTES} (fewer features or groups a step, or more warps; 'gemv' takes any)")
     if block_n < DOT_MIN:
         raise ValueError(f"block_n={block_n}: tl.dot multiplies tiles of at least {DOT_MIN} features")
     if step_bytes < DOT_MIN:
@@ -209,8 +221,8 @@ def _check_dot(group_size: int, block_n: int, step_bytes: int) -> None:
 
 
 @functools.lru_cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def default_split_k(out_features: int, in_features: int, group_size: int, block_n: int, groups: int,
@@ -218,7 +230,8 @@ def default_split_k(out_features: int, in_features: int, group_size: int, block_
     """Programs per feature tile on ``device``'s GPU: enough for two programs per multiprocessor, at
     most one per step of the loop."""
     tiles, steps = triton.cdiv(out_features, block_n), triton.cdiv(in_features // group_size, groups)
-    return max(1, min(steps, triton.cdiv(2 * _multiprocessors(device), tiles)))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return max(1, min(steps, triton.cdiv(2 * _multiprocessors(index), tiles)))
 
 
 def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups: int, split_k: int,
@@ -247,8 +260,8 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``form``: "gemv" or
     "dot" (the module's docstring); ``block_n`` output features per program and ``groups`` groups
     per step (powers of two); ``split_k`` programs per feature tile; ``num_warps`` per program.
-    Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` ("gemv" for groups over
-    ``DOT_MAX_GROUP``) at its ``GPU_DEFAULTS`` (inputs per step over the group size, rounded up to a
+    Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` ("gemv" where a "dot" step would not
+    fit in registers) at its ``GPU_DEFAULTS`` (inputs per step over the group size, rounded up to a
     power of two, are the groups), with one program a tile in the "gemv" form and
     ``default_split_k`` in the "dot" form; in the interpreter 16 features, 2 groups (in the "dot"
     form at least 16 bytes of them), one program a tile and 1 warp."""

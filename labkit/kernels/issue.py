@@ -14,8 +14,9 @@ but for each 4-bit code it still unpacks, multiplies and accumulates. If that co
 instructions than a GPU can issue in the time its memory takes to deliver half a byte, the kernel
 is bound by its instructions, not its bytes.
 
-- ``machine_code(cubin)``: a compiled kernel's instructions and their addresses.
-- ``loop_instructions(kernel, constexprs, types, num_warps)``: a kernel's loop, by opcode.
+- ``machine_code(cubin)``: a compiled kernel's instructions and their addresses (``parse_sass``).
+- ``loop_counts(code)``: the instructions of the longest loop in them, by opcode;
+  ``loop_instructions(kernel, constexprs, types, num_warps)``: a kernel's, compiled for an H100.
 - ``int4_loop(...)``: the lab's INT4 kernel (``labkit.kernels.int4_matmul``, either form) at
   given launch parameters (its GPU defaults unless told): the loop by opcode, and instructions per
   4-bit code; ``int4_loops`` for several at once.
@@ -46,33 +47,56 @@ from labkit.validate import is_int
 DTYPES = ("fp16", "bf16", "fp32")
 
 
+BRANCH = re.compile(r"\b(?:BRA|JMP)(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)")  # its target's address
+
+
 def machine_code(cubin: bytes) -> list[tuple[int, str]]:
     """The machine instructions (SASS) of a compiled kernel, as (address, text), listed by
-    ``cuobjdump -sass``. (Triton's own disassembler, ``triton.tools.disasm``, stops at address
-    0xffff: the end of a kernel of more than 4,096 instructions is lost.)"""
+    ``cuobjdump -sass`` (``parse_sass``). (Triton's own disassembler, ``triton.tools.disasm``,
+    stops at address 0xffff: the end of a kernel of more than 4,096 instructions is lost.)"""
     from triton import knobs
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
         listing = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", file.name], capture_output=True, text=True,
                                  check=True).stdout
-    return [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]+)\*/\s*([^;]*;)", listing)]
+    return parse_sass(listing)
+
+
+def parse_sass(listing: str) -> list[tuple[int, str]]:
+    """The instructions of the first function in a ``cuobjdump -sass`` listing, as (address, text):
+    a line ``/*10a0*/  @!P0 BRA 0x23a0 ;  /* 0x... */`` gives ``(0x10a0, "@!P0 BRA 0x23a0 ;")``."""
+    sections = listing.split("Function :")
+    body = sections[1] if len(sections) > 1 else listing
+    return [(int(address, 16), text.strip()) for address, text in
+            re.findall(r"^\s*/\*([0-9a-f]+)\*/\s*([^;\n]*;)", body, re.MULTILINE)]
+
+
+def loop_counts(code: list[tuple[int, str]]) -> collections.Counter:
+    """The instructions of the longest loop in ``code`` (as ``parse_sass`` gives it), by opcode:
+    from the target of a branch back to that branch, each one instruction that a warp issues per
+    step. Only branches before the first unconditional ``EXIT`` count (after it come out-of-line
+    blocks, which may branch back into a loop). ValueError if there is no loop."""
+    end_of_kernel = next((address for address, text in code if re.match(r"EXIT\b", text)), float("inf"))
+    loops = [(int(m.group(1), 16), address) for address, text in code  # a branch back over at least one instruction
+             if address < end_of_kernel and (m := BRANCH.search(text)) and int(m.group(1), 16) < address]
+    if not loops:
+        raise ValueError("no loop in the machine code")
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].rstrip(";")
+                               for address, text in code if start <= address <= end)
 
 
 def loop_instructions(kernel, constexprs: dict, types: dict[str, str], num_warps: int) -> collections.Counter:
     """The machine instructions (SASS) in the loop of ``kernel`` compiled for an H100 (sm_90), by
-    opcode: from the target of a branch back to that branch, each one instruction that a warp
-    issues per step (the longest such loop, if there are several). ``types``: as
+    opcode (``loop_counts``; the longest loop, if there are several). ``types``: as
     ``compile_for_gpu`` takes them. ValueError if the kernel has no loop. Needs Triton compiling,
     not interpreting."""
     code = machine_code(compile_for_gpu(kernel, types, constexprs, 90, num_warps=num_warps).asm["cubin"])
-    loops = [(int(m.group(1), 16), address) for address, text in code  # a branch back over at least one instruction
-             if (m := re.search(r"\bBRA(?:\.U)? (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < address]
-    if not loops:
-        raise ValueError(f"{kernel.__name__} compiled without a loop")
-    start, end = max(loops, key=lambda span: span[1] - span[0])
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].rstrip(";")
-                               for address, text in code if start <= address <= end)
+    try:
+        return loop_counts(code)
+    except ValueError:
+        raise ValueError(f"{kernel.__name__} compiled without a loop") from None
 
 
 def int4_loop(form: str | None = None, block_n: int | None = None, groups: int | None = None,
