@@ -181,7 +181,7 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
     _check_integers(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
     on_gpu = not interpreted() if on_gpu is None else on_gpu
     gpu_block_n, gpu_inputs, gpu_warps = GPU_DEFAULTS[form]
-    padded = triton.next_power_of_2(group_size // 2)  # a group's bytes in a tile
+    padded = padded_group_bytes(group_size)
     default_groups = gpu_inputs // group_size if on_gpu else INTERPRETER_GROUPS
     if form == "dot":
         default_groups = max(default_groups, DOT_MIN // padded)
@@ -192,6 +192,11 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
         _check_dot(block_n, groups * padded, num_warps)
     split_k = int(split_k) if split_k else (None if on_gpu and form == "dot" else 1)
     return form, block_n, groups, split_k, num_warps
+
+
+def padded_group_bytes(group_size: int) -> int:
+    """A group's bytes in a tile (two codes a byte), rounded up to a power of two, as a tile's sides must be."""
+    return triton.next_power_of_2(group_size // 2)
 
 
 def _check_integers(**values: int | None) -> None:
@@ -240,7 +245,7 @@ def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups
     launch parameters: the rows padded to a power of two, and to 16 for tl.dot."""
     padded_rows = triton.next_power_of_2(rows)
     return dict(HAS_ZEROS=has_zeros, ROWS=max(DOT_MIN, padded_rows) if form == "dot" else padded_rows,
-                BLOCK_N=block_n, GROUP=group_size, PADDED=triton.next_power_of_2(group_size // 2), GROUPS=groups,
+                BLOCK_N=block_n, GROUP=group_size, PADDED=padded_group_bytes(group_size), GROUPS=groups,
                 SPLIT_K=split_k)
 
 

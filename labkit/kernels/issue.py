@@ -3,10 +3,10 @@
 Triton compiles a kernel for an NVIDIA GPU that the machine does not have
 (``runtime.compile_for_gpu``), down to the GPU's machine code (SASS), and NVIDIA's ``cuobjdump``
 (which Triton ships) lists it: the instructions in the kernel's main loop are what each warp
-issues per step. A multiprocessor
-issues at most one warp instruction per scheduler per cycle (``labkit.hardware.IssueRate``;
-``labkit.presets.ISSUE_RATES`` has an H100's). So a kernel's instructions set a floor on its time,
-as its bytes over the memory bandwidth do, and it takes at least the larger of the two.
+issues per step. A multiprocessor issues at most one warp instruction per scheduler per cycle
+(``labkit.hardware.IssueRate``; ``labkit.presets.ISSUE_RATES`` has an H100's). So a kernel's
+instructions set a floor on its time, as its bytes over the memory bandwidth do, and it takes at
+least the larger of the two.
 
 Dequantizing kernels are where the second floor bites. A decode step's fp16 matrix-vector product
 spends about one multiply-add per 2 bytes it reads. An INT4 kernel reads a quarter of those bytes,
