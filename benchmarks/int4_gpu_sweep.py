@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.bench import alternate
+from labkit.cuda_graphs import repeated
 from labkit.device import device_name
 from labkit.kernels.int4_matmul import GPU_FORM, KERNELS, default_split_k, int4_matmul, launch_parameters
 from labkit.kernels.issue import int4_loop
@@ -57,12 +58,6 @@ ALL = ([("dot", bn, groups, split, warps) for split in (None, 1, 2, 4, 8) for bn
           for groups in (16, 8, 4) for warps in (2, 4, 1, 8)])
 
 
-def graphed(call, device):
-    """``CALLS`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
-    from labkit.cuda_graphs import record
-    return record(lambda: [call() for _ in range(CALLS)], device)[0].replay
-
-
 def with_split(config, in_f, out_f, device):
     """``config`` with the split that ``int4_matmul`` would take for it on this layer where it is None."""
     form, bn, groups, split, warps = config
@@ -77,7 +72,7 @@ def sweep(in_f, out_f, budget_s, device, name):
     linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=dtype)
     layer = QuantLinear.from_linear(linear, Scheme(4, GROUP))
     x = torch.randn(1, in_f, device=device, dtype=dtype)
-    full = graphed(lambda: F.linear(x, linear.weight), device)
+    full = repeated(lambda: F.linear(x, linear.weight), CALLS, device)
     want = F.linear(x.float(), layer.dequantized_weight().float())
     defaults = [with_split(config, in_f, out_f, device) for config in DEFAULTS]
     rows = []
@@ -89,7 +84,7 @@ def sweep(in_f, out_f, budget_s, device, name):
             def call(config=config):
                 return int4_matmul(x, layer.packed, layer.scales, layer.zeros, GROUP, *config)
             err = (call().float() - want).abs().max().item()
-            t = alternate({"full": full, "int4": graphed(call, device)}, warmup=3, repeats=15, device=device)
+            t = alternate({"full": full, "int4": repeated(call, CALLS, device)}, warmup=3, repeats=15, device=device)
             ratio = t["full"].median_s / t["int4"].median_s
             rows.append((ratio, config, t["int4"].median_s / CALLS * 1e6, t["full"].median_s / CALLS * 1e6, err))
         except Exception as exc:  # a config Triton cannot compile (registers, shared memory)

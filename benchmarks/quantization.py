@@ -134,21 +134,16 @@ def gpu_layer(repeats: int, calls: int = 50) -> None:
     """On CUDA: the Triton INT4 kernel, in each of its forms at its defaults, against fp16 F.linear at
     batch 1 on a Llama-2-7B MLP layer (4096 -> 11008), each as ``calls`` calls in one CUDA graph, so
     that the kernels are timed, not their launches."""
-    from labkit.cuda_graphs import record
+    from labkit.cuda_graphs import repeated
     from labkit.kernels.int4_matmul import GPU_FORM, KERNELS, int4_matmul
     device = torch.device("cuda")
-
-    def graphed(call: Callable[[], object]) -> Callable[[], None]:
-        """``calls`` calls of ``call`` recorded as one CUDA graph, its replay returned."""
-        return record(lambda: [call() for _ in range(calls)], device)[0].replay
-
     linear = torch.nn.Linear(4096, 11008, bias=False, device=device, dtype=torch.float16)
     layer = QuantLinear.from_linear(linear, Scheme(4, 64))
     x = torch.randn(1, 4096, device=device, dtype=torch.float16)
-    steps = {"fp16 F.linear": graphed(lambda: torch.nn.functional.linear(x, linear.weight))}
+    steps = {"fp16 F.linear": repeated(lambda: torch.nn.functional.linear(x, linear.weight), calls, device)}
     for form in KERNELS:
-        steps[f"INT4 g64 ({form})"] = graphed(lambda form=form: int4_matmul(x, layer.packed, layer.scales,
-                                                                            layer.zeros, 64, form))
+        steps[f"INT4 g64 ({form})"] = repeated(lambda form=form: int4_matmul(x, layer.packed, layer.scales,
+                                                                             layer.zeros, 64, form), calls, device)
     timed = alternate(steps, warmup=3, repeats=repeats, device=device)
     print(f"\n{device_name(device)}: a 4096 -> 11008 layer at batch 1, fp16 against INT4 g64, {calls} calls per graph:")
     for name, t in timed.items():

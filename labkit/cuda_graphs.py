@@ -81,6 +81,12 @@ def record(forward: Callable[[], Tensor], device: torch.device, pool: tuple | No
     return graph, output
 
 
+def repeated(call: Callable[[], object], calls: int, device: torch.device) -> Callable[[], None]:
+    """``calls`` calls of ``call`` recorded as one CUDA graph; returns its replay. Timing one
+    kernel this way times the kernel, not its launch: the replay launches all of them at once."""
+    return record(lambda: [call() for _ in range(calls)], device)[0].replay
+
+
 class GraphedStep:
     """One decode step of ``model`` on ``cache`` recorded as a CUDA graph for its batch size.
 
