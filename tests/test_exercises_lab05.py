@@ -8,7 +8,7 @@ from labkit.exercises import get
 
 
 def test_lab05_plausible_mistakes_fail():
-    from labkit.speculative import acceptance_rule, speculation_gain, verify_greedy
+    from labkit.speculative import acceptance_rule, verify_greedy
 
     def unnormalised(p, q, token):  # forgets to renormalise the residual
         accept, _ = acceptance_rule(p, q, token)
@@ -51,7 +51,7 @@ def test_lab05_acceptance_as_a_0d_tensor_fails_asking_for_item():
 
 
 def test_lab05_a_failing_case_shows_its_own_hint():
-    from labkit.speculative import acceptance_rule, verify_greedy
+    from labkit.speculative import acceptance_rule
 
     def ratio_uncapped(p, q, token):
         return float(p[token] / q[token]), acceptance_rule(p, q, token)[1]

@@ -32,6 +32,6 @@ else:  # pragma: no cover
     paged_decode = flash_attention
     flash_attention_kernel = paged_decode_kernel = None
 
-__all__ = ["MISSING", "check_device", "flash_attention", "flash_attention_kernel", "interpreted", "online_softmax_update",
-           "paged_decode", "paged_decode_kernel", "reference_attention", "require_triton", "tile_map", "tiled_attention",
-           "tl", "triton", "unit_last_stride"]
+__all__ = ["MISSING", "check_device", "flash_attention", "flash_attention_kernel", "interpreted",
+           "online_softmax_update", "paged_decode", "paged_decode_kernel", "reference_attention", "require_triton",
+           "tile_map", "tiled_attention", "tl", "triton", "unit_last_stride"]
