@@ -64,6 +64,8 @@ def test_lab06b_awq_search_mistakes_fail(root):
          "flatten x to [rows, in]"),
         ("for k in range(grid + 1):\n        alpha = k / grid", "for k in range(21):\n        alpha = k / 20",
          "g32, three salient channels", "from the argument grid"),
+        ("for k in range(grid + 1):", "for k in range(grid):", "one channel 1,000 times the others",
+         "range(grid + 1)"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex06b.2", mistake(root, "ex06b.2", right, wrong), case, hint)
@@ -84,6 +86,8 @@ def test_the_awq_cases_have_one_best_alpha_and_the_planted_channel_is_protected(
     weight, x, scheme, grid = get("ex06b.2").cases()[0].args
     scales, alpha = lab06b.reference_awq(weight, x, scheme, grid)
     assert alpha > 0 and int(scales.argmax()) == 5
+    assert any(lab06b.reference_awq(*case.args)[1] == 1.0 for case in get("ex06b.2").cases()), \
+        "no case's best alpha is 1: a search that stops before alpha = 1 would pass"
 
 
 def _gptq_solution_with(root, u_of):

@@ -162,6 +162,7 @@ def _awq_cases() -> list[Case]:
     several = _calibration(1, 48, 128, 64, [3, 40, 77], 10.0)
     symmetric = _calibration(2, 24, 96, 64, [10, 50], 8.0)
     plain = _calibration(3, 16, 64, 96, [], 1.0)
+    extreme = _calibration(4, 16, 64, 48, [7], 1000.0)
     several = several[0], several[1].reshape(4, 16, 128)  # x [batch, tokens, in]: the mean is over all rows
     cases: list[Case] = [JudgedCase(
         "a planted salient channel: channel 5's activations 30 times the others'",
@@ -181,6 +182,9 @@ def _awq_cases() -> list[Case]:
         ("INT4 per-channel symmetric, grid 8", symmetric, Scheme(4, None, True), 8,
          "another scheme: Q is quantize then dequantize with the scheme given (per-channel: one group per row), "
          "and alpha = 0, 1/8, ..., 1"),
+        ("one channel 1,000 times the others, grid 4: the best alpha is the last, 1", extreme, Scheme(4, 32), 4,
+         "the grid has both ends: alpha = k / grid for k = 0, 1, ..., grid, grid + 1 values (range(grid + 1)); "
+         "with so salient a channel alpha = 1 has the least error, less than half of alpha = 0.75's"),
         ("no planted channel: channels only 0.5 to 1.5 times each other", plain, Scheme(4, 32), 10,
          "no channel stands out much, and the best alpha is still found by the error, not assumed"),
     ]:
