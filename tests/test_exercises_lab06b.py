@@ -66,6 +66,9 @@ def test_lab06b_awq_search_mistakes_fail(root):
          "g32, three salient channels", "from the argument grid"),
         ("for k in range(grid + 1):", "for k in range(grid):", "one channel 1,000 times the others",
          "range(grid + 1)"),
+        ("(exact - (rows / s) @ w_q.T)", "(weight * s - w_q)", "g32, three salient channels",
+         "not the scaled weight's own rounding error"),
+        ("(exact - (rows / s) @ w_q.T)", "(weight - w_q / s)", planted, "not the weights' own rounding error"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex06b.2", mistake(root, "ex06b.2", right, wrong), case, hint)

@@ -89,7 +89,8 @@ def _row_cases() -> list[Case]:
                   32,
                   "each group of 32 columns has its own scale and zero point. A weight's group is its column // "
                   "group_size, and byte j holds columns 2j and 2j + 1: byte j // group_size is the group of the "
-                  "wrong columns from byte 16 on"),
+                  "wrong columns from byte 16 on. With the zero point taken out of the sum, s (sum of c x - z sum "
+                  "of x) per group, both sums run over the group's own columns, not the whole row"),
         _row_case("g128 symmetric, 256 columns: zeros_row is None", *_random_row(256, Scheme(4, 128, True), 3), 128,
                   "a symmetric grid stores no zero points: every zero point is 8. Codes below 8 give negative "
                   "weights; in uint8 arithmetic 3 - 8 is 251, not -5: turn codes into Python ints or floats "
@@ -169,8 +170,9 @@ def _awq_cases() -> list[Case]:
         (*planted, Scheme(4, 64), 20), judge=_planted(*planted, Scheme(4, 64), 20, 5, 30.0),
         hint="the weights that meet channel 5 cost 30 times more output error when rounded, so the search must "
              "find an alpha > 0 that gives channel 5 the largest scale and beats RTN (alpha = 0). If it does not: "
-             "it is W diag(s), W's columns times s, that is rounded, while x is divided by s; and the alpha to "
-             "keep is the one of least error")]
+             "it is W diag(s), W's columns times s, that is rounded, while x is divided by s; the error is the "
+             "layer's output error on x, ||x W^T - (x / s) Q(W diag(s))^T||, not the weights' own rounding error "
+             "(least at alpha = 0); and the alpha to keep is the one of least error")]
     for label, (weight, x), scheme, grid, hint in [
         ("the planted layer again: labkit's scales and alpha", planted, Scheme(4, 64), 20,
          "alpha is right if the case before passed; now the scales themselves: m is the mean of |x| per input "
@@ -178,7 +180,8 @@ def _awq_cases() -> list[Case]:
          "smallest scale straddle 1 (only their ratios matter to the error, but the spec fixes their size)"),
         ("g32, three salient channels, x of shape [4, 16, 128], grid 10", several, Scheme(4, 32), 10,
          "x has two leading dimensions: the mean |x| and the error run over all 64 rows (flatten x to [rows, in]); "
-         "the grid has 10 steps, alpha = 0, 0.1, ..., 1, from the argument grid"),
+         "the grid has 10 steps, alpha = 0, 0.1, ..., 1, from the argument grid; the error compared is the layer's "
+         "output error on those rows, not the scaled weight's own rounding error"),
         ("INT4 per-channel symmetric, grid 8", symmetric, Scheme(4, None, True), 8,
          "another scheme: Q is quantize then dequantize with the scheme given (per-channel: one group per row), "
          "and alpha = 0, 1/8, ..., 1"),
