@@ -58,6 +58,12 @@ def test_lab08_advance_mistakes_fail():
         positions[~finished] += 1
         return positions, finished
 
+    def builtin_any(tokens, positions, finished, eos_id):  # Python's any() over a tensor: torch traces its own copy
+        finished = finished | (tokens == eos_id)
+        if any(finished):
+            return torch.where(finished, positions, positions + 1), finished
+        return positions + 1, finished
+
     def tolist(tokens, positions, finished, eos_id):
         done = [bool(f) or t == eos_id for f, t in zip(finished.tolist(), tokens.tolist())]
         return torch.tensor([p if d else p + 1 for p, d in zip(positions.tolist(), done)]), torch.tensor(done)
@@ -67,6 +73,7 @@ def test_lab08_advance_mistakes_fail():
     assert "line" in run_cases(get("ex08.2"), item).message  # the line that stopped the capture
     fails("ex08.2", branch, compiles, "a Python if, while, and, or, or not decides on a tensor's value")
     fails("ex08.2", boolean_mask, compiles, "`positions[~finished] += 1`")
+    fails("ex08.2", builtin_any, compiles, "of builtin_any: `if any(finished):`")  # the student's line, not torch's
     fails("ex08.2", tolist, compiles, "read into Python")
 
     def old_finished(tokens, positions, finished, eos_id):  # moves a row that has just finished

@@ -7,6 +7,7 @@ operation whose output shape depends on the data, fails with the reason in plain
 """
 from __future__ import annotations
 
+import os
 import re
 import types
 from typing import Any, Callable
@@ -116,19 +117,22 @@ def _unbacked(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and free_unbacked_symbols(value)]
 
 
-_STUDENT_LINE = re.compile(r'File "[^"]+", line (\d+), in (\S+)\n\s*(.+)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]*(?!File ")(\S.*))?')
 _CAUSED_BY = re.compile(r"Caused by: (.+?)\s+# \S*?:(\d+) in (\S+)")
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def _where(text: str) -> str:
-    """' (line 7 of advance: `if done.all():`)' from a message or stack trace of TorchDynamo's, or ''."""
-    if found := _STUDENT_LINE.findall(text):
-        line, name, code = found[-1]
+    """' (line 7 of advance: `if done.all():`)' from a message or stack trace of TorchDynamo's, or '':
+    the innermost frame outside torch (a builtin such as any() is traced through torch's own copy of it)."""
+    frames = _FRAME.findall(text)
+    if frames:
+        _, line, name, code = ([f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames)[-1]
     elif found := _CAUSED_BY.findall(text):
         code, line, name = found[-1]
     else:
         return ""
-    return f" (line {line} of {name}: `{code.strip()}`)"
+    return f" (line {line} of {name}" + (f": `{code.strip()}`)" if code else ")")
 
 
 def _explain_break(error: Exception) -> str:
