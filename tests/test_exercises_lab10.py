@@ -62,12 +62,14 @@ def test_a_real_caches_bytes_are_labkits_formula():
             assert lab10.cache_bytes(config, tokens, dtype) == memory.kv_cache_bytes(shape, tokens, 1, name)
 
 
-ELEMENT = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+ELEMENT = {0.5: torch.uint8, 1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}  # 0.5: 4-bit codes
 
 
 def counted_on_meta(n_layers, n_heads, n_kv_heads, head_dim, prompt_tokens, bytes_per_element):
-    """A ContiguousKVCache of the model's shape on the meta device (sized, never filled): its tensors' bytes."""
-    config = ModelConfig(64, n_heads * head_dim, n_layers, n_heads, n_kv_heads, 64, prompt_tokens)
+    """A ContiguousKVCache of the model's shape on the meta device (sized, never filled): its tensors' bytes. A
+    4-bit cache packs two codes in a byte: a uint8 cache of half the head_dim."""
+    stored_dim = head_dim // 2 if bytes_per_element == 0.5 else head_dim
+    config = ModelConfig(64, n_heads * stored_dim, n_layers, n_heads, n_kv_heads, 64, prompt_tokens)
     cache = ContiguousKVCache(config, 1, prompt_tokens, ELEMENT[bytes_per_element], "meta")
     return cache.k.nbytes + cache.v.nbytes
 
@@ -166,10 +168,12 @@ ROW_SLICE = "x_part @ weight[:, rank * size:(rank + 1) * size].T"
     (ROW_SLICE, ROW_SLICE + " / world", ROW_2, "it does not average them"),
     (ROW_SLICE, "x_part @ weight[:, (world - 1 - rank) * size:(world - rank) * size].T", ROW_2,
      "this uses rank 1's columns"),
-    ("if out_features % world:", "if False:", REFUSE, "column_parallel(..., weight of shape [8, 8], rank=0, world=3) "
+    ("if out_features % world:", "if False:", REFUSE, "column_parallel(..., weight of shape [8, 6], rank=0, world=3) "
                                                       "returned tensor(shape=(2, 2)"),
-    ("if in_features % world:", "if False:", REFUSE, "row_parallel(..., weight of shape [8, 8], rank=0, world=3) "
-                                                     "returned tensor(shape=(2, 8)"),
+    ("if out_features % world:", "if weight.shape[1] % world:", "column-parallel, 4 ranks",  # the other dimension's
+     "The dimension split is the output features"),
+    ("if in_features % world:", "if False:", REFUSE, "row_parallel(..., weight of shape [6, 8], rank=0, world=3) "
+                                                     "returned tensor(shape=(2, 6)"),
 ])
 def test_lab10_tensor_parallel_mistakes_fail(root, right, wrong, case, hint):
     result = fails("ex10.1", mistake(root, "ex10.1", right, wrong), case, hint)
@@ -213,6 +217,7 @@ BUBBLE = "(stages - 1) / (micro_batches + stages - 1)"
     (BUBBLE, "(stages - 1) / micro_batches", "bubble: 4 stages, 1 micro-batch", "the idle time over the busy time"),
     (BUBBLE, "(micro_batches - 1) / (micro_batches + stages - 1)", "bubble: one stage", "are swapped"),
     (BUBBLE, "(stages - 1) / (micro_batches + stages)", "bubble: 4 stages, 1 micro-batch", "not m + p"),
+    (BUBBLE, "(stages - 1) // (micro_batches + stages - 1)", "bubble: 4 stages, 1 micro-batch", "got the int 0: //"),
     ("steps = 2 * (world - 1)", "steps = world - 1", "ring all-reduce: 2 ranks", "a reduce-scatter (W - 1 steps"),
     ("nbytes / (world * bandwidth)", "nbytes / bandwidth", "ring all-reduce: 2 ranks",
      "each step sends the whole message"),
@@ -239,6 +244,11 @@ LLAMA = "Llama-3.2-1B, a 512-token prompt"
 ])
 def test_lab10_shipped_bytes_mistakes_fail(root, wrong, hint):
     fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)
+
+
+def test_a_whole_bytes_per_element_fails_on_the_int4_cache(root):
+    fails("ex10.4", mistake(root, "ex10.4", SHIPPED, SHIPPED.replace("bytes_per_element", "int(bytes_per_element)")),
+          "Llama-3.1-8B, a 1,000-token prompt", "0.5 here, a fraction")
 
 
 # --- the cases are what their labels say --------------------------------------------------------------------

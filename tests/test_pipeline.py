@@ -101,14 +101,24 @@ def test_the_timeline_has_every_piece_in_causal_order(two_ranks):
     assert 0 < two_ranks.bubble() < 1
 
 
-def test_measure_bubble_runs_each_count_once(folder):
-    runs = measure_bubble(folder, world_size=2, micro_batches=(1, 2, 4), rows=4, length=8)
+def test_measure_bubble_keeps_one_pass_of_each_count(folder):
+    runs = measure_bubble(folder, world_size=2, micro_batches=(1, 2, 4), rows=4, length=8, passes=3)
     assert [r.micro_batches for r in runs] == [1, 2, 4]
     for run in runs:
         m = run.micro_batches
         assert sorted((p.rank, p.micro_batch) for p in run.timeline) == list(itertools.product(range(2), range(m)))
         assert run.formula == bubble_fraction(2, m) and 0 < run.measured < 1
         assert run.measured == measured_bubble(run.timeline, 2)
+
+
+def test_measure_bubble_keeps_each_counts_pass_of_median_bubble(folder, monkeypatch):
+    def run(idle):  # two ranks, one piece each; rank 1 starts after ``idle`` seconds: bubble idle / (1 + idle)
+        return [Piece(0, 0, 0, 0.0, 1.0), Piece(1, 0, 0, idle, 1.0 + idle)]
+    idles = [0.9, 0.0, 0.3, 0.1, 0.5, 0.2]  # counts (1, 2) taking turns, three passes each
+    monkeypatch.setattr(pipeline, "launch", lambda *args, **kwargs: [run(i) for i in idles])
+    runs = measure_bubble(folder, world_size=2, micro_batches=(1, 2), rows=4, length=8, passes=3)
+    assert [r.timeline[1].start for r in runs] == [0.5, 0.1]  # of 0.9, 0.3, 0.5 and of 0.0, 0.1, 0.2
+    assert runs[0].measured == pytest.approx(0.5 / 1.5)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -119,6 +129,7 @@ def test_measure_bubble_runs_each_count_once(folder):
     (lambda f: pipeline_generate(f, [[1, 2], []], NEW), r"a prompt of 0 tokens"),
     (lambda f: measure_bubble(f, micro_batches=(1, 3), rows=4), r"rows=4 do not split into micro_batches=3"),
     (lambda f: measure_bubble(f, world_size=3), r"world_size=3 must be in 1..n_layers=2"),
+    (lambda f: measure_bubble(f, passes=0), r"passes=0 must be at least 1"),
 ])
 def test_bad_layouts_are_refused_before_any_process_starts(folder, monkeypatch, call, match):
     def no_launch(*args, **kwargs):

@@ -226,14 +226,17 @@ def _mlp_play(x_shape: tuple[int, ...], d_ff: int, world: int, seed: int) -> Cal
 
 
 def _refuses_play(cls: Any) -> None:
-    x, weight = torch.ones(2, 8, dtype=torch.float64), torch.ones(8, 8, dtype=torch.float64)
-    for name, args in (("column_parallel", (x, weight, 0, 3)), ("row_parallel", (x[:, :2], weight, 0, 3))):
+    # the dimension split has 8 features, which 3 ranks cannot share; the other has 6, which they could
+    ones = lambda *shape: torch.ones(*shape, dtype=torch.float64)
+    for name, (x, weight), split in (("column_parallel", (ones(2, 6), ones(8, 6)), "output"),
+                                     ("row_parallel", (ones(2, 2), ones(6, 8)), "input")):
         try:
-            got = getattr(cls, name)(*args)
+            got = getattr(cls, name)(x, weight, 0, 3)
         except ValueError:
             continue
-        raise AssertionError(f"{name}(..., weight of shape [8, 8], rank=0, world=3) returned "
-                             f"{_short(got)}; expected a ValueError: 3 ranks cannot share 8 features equally")
+        raise AssertionError(f"{name}(..., weight of shape {list(weight.shape)}, rank=0, world=3) returned "
+                             f"{_short(got)}; expected a ValueError: 3 ranks cannot share its 8 {split} features "
+                             "equally")
 
 
 def _tensor_parallel_cases() -> list[Scenario]:
@@ -243,7 +246,8 @@ def _tensor_parallel_cases() -> list[Scenario]:
                       "here: rows split in 2 equal contiguous parts, rank 0 the first"),
         Scenario("column-parallel, 4 ranks: x [2, 3, 6], weight [12, 6]", _column_play((2, 3, 6), 12, 4, 1),
                  hint="4 ranks of 3 output features each; x has two leading dimensions, which the output keeps. "
-                      "Read the share's size from the weight and world, never a fixed number"),
+                      "Read the share's size from the weight and world, never a fixed number. The dimension split "
+                      "is the output features, weight.shape[0] (12): the 6 input features need not split in 4"),
         Scenario("row-parallel, 2 ranks: x_part [3, 4], weight [8, 8]", _row_play((3, 8), 8, 2, 2),
                  hint="x_part holds input features r*4 .. r*4+3 of x; they meet only the weight's columns of the "
                       "same numbers, so the partial sum is x_part @ weight[:, r*4:(r+1)*4].T, all 8 output features "
@@ -410,8 +414,15 @@ def _bubble_play(stages: int, micro_batches: int) -> Callable[[Any], None]:
                             "stage p - 1 slots after the first stage took it"),
     ]
     want = bubble_by_schedule(p, m)
-    return lambda cls: _judge_number(f"bubble_fraction(stages={p}, micro_batches={m})", cls.bubble_fraction(p, m),
-                                     want, mistakes)
+    what = f"bubble_fraction(stages={p}, micro_batches={m})"
+
+    def judge(cls: Any) -> None:
+        got = cls.bubble_fraction(p, m)
+        if isinstance(got, int) and not isinstance(got, bool) and want != int(want):
+            raise AssertionError(f"{what}: expected {want:.6g}, got the int {got}: // divides and drops the fraction; "
+                                 "a share of the time is a fraction, so divide with /")
+        _judge_number(what, got, want, mistakes)
+    return judge
 
 
 def _ring_play(nbytes: float, world: int, latency_s: float, bandwidth: float) -> Callable[[Any], None]:
@@ -483,6 +494,9 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
         (2 * elements, "that is a count of elements; times bytes_per_element for bytes"),
         (2 * elements * size * 8, "that is bits; bytes_per_element counts bytes"),
     ]
+    if size != int(size):
+        mistakes.append((2 * elements * int(size), f"bytes_per_element is {size:g} here, a fraction: multiply by it as "
+                                                   "it is, with no int() or // on the way"))
     return lambda got: _judge_number("the bytes shipped", got, want, mistakes, " B")
 
 
@@ -497,6 +511,8 @@ def _shipped_cases() -> list[Case]:
          "MHA: as many KV heads as query heads, 32"),
         ("Llama-3.1-70B, a 32K-token prompt, fp8", "Llama-3.1-70B", "fp8", 32768,
          "80 layers, 8 KV heads, 1 byte an element: a long prompt ships gigabytes"),
+        ("Llama-3.1-8B, a 1,000-token prompt, an INT4 cache", "Llama-3.1-8B", "int4", 1000,
+         "4 bits: half a byte an element, so bytes_per_element is 0.5"),
     ]
     cases = []
     for label, name, dtype, tokens, hint in published:

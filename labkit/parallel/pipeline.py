@@ -347,13 +347,14 @@ class BubbleRun:
     formula: float
 
 
-def _bubbles_on_rank(rank: Rank, source: str, rows: int, length: int, counts: list[int],
+def _bubbles_on_rank(rank: Rank, source: str, rows: int, length: int, counts: list[int], passes: int,
                      dtype: torch.dtype) -> list[list[Piece]]:
-    """Each rank's part of ``measure_bubble``: one untimed pass to warm up, then one per count."""
+    """Each rank's part of ``measure_bubble``: one untimed pass to warm up, then ``passes`` rounds of one
+    pass per count, the counts taking turns."""
     stage = load_stage(source, rank, dtype)
     tokens = torch.arange(rows * length, device=rank.device).view(rows, length) % stage.config.vocab_size
     runs = []
-    for i, count in enumerate([counts[0], *counts]):
+    for i, count in enumerate([counts[0], *counts * passes]):
         dist.barrier()  # the pass starts on every rank together, the last one's tail finished
         pieces = forward_pass(stage, rank, tokens, count)
         if i:
@@ -362,23 +363,31 @@ def _bubbles_on_rank(rank: Rank, source: str, rows: int, length: int, counts: li
 
 
 def measure_bubble(model: str, world_size: int = 2, micro_batches: Sequence[int] = (1, 2, 4, 8), rows: int = 8,
-                   length: int = 32, dtype: torch.dtype = torch.float32, timeout_s: float = 300.0) -> list[BubbleRun]:
-    """The bubble of one forward pass (no cache, no sampling) of ``rows`` prompts of ``length``
+                   length: int = 32, passes: int = 5, dtype: torch.dtype = torch.float32,
+                   timeout_s: float = 300.0) -> list[BubbleRun]:
+    """The bubble of a forward pass (no cache, no sampling) of ``rows`` prompts of ``length``
     tokens through ``world_size`` stages of ``model``, split into each of ``micro_batches`` equal
-    micro-batches in turn: measured against ``bubble_fraction``. One launch for all of them."""
+    micro-batches: measured against ``bubble_fraction``, ``passes`` times each (the counts taking
+    turns), and each count's pass of median bubble kept. One launch for all of them."""
     config = load_config(model)
     counts = list(micro_batches)
-    check_ints(world_size=world_size, rows=rows, length=length,
+    check_ints(world_size=world_size, rows=rows, length=length, passes=passes,
                **{f"micro_batches[{i}]": m for i, m in enumerate(counts)})
     if not counts:
         raise ValueError("micro_batches is empty: give the numbers of micro-batches to measure, e.g. (1, 2, 4, 8)")
     if not 1 <= length <= config.max_seq_len:
         raise ValueError(f"length={length} must be in 1..max_seq_len={config.max_seq_len}")
+    if passes < 1:
+        raise ValueError(f"passes={passes} must be at least 1")
     for count in counts:
         _check_layout(config, world_size, count, rows)
         if rows % count:
             raise ValueError(f"rows={rows} do not split into micro_batches={count} equal micro-batches: "
                              "choose rows a multiple of each count")
-    runs = launch(_bubbles_on_rank, world_size, (model, rows, length, counts, dtype), timeout_s)
-    return [BubbleRun(m, run, measured_bubble(run, world_size), bubble_fraction(world_size, m))
-            for m, run in zip(counts, runs)]
+    runs = launch(_bubbles_on_rank, world_size, (model, rows, length, counts, passes, dtype), timeout_s)
+    kept = []
+    for i, m in enumerate(counts):
+        timed = sorted(runs[i::len(counts)], key=lambda run: measured_bubble(run, world_size))
+        median = timed[len(timed) // 2]
+        kept.append(BubbleRun(m, median, measured_bubble(median, world_size), bubble_fraction(world_size, m)))
+    return kept
