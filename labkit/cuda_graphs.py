@@ -84,6 +84,9 @@ def record(forward: Callable[[], Tensor], device: torch.device, pool: tuple | No
 def repeated(call: Callable[[], object], calls: int, device: torch.device) -> Callable[[], None]:
     """``calls`` calls of ``call`` recorded as one CUDA graph; returns its replay. Timing one
     kernel this way times the kernel, not its launch: the replay launches all of them at once."""
+    if calls < 1:
+        raise ValueError(f"calls={calls}: a graph of no calls times nothing")
+    require_cuda(device)
     return record(lambda: [call() for _ in range(calls)], device)[0].replay
 
 

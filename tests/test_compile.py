@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit import compile as compiling
-from labkit.cuda_graphs import BucketedGraphs, GraphedStep, bucket_for, buckets, pad_to_bucket
+from labkit.cuda_graphs import BucketedGraphs, GraphedStep, bucket_for, buckets, pad_to_bucket, repeated
 from labkit.generate import SamplingParams, stream
 from labkit.model import ModelConfig, Transformer
 from labkit.static_cache import StaticKVCache
@@ -90,6 +90,22 @@ def test_cuda_graphs_on_a_cpu_say_they_need_cuda(model):
         GraphedStep(model, StaticKVCache(CONFIG, 1, 8))
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
         list(stream(model, [1, 2], SamplingParams(max_new_tokens=2), use_cuda_graphs=True))
+
+
+def test_repeated_calls_refuse_none_and_a_cpu():
+    with pytest.raises(ValueError, match="calls=0: a graph of no calls times nothing"):
+        repeated(lambda: None, 0, torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
+        repeated(lambda: None, 3, torch.device("cpu"))
+
+
+@needs_cuda
+def test_repeated_replays_every_call():
+    count = torch.zeros(1, device="cuda")
+    replay = repeated(lambda: count.add_(1), 5, torch.device("cuda"))
+    before = float(count)  # the warm-up runs and the recording
+    replay()
+    assert float(count) - before == 5
 
 
 @needs_cuda

@@ -52,6 +52,16 @@ def test_a_vectorised_int4_row_dot_with_fp16_weights_passes():
     assert run_cases(get("ex06b.1"), int4_row_dot).status == PASSED
 
 
+def test_the_zero_point_summed_over_the_whole_row_fails_at_the_first_case_of_several_groups():
+    """The background's fused form, s (sum of c x - z sum of x) per group, with the row's sum of x for every group."""
+    def whole_row(packed_row, scales_row, zeros_row, x, group_size):
+        codes = torch.stack([packed_row & 0x0F, packed_row >> 4], -1).flatten().double()
+        zeros = torch.full_like(scales_row, 8) if zeros_row is None else zeros_row
+        products = (codes * x.double()).view(-1, group_size).sum(1)
+        return (scales_row.double() * (products - zeros.double() * x.double().sum())).sum()
+    fails("ex06b.1", whole_row, "g32, 128 columns", "both sums run over the group's own columns")
+
+
 def test_lab06b_awq_search_mistakes_fail(root):
     planted = "a planted salient channel"
     mistakes = [

@@ -143,3 +143,12 @@ def test_lab08_pad_batch_mistakes_fail():
         fails("ex08.3", fn, case, hint)
     assert run_cases(get("ex08.3"), lambda t, p, s: pad(t, p, smallest(t.shape[0], s)) if [
         b for b in s if b >= t.shape[0]] else (_ for _ in ()).throw(ValueError("none fits"))).status == PASSED
+
+
+def test_a_frame_without_source_keeps_its_line_and_torchs_own_frames_are_passed_over():
+    from labkit.exercises.lab08 import _TORCH_DIR, _where
+    trace = (f'from user code:\n   File "<stdin>", line 3, in advance\n'
+             f'  File "{_TORCH_DIR}_dynamo/polyfills/builtins.py", line 44, in any\n    if elem:\n')
+    assert _where(trace) == " (line 3 of advance)"
+    trace = 'File "/work/cell.py", line 7, in step\n    if done.all():\n' + trace
+    assert _where(trace) == " (line 3 of advance)"  # the innermost frame outside torch

@@ -119,7 +119,7 @@ def _unbacked(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]*(?!File ")(\S.*))?')
 _CAUSED_BY = re.compile(r"Caused by: (.+?)\s+# \S*?:(\d+) in (\S+)")
-_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")  # with its separator: torchvision is not torch
 
 
 def _where(text: str) -> str:

@@ -225,11 +225,14 @@ def _mlp_play(x_shape: tuple[int, ...], d_ff: int, world: int, seed: int) -> Cal
     return play
 
 
+def _ones(*shape: int) -> Tensor:
+    return torch.ones(*shape, dtype=torch.float64)
+
+
 def _refuses_play(cls: Any) -> None:
     # the dimension split has 8 features, which 3 ranks cannot share; the other has 6, which they could
-    ones = lambda *shape: torch.ones(*shape, dtype=torch.float64)
-    for name, (x, weight), split in (("column_parallel", (ones(2, 6), ones(8, 6)), "output"),
-                                     ("row_parallel", (ones(2, 2), ones(6, 8)), "input")):
+    for name, (x, weight), split in (("column_parallel", (_ones(2, 6), _ones(8, 6)), "output"),
+                                     ("row_parallel", (_ones(2, 2), _ones(6, 8)), "input")):
         try:
             got = getattr(cls, name)(x, weight, 0, 3)
         except ValueError:

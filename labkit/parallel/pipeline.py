@@ -387,7 +387,7 @@ def measure_bubble(model: str, world_size: int = 2, micro_batches: Sequence[int]
     runs = launch(_bubbles_on_rank, world_size, (model, rows, length, counts, passes, dtype), timeout_s)
     kept = []
     for i, m in enumerate(counts):
-        timed = sorted(runs[i::len(counts)], key=lambda run: measured_bubble(run, world_size))
-        median = timed[len(timed) // 2]
-        kept.append(BubbleRun(m, median, measured_bubble(median, world_size), bubble_fraction(world_size, m)))
+        timed = sorted((measured_bubble(run, world_size), j, run) for j, run in enumerate(runs[i::len(counts)]))
+        bubble, _, run = timed[len(timed) // 2]
+        kept.append(BubbleRun(m, run, bubble, bubble_fraction(world_size, m)))
     return kept
