@@ -41,7 +41,7 @@ import labkit
 from labkit import cost
 from labkit.aot import AOTStep
 from labkit.bench import alternate, format_seconds
-from labkit.compile import cache_dir, eager_step, static_decoder
+from labkit.compile import cache_dir, compiler_problem, eager_step, inductor_start_up, static_decoder
 from labkit.device import device_name, get_device, synchronize
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
@@ -246,6 +246,9 @@ def main() -> None:
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
     print(f"{datetime.date.today()}  {device_name(device)}  torch {torch.__version__}; inductor cache {cache_dir()}")
+    if compiler_problem(device) is None:  # paid here, so that each model's compile time is its own
+        print(f"Inductor's start-up, once per process (a one-line function compiled first): "
+              f"{inductor_start_up(device):.1f} s")
     for name in args.models:
         model, tokenizer = labkit.load(name, device=device)
         time_model(name, model, args.context, args.repeats, args.profile)

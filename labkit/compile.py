@@ -99,6 +99,15 @@ def mode_for(device: torch.device | str) -> str | None:
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
 
 
+def inductor_start_up(device: torch.device) -> float:
+    """Seconds to compile a one-line function on ``device``: Inductor's one-time start-up in a process
+    (importing its modules, probing the C++ compiler or Triton), which would otherwise land in
+    whichever step compiles first. Needs a compiler (``compiler_problem``)."""
+    start = time.perf_counter()
+    torch.compile(lambda t: (2 * t).relu().sum(), fullgraph=True)(torch.ones(64, device=device))
+    return time.perf_counter() - start
+
+
 @dataclass
 class CompiledStep:
     """A decode step on a static cache, compiled: call it with tokens and positions ``[B, T]``

@@ -35,6 +35,13 @@ def test_the_compiled_step_gives_the_eager_logits(model):
         torch.testing.assert_close(step(tokens, positions), eager(tokens, positions), rtol=1e-5, atol=1e-5)
 
 
+def test_inductors_start_up_is_paid_by_a_function_of_its_own():
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    assert compiling.inductor_start_up(torch.device("cpu")) > 0
+    assert counters["stats"]["unique_graphs"] == before + 1  # it compiled one graph, its own
+
+
 def test_each_set_of_shapes_gets_a_compiled_function_of_its_own(model):
     """TorchDynamo's recompile limit counts per function, and with fullgraph=True reaching it raises:
     shapes must not share one function."""
