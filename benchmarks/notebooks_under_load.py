@@ -5,7 +5,7 @@
 
 A student's laptop runs a browser, an editor and a video call beside the notebook. This starts
 ``--busy`` spinning processes (``labkit.bench.busy_cpus``), executes each notebook in a fresh
-kernel as JupyterLab would (nbclient; the executed copy goes to ``--out``, never over the
+kernel as JupyterLab would (``labkit.execute``; the executed copy goes to ``--out``, never over the
 source), stops the spinning processes, and prints every line of the notebook's output that
 states a timing, a speedup, a warning or a verdict, so that one can read whether the figures
 support the text or are flagged as not trustworthy. ``--keep-going`` runs every cell even after one
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import nbformat
 import torch
-from nbclient import NotebookClient
-
-from labkit import bench
+from labkit import bench, execute
 from labkit.device import device_name
 
 # the lines worth reading: timings, ratios, warnings, verdicts
@@ -51,12 +49,10 @@ def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool,
     nb = nbformat.read(path, as_version=4)
     if default_threads:
         nb.cells.insert(0, nbformat.v4.new_code_cell(KEEP_DEFAULT_THREADS))
-    client = NotebookClient(nb, timeout=timeout_s, allow_errors=keep_going,
-                            resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     load = bench.busy_cpus(busy, max_seconds=4 * 3600) if busy else contextlib.nullcontext()  # as long as the run
     with load:
-        client.execute()
+        execute.run(nb, path.parent, timeout_s, keep_going=keep_going)
     seconds = time.perf_counter() - start
     nbformat.write(nb, out / path.name)
     lines = [line for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", [])

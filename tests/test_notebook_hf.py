@@ -9,9 +9,9 @@ import shutil
 import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from labkit import execute
 from labkit.load import TOKENIZER
 
 
@@ -46,7 +46,7 @@ def test_notebook_runs_on_a_hugging_face_model(root, tmp_path, monkeypatch, hf_f
     monkeypatch.setenv("LABKIT_DRAFT_MODEL", str(hf_draft_folder))
     monkeypatch.setenv("LABKIT_STRICT", "1")
     nb = nbformat.read(tmp_path / name, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="labkit", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    shown = "".join(output.get("text", "") for cell in nb.cells for output in cell.get("outputs", []))
+    execute.run(nb, tmp_path, timeout_s=300, kernel_name="labkit")
+    shown = execute.printed(nb)
     for text in expected:  # the user's models, not the shipped ones
         assert text in shown
