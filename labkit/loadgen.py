@@ -185,9 +185,10 @@ def _count_tokens(record: RequestRecord, usage: dict | None) -> None:
 
 async def run_load(url: str, bodies: Sequence[dict], rate: float | None = None, concurrency: int | None = None,
                    seed: int = 0, api_key: str | None = None, timeout_s: float = RUN_TIMEOUT_S,
-                   request_timeout_s: float = REQUEST_TIMEOUT_S) -> LoadResult:
+                   request_timeout_s: float = REQUEST_TIMEOUT_S, *, exact_rate: bool = False) -> LoadResult:
     """Send ``bodies`` to the server at ``url`` (e.g. http://127.0.0.1:8000) either as Poisson
-    arrivals at ``rate`` requests/s (seeded, open loop) or keeping ``concurrency`` requests in
+    arrivals at ``rate`` requests/s (seeded, open loop; with ``exact_rate``, their gaps scaled to
+    make exactly that rate, see ``poisson_arrivals``) or keeping ``concurrency`` requests in
     flight (closed loop). Each request may take ``request_timeout_s``, the run ``timeout_s``:
     what is still running then fails as timed out, what was not yet sent fails as not sent."""
     if (rate is None) == (concurrency is None):
@@ -195,7 +196,7 @@ async def run_load(url: str, bodies: Sequence[dict], rate: float | None = None, 
     if not bodies or (concurrency is not None and concurrency < 1) or not min(timeout_s, request_timeout_s) > 0:
         raise ValueError(f"{len(bodies)} bodies and concurrency={concurrency} must be >= 1, "
                          f"timeout_s={timeout_s} and request_timeout_s={request_timeout_s} > 0")
-    offsets = poisson_arrivals(len(bodies), rate, seed) if rate is not None else None
+    offsets = poisson_arrivals(len(bodies), rate, seed, exact_rate) if rate is not None else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no queue in the client
     async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits, trust_env=False) as client:
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second (open loop)")
     load.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
+    parser.add_argument("--exact-rate", action="store_true",
+                        help="scale the random gaps so that the arrivals make exactly --rate (a short run's would stray)")
     parser.add_argument("--min-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--shared-prefix-chars", type=int, default=0,
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                                output_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed + 1),
                                stream=not args.no_stream, model=args.model)
     result = asyncio.run(run_load(args.url, bodies, args.rate, args.concurrency, args.seed + 2, args.api_key,
-                                  args.timeout_s, args.request_timeout_s))
+                                  args.timeout_s, args.request_timeout_s, exact_rate=args.exact_rate))
     summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_report(summary))
     if args.json:

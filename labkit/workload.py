@@ -61,14 +61,22 @@ def lognormal(median: float, sigma: float, low: int, high: int) -> LengthDistrib
     return lambda n, generator: lognormal_lengths(n, median, sigma, low, high, generator)
 
 
-def poisson_arrivals(n: int, rate: float, seed: int | torch.Generator = 0) -> list[float]:
+def poisson_arrivals(n: int, rate: float, seed: int | torch.Generator = 0, exact: bool = False) -> list[float]:
     """Arrival times (s) of ``n`` requests as a Poisson process at ``rate`` per second: exponential
-    gaps of mean 1 / rate, the first at 0; drawn from ``seed``, a generator or the seed of a fresh one."""
+    gaps of mean 1 / rate, the first at 0; drawn from ``seed``, a generator or the seed of a fresh one.
+
+    The rate that ``n`` such arrivals make strays from ``rate`` by about 1 / sqrt(n) of it. With
+    ``exact``, the gaps are scaled so that their mean is exactly 1 / rate: the last arrival comes at
+    (n - 1) / rate, the others at random between, as a Poisson process does given how many arrivals
+    fall in that time (exponential gaps divided by their sum are the gaps of points uniform at random)."""
     if n < 1 or not rate > 0:
         raise ValueError(f"n={n} must be >= 1 and rate={rate} requests/s > 0")
     generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=generator)
-    return (gaps.cumsum(0) - gaps[0]).tolist()
+    gaps[0] = 0.0
+    if exact and n > 1:
+        gaps *= (n - 1) / rate / gaps.sum()
+    return gaps.cumsum(0).tolist()
 
 
 def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: LengthDistribution, *,

@@ -241,11 +241,22 @@ def test_poisson_arrivals_are_seeded_and_exponential():
         poisson_arrivals(3, rate=0)
 
 
+def test_exact_arrivals_make_the_rate_and_keep_the_draw():
+    drawn, exact = poisson_arrivals(48, rate=4.0, seed=0), poisson_arrivals(48, rate=4.0, seed=0, exact=True)
+    assert abs(47 / drawn[-1] - 4.0) > 0.4  # this seed's draw strays by more than 10% (1 / sqrt(48) = 14%)
+    assert exact[0] == 0 and exact[-1] == pytest.approx(47 / 4.0, rel=1e-12)
+    ratios = [e / d for d, e in zip(drawn[1:], exact[1:])]  # the same draw, stretched: every time by one factor
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    assert poisson_arrivals(1, rate=4.0, exact=True) == [0.0]
+
+
 def test_rate_mode_sends_on_the_seeded_schedule(server):
     url, _ = server
     result = load(url, completion_bodies(["r"] * 10, [2] * 10), rate=50.0, seed=3)
     for record, offset in zip(result.records, poisson_arrivals(10, 50.0, seed=3)):
         assert record.error is None and offset - 0.002 <= record.send_time <= offset + 0.05
+    exact = load(url, completion_bodies(["r"] * 10, [2] * 10), rate=50.0, seed=3, exact_rate=True).records
+    assert exact[-1].send_time >= 9 / 50.0 - 0.002  # the last at (n - 1) / rate; this seed's draw has it at 0.143 s
 
 
 def test_concurrency_mode_keeps_c_in_flight_and_never_more(server):
