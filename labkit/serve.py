@@ -3,7 +3,7 @@
     python -m labkit.serve --model target [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
-what it may be), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
+what it may be; a 404 for a model it does not serve), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
 puts it in the continuous batch: an engine in a process of its own (``--engine process``, the
 default, as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need.
 Each sampled token comes back to the request's coroutine, which turns it into text incrementally
@@ -102,7 +102,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     if (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)
             or not (low < value if open_low else low <= value) or not value <= high):
         where = f"in ({low}, {high}]" if open_low else f"from {low} to {high}"
-        raise APIError(f"{name}={value!r} is out of range: it must be a number {where}", name)
+        problem = "is out of range" if isinstance(value, Real) and not isinstance(value, bool) else "is not a number"
+        raise APIError(f"{name}={value!r} {problem}: it must be a number {where}", name)
     return float(value)
 
 
@@ -178,7 +179,8 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
         raise APIError("the body must be a JSON object")
     model = body.get("model")
     if model not in (None, served.name):
-        raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model")
+        raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model",
+                       status=404)  # as OpenAI's API and vLLM answer
     _check_unsupported(body)
     ids = _prompt_ids(body.get("prompt"), served) if prompt is None else prompt
     room = served.max_seq_len - len(ids) + 1  # the last new token is never fed back
