@@ -3,6 +3,7 @@ references hold what the statements promise; a router that hangs, or never await
 from __future__ import annotations
 
 import asyncio
+import codecs
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
 from labkit.exercises import get, lab09
 from labkit.exercises.lab09 import FakeEngine
+from labkit.exercises.spec import Case
 
 from exercise_cells import cells, define, fails, mistake
 
@@ -96,11 +98,23 @@ def test_lab09_stream_text_mistakes_fail(root):
 
 def test_the_pieces_expected_are_the_whole_decode_and_emitted_early():
     for case in get("ex09.2").cases():
+        if not isinstance(case, Case):
+            continue
         tokens, = case.args
         assert "".join(case.expected) == b"".join(tokens).decode("utf-8", errors="replace"), case.label
         assert len(case.expected) == len(tokens) + 1, case.label
     emoji = next(c for c in get("ex09.2").cases() if c.label.startswith("an emoji"))
     assert emoji.expected == ["", "", "", "\U0001F600", " ok", ""]
+
+
+def test_python_s_own_incremental_decoder_fails_and_is_given_back():
+    def borrowed(token_bytes):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return [decoder.decode(t) for t in token_bytes] + [decoder.decode(b"", final=True)]
+
+    saved = codecs.getincrementaldecoder
+    fails("ex09.2", borrowed, "written without Python's incremental decoder", "writing that decoder is the exercise")
+    assert codecs.getincrementaldecoder is saved
 
 
 def test_lab09_serving_metrics_mistakes_fail(root):

@@ -111,7 +111,7 @@ def _reference_pieces(token_bytes: list[bytes]) -> list[str]:
     return [decoder.decode(token) for token in token_bytes] + [decoder.decode(b"", final=True)]
 
 
-def _text_cases() -> list[Case]:
+def _text_cases() -> list[Case | Scenario]:
     runs = [  # the bytes of each token, what the case tests
         ("ASCII: every byte is a character", [b"Hel", b"lo", b",", b" world"],
          "ASCII is one byte per character: each token's text is complete, so it goes out with that token and "
@@ -138,7 +138,28 @@ def _text_cases() -> list[Case]:
          "the last item is the flush: what the end of the stream leaves. Bytes held back are then never completed: "
          "they become U+FFFD (decode them with errors='replace'), they are not dropped"),
     ]
-    return [Case(label, (tokens,), _reference_pieces(tokens), hint=hint) for label, tokens, hint in runs]
+    cases: list[Case | Scenario] = [Case(label, (tokens,), _reference_pieces(tokens), hint=hint)
+                                    for label, tokens, hint in runs]
+    return cases + [Scenario("written without Python's incremental decoder", _without_codecs,
+                             hint="the exercise is to write the decoder that codecs.getincrementaldecoder('utf-8') "
+                                  "gives: find where the last character starts and how long it says it is")]
+
+
+def _without_codecs(stream_text: Callable[[list[bytes]], list[str]]) -> None:
+    """One case again, with ``codecs.getincrementaldecoder`` made to refuse while the student's function runs."""
+    tokens = [b"ca", b"f\xc3", b"\xa9!"]
+    expected = _reference_pieces(tokens)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("stream_text called codecs.getincrementaldecoder: it gives the right pieces, but "
+                             "writing that decoder is the exercise")
+
+    saved, codecs.getincrementaldecoder = codecs.getincrementaldecoder, refuse
+    try:
+        got = stream_text(tokens)
+    finally:
+        codecs.getincrementaldecoder = saved
+    assert got == expected, f"stream_text({tokens}) returned {got}, expected {expected}"
 
 
 # ex09.3 ------------------------------------------------------------------------------------------
