@@ -30,7 +30,7 @@ from labkit.device import device_name
 
 # the lines worth reading: timings, ratios, warnings, verdicts
 INTERESTING = re.compile(r"(\d\s?(ms|us|s)\b|x as fast|speedup|WARNING|warning|trust|thread|should hold|faster|slower|"
-                         r"ERROR in cell)")
+                         r"ERROR)")
 
 
 # the counter-experiment's first cell: choose_threads keeps torch's default and says so
@@ -49,18 +49,24 @@ def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool,
     nb = nbformat.read(path, as_version=4)
     if default_threads:
         nb.cells.insert(0, nbformat.v4.new_code_cell(KEEP_DEFAULT_THREADS))
-    start = time.perf_counter()
+    start, stopped = time.perf_counter(), []
     load = bench.busy_cpus(busy, max_seconds=4 * 3600) if busy else contextlib.nullcontext()  # as long as the run
-    with load:
-        execute.run(nb, path.parent, timeout_s, keep_going=keep_going)
+    try:
+        with load:
+            execute.run(nb, path.parent, timeout_s, keep_going=keep_going)
+    except KeyboardInterrupt:  # what ran so far is still worth reading (timeout -s INT stops a run so)
+        stopped = [f"ERROR: interrupted after {time.perf_counter() - start:.0f} s"]
     seconds = time.perf_counter() - start
     nbformat.write(nb, out / path.name)
     lines = [line for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", [])
              for line in output.get("text", "").splitlines()]
+    timed = sorted(((cell.metadata["seconds"], cell.get("id")) for cell in nb.cells if "seconds" in cell.metadata),
+                   reverse=True)
+    lines.append("slowest cells: " + ", ".join(f"{cell_id} {s:.1f} s" for s, cell_id in timed[:5]))
     errors = [f"ERROR in cell {index}: {output['ename']}: {output['evalue'][:300]}"
               for index, cell in enumerate(nb.cells) if cell.cell_type == "code"
               for output in cell.get("outputs", []) if output.get("output_type") == "error"]
-    return seconds, lines + errors
+    return seconds, lines + errors + stopped
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ class CellError(RuntimeError):
 def run(nb: nbformat.NotebookNode, cwd: Path, timeout_s: float, kernel_name: str | None = None,
         keep_going: bool = False) -> list[float]:
     """Run the code cells of ``nb`` in order in a new kernel started in ``cwd`` (inheriting this
-    process's environment), filling each cell's outputs; return each code cell's seconds. A cell that
+    process's environment), filling each cell's outputs and its seconds (``cell.metadata["seconds"]``,
+    there even when the run is interrupted); return each code cell's seconds. A cell that
     raises stops the run with ``CellError``, or with ``keep_going`` keeps its error as an output and the
     run goes on; one silent for ``timeout_s`` stops it with ``TimeoutError``. The kernel is the
     notebook's own (its kernelspec) unless ``kernel_name`` says, and is shut down however the run ends."""
@@ -72,4 +73,5 @@ def _run_cell(client, cell: nbformat.NotebookNode, index: int, timeout_s: float,
             raise CellError(f"cell {index} ({cell.get('id')}) raised {content['ename']}: {content['evalue']}\n"
                             + "\n".join(content["traceback"]))
         if kind == "status" and content["execution_state"] == "idle":
-            return time.perf_counter() - started
+            cell.metadata["seconds"] = time.perf_counter() - started
+            return cell.metadata["seconds"]

@@ -22,6 +22,7 @@ def test_cells_run_in_order_in_the_folder_given_and_keep_their_outputs(tmp_path)
                   "clear_output()\nprint(open('here.txt').read())", "x + 1")
     seconds = execute.run(nb, tmp_path, timeout_s=60, kernel_name="python3")
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert seconds == [cell.metadata["seconds"] for cell in nb.cells[1:]]
     assert execute.printed(nb) == "first 42\nfound\n"
     assert nb.cells[3].outputs[0]["output_type"] == "execute_result" and nb.cells[3].outputs[0]["data"]["text/plain"] == "43"
 
