@@ -19,10 +19,12 @@ left of any machine's ridge point, so decoding is bound by memory bandwidth.
 """
 from __future__ import annotations
 
+from labkit.answers import answer_to
 from labkit.memory import kv_bytes_per_token, shape_of
 from labkit.model import ModelConfig
 
 
+@answer_to("ex01.1")
 def tokens_processed(prompt_len: int, new_tokens: int) -> tuple[int, int]:
     """Tokens run through the model to generate ``new_tokens``: (naive, cached)."""
     if prompt_len < 1 or new_tokens < 1:

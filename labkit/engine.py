@@ -43,6 +43,7 @@ from typing import Hashable, Iterable, Protocol, Sequence
 
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.generate import SamplingParams, next_token, token_generator
 from labkit.memory import blocks_for
 from labkit.model import Transformer
@@ -135,6 +136,7 @@ class ScheduledBatch:
     sampled: list[int] = field(default_factory=list)
 
 
+@answer_to("ex04.2")
 def preempt_newest(waiting: deque[Request], running: list[Request], allocator: BlockAllocator) -> Request:
     """Preempt the most recently admitted running request: free its blocks, forget what it
     computed (it will be recomputed from prompt + output, which it keeps), and put it at the
@@ -147,6 +149,7 @@ def preempt_newest(waiting: deque[Request], running: list[Request], allocator: B
     return victim
 
 
+@answer_to("ex04.1")
 def admit(waiting: deque[Request], running: list[Request], allocator: BlockAllocator, budget: int,
           max_num_seqs: int, chunked_prefill: bool = True, headroom: int = 0) -> list[tuple[Request, int]]:
     """Move waiting requests, oldest first, to ``running`` while the token ``budget``, the

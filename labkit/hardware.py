@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.answers import answer_to
 from labkit.bench import measure
 from labkit.device import device_name, get_device
 
@@ -89,12 +90,14 @@ def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float, *, weight_byt
     return bytes_per_element * (m * k + m * n) + weight_bytes * k * n
 
 
+@answer_to("ex00.1")
 def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2, *,
                      weight_bytes: float | None = None) -> float:
     """Arithmetic intensity (FLOP per byte) of (m x k) @ (k x n); ``weight_bytes`` as in ``matmul_bytes``."""
     return matmul_flops(m, n, k) / matmul_bytes(m, n, k, bytes_per_element, weight_bytes=weight_bytes)
 
 
+@answer_to("ex00.2")
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
     """The roofline: min(peak, intensity * bandwidth)."""
     if intensity < 0 or peak_flops <= 0 or bandwidth <= 0:

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from labkit.answers import answer_to
 from labkit.hardware import Hardware
 from labkit.model import ModelConfig
 
@@ -74,6 +75,7 @@ def kv_bytes_per_token(model: ModelShape, dtype: str = "fp16") -> float:
     return model.n_layers * per_layer * bytes_per_element(dtype)
 
 
+@answer_to("ex02.1")
 def kv_cache_bytes(model: ModelShape, seq_len: int, batch: int = 1, dtype: str = "fp16") -> float:
     """KV-cache bytes for ``batch`` sequences of ``seq_len`` tokens."""
     if seq_len < 0 or batch < 0:

@@ -12,9 +12,11 @@ from typing import Sequence
 
 import torch
 
+from labkit.answers import answer_to
 from labkit.engine import Request
 
 
+@answer_to("ex04.3")
 def request_metrics(arrival: float, token_times: Sequence[float], finish: float | None = None) -> dict:
     """TTFT, TPOT, the inter-token latencies and the end-to-end latency of one request, in
     seconds, from when it arrived, when each output token came, and when it completed (the

@@ -33,6 +33,7 @@ from typing import Hashable, Iterable, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.memory import blocks_for
 from labkit.model import AttentionPlan, ModelConfig, Transformer, causal_mask
 from labkit.paged_attention import DecodeKernel, attend_blocks, length_groups, slot_mapping
@@ -110,6 +111,7 @@ class BlockPool:
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
 
+    @answer_to("ex03.2")
     def allocate(self, seq_id: Hashable, n_blocks: int) -> list[int]:
         """Append ``n_blocks`` fresh blocks to ``seq_id``'s table (a new table if it has none)."""
         if n_blocks < 0:
@@ -137,18 +139,21 @@ class BlockPool:
         del table[n_blocks:]
         return dropped
 
+    @answer_to("ex03.2")
     def free(self, seq_id: Hashable) -> list[int]:
         """Drop ``seq_id``: each of its blocks loses an owner (see ``truncate``); returns them."""
         dropped = self.truncate(seq_id, 0)
         del self.tables[seq_id]
         return dropped
 
+    @answer_to("ex03.3")
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Start ``child`` as a copy of ``parent`` that shares all its blocks; no data is copied."""
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already exists")
         self.share(child, list(self.table(parent)))
 
+    @answer_to("ex03.3")
     def copy_on_write(self, seq_id: Hashable, index: int) -> tuple[int, int] | None:
         """Before ``seq_id`` writes into block ``index`` of its table: if others share that block,
         move ``seq_id`` to a fresh block and return (old, new) for the data copy; else None."""

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.memory import blocks_for
 from labkit.model import attention
 from labkit.validate import check_paged_decode
@@ -26,6 +27,7 @@ from labkit.validate import check_paged_decode
 DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+@answer_to("ex03.1")
 def slot_mapping(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
     """Cache slots ``[B, T]`` for ``positions`` ``[B, T]`` of the sequences whose block tables are
     the rows of ``block_tables`` ``[B, max_blocks]``; position -1 (padding) maps to -1."""
@@ -52,6 +54,7 @@ def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tenso
     return attention(q, gather_kv(k_pool, block_tables, length), gather_kv(v_pool, block_tables, length), mask)
 
 
+@answer_to("ex03.4")
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> Tensor:
     """Decode attention, one new query per sequence: ``q`` ``[B, n_heads, head_dim]`` attends
     to the first ``lengths[b]`` keys and values of sequence b, gathered from the pools

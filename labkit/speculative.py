@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.compile import static_decoder
 from labkit.corpus import functions
 from labkit.device import synchronize
@@ -47,6 +48,7 @@ from labkit.model import ContiguousKVCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache, static_length
 
 
+@answer_to("ex05.1")
 def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
     """For a draft ``token`` drawn from ``q``: the probability of accepting it, min(1, p/q), and the
     residual distribution norm(max(p - q, 0)) to draw from if it is rejected (``p`` itself when
@@ -60,6 +62,7 @@ def acceptance_rule(p: Tensor, q: Tensor, token: int) -> tuple[float, Tensor]:
     return accept, residual / total if total > 0 else p
 
 
+@answer_to("ex05.2")
 def verify_greedy(draft: Sequence[int], target_logits: Tensor) -> tuple[list[int], int]:
     """Greedy verification: ``target_logits`` ``[len(draft) + 1, vocab]`` are the target's logits
     after each prefix (row i: the logits that predict draft[i]). Accept the draft tokens
@@ -85,6 +88,7 @@ def verify_sampled(draft: Sequence[int], q: Tensor, p: Tensor,
     return list(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
 
 
+@answer_to("ex05.3")
 def speculation_gain(a: float, k: int, c: float, v: float = 1.0) -> tuple[float, float]:
     """Expected tokens per target call, (1 - a^(k+1)) / (1 - a) (k + 1 when a = 1), and the
     expected speedup over the target alone, that over k c + v, for acceptance rate ``a``, ``k``

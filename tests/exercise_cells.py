@@ -1,7 +1,9 @@
 """The exercise cells of the notebooks, and running one to get what it defines."""
 from __future__ import annotations
 
+import functools
 import linecache
+from pathlib import Path
 
 from labkit import notebook
 from labkit.check import FAILED, run_cases
@@ -46,3 +48,10 @@ def mistake(root, ex_id: str, right, wrong):
         assert r in source, (ex_id, r)
         source = source.replace(r, w)
     return define(source, get(ex_id).function)
+
+
+@functools.cache
+def solution(ex_id: str):
+    """What the solutions notebook's cell of ``ex_id`` defines: a right answer to build mistakes on. Not
+    labkit's own: that refuses to be called from a student's function while its exercise is checked."""
+    return define(cells("solutions", Path(__file__).resolve().parent.parent)[ex_id], get(ex_id).function)

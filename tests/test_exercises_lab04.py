@@ -4,12 +4,13 @@ from __future__ import annotations
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
+from exercise_cells import solution
+
 
 def test_lab04_plausible_mistakes_fail():
-    from labkit.engine import admit, preempt_newest
     from labkit.memory import blocks_for
-    from labkit.metrics import request_metrics
     from labkit.paged import OutOfBlocks
+    admit, preempt_newest, request_metrics = solution("ex04.1"), solution("ex04.2"), solution("ex04.3")
 
     def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
         return admit(waiting, running, allocator, 10**9, max_num_seqs)
@@ -93,9 +94,8 @@ def test_lab04_plausible_mistakes_fail():
 
 
 def test_lab04_a_failing_case_shows_its_own_hint():
-    from labkit.engine import preempt_newest
-    from labkit.metrics import request_metrics
     from labkit.paged import OutOfBlocks
+    preempt_newest, request_metrics = solution("ex04.2"), solution("ex04.3")
 
     def ignores_cache(waiting, running, allocator, budget, max_num_seqs):  # schedules the cached prefix again
         scheduled = []

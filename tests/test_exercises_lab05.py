@@ -6,9 +6,11 @@ import torch
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
+from exercise_cells import solution
+
 
 def test_lab05_plausible_mistakes_fail():
-    from labkit.speculative import acceptance_rule, verify_greedy
+    acceptance_rule, verify_greedy = solution("ex05.1"), solution("ex05.2")
 
     def unnormalised(p, q, token):  # forgets to renormalise the residual
         accept, _ = acceptance_rule(p, q, token)
@@ -37,7 +39,7 @@ def test_lab05_plausible_mistakes_fail():
 
 
 def test_lab05_acceptance_as_a_0d_tensor_fails_asking_for_item():
-    from labkit.speculative import acceptance_rule
+    acceptance_rule = solution("ex05.1")
 
     def tensor_accept(p, q, token):  # the text asks for a Python float
         return torch.clamp(p[token] / q[token], max=1.0), acceptance_rule(p, q, token)[1]
@@ -51,7 +53,7 @@ def test_lab05_acceptance_as_a_0d_tensor_fails_asking_for_item():
 
 
 def test_lab05_a_failing_case_shows_its_own_hint():
-    from labkit.speculative import acceptance_rule
+    acceptance_rule = solution("ex05.1")
 
     def ratio_uncapped(p, q, token):
         return float(p[token] / q[token]), acceptance_rule(p, q, token)[1]

@@ -19,9 +19,11 @@ import math
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.model import attention, causal_mask
 
 
+@answer_to("ex07.1")
 def online_softmax_update(m: Tensor, l: Tensor, acc: Tensor, scores: Tensor,
                           values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Fold one tile into the running state: ``m``, ``l`` ``[rows]`` and ``acc`` ``[rows, d]``

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from labkit.answers import answer_to
 from labkit.device import synchronize
 from labkit.load import load, load_config
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, parameter_bytes
@@ -42,6 +43,7 @@ from labkit.parallel.launch import Rank, launch
 from labkit.validate import as_token_ids, check_ints
 
 
+@answer_to("ex10.3")
 def bubble_fraction(p: int, m: int) -> float:
     """The idle share of one forward pass of ``m`` equal micro-batches through ``p`` equal stages."""
     if p < 1 or m < 1:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from labkit.answers import answer_to
 from labkit.device import device_name, synchronize
 from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, decode_step, stream
@@ -77,6 +78,7 @@ def check_layout(config: ModelConfig, world_size: int) -> None:
         raise ValueError("cannot split the model over the ranks: " + "; ".join(p for p in problems if p))
 
 
+@answer_to("ex10.2")
 def shard_heads(n_heads: int, n_kv_heads: int, rank: int, world_size: int) -> tuple[range, range]:
     """Rank ``rank``'s query heads and KV heads: query heads in W contiguous parts; KV heads in W parts
     when W <= n_kv_heads, else the one KV head its query heads share (replicated)."""
