@@ -11,6 +11,8 @@ from labkit.exercises import get
 from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache
 
+from exercise_cells import fails, mistake
+
 
 def failure(ex_id, fn):
     """The result of a check that must fail, and the hint of the case it failed on."""
@@ -94,10 +96,10 @@ def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
     def naive(model, prompt, new_tokens):  # right tokens, no cache
         return list(stream(model, prompt, SamplingParams(new_tokens, stop_at_eos=False), use_cache=False))
     result, hint = failure("ex01.3", naive)
-    assert "cached generation runs" in result.message and "the prompt goes in once" in hint
+    assert "cached generation makes" in result.message and "the prompt goes in once" in hint
 
     result, hint = failure("ex01.3", loop(feed_last_back=True, room=0))  # one call too many
-    assert "ran 15 tokens in calls of [3, 1, 1, 1, 1, '...']" in result.message, result.message
+    assert "calls of [3, 1, 1, 1, 1, '...'] tokens (15 in all)" in result.message, result.message
     assert "never fed back" in hint
 
     result, hint = failure("ex01.3", loop(first_decode_position=1, room=0))  # decode starts at P + 1
@@ -114,3 +116,9 @@ def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
 def test_ex01_3_the_forward_call_written_wrongly_is_explained(call, says):
     result = run_cases(get("ex01.3"), loop(call))
     assert result.status == FAILED and says in result.message, result.message
+
+
+def test_a_step_that_scales_the_query_in_place_fails(root):
+    in_place = mistake(root, "ex01.2", "    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n",
+                       "    q /= math.sqrt(q.shape[-1])\n    scores = q @ keys.transpose(-2, -1)\n")
+    fails("ex01.2", in_place, "MHA", "changed its argument q in place")

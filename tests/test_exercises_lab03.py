@@ -6,7 +6,7 @@ import torch
 from labkit.check import FAILED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import cells, define
+from exercise_cells import cells, define, fails, mistake
 
 
 def test_lab03_plausible_mistakes_fail(root):
@@ -106,3 +106,10 @@ def test_lab03_a_failing_case_shows_its_own_hint(root):
     assert result.failed_case.startswith("GQA") and "heads 0-3 read KV head 0" in result.message, result.message
     again = run_cases(get("ex03.4"), heads_round_robin, failed_before={result.failed_case: 1}).message
     assert "recipe (this case failed before)" in again and "repeat_interleave" in again, again
+
+
+def test_a_slot_mapping_that_writes_into_positions_fails(root):
+    in_place = mistake(root, "ex03.1", ("    clamped = positions.clamp(min=0)\n",
+                                        "torch.where(positions >= 0,"),
+                       ("    pad = positions < 0\n    clamped = positions.clamp_(min=0)\n", "torch.where(~pad,"))
+    fails("ex03.1", in_place, "padding (-1) stays -1", "changed its argument positions in place")

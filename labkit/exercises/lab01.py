@@ -65,7 +65,8 @@ def _attention_cases() -> list[Case]:
         def draw(n_heads: int, length: int) -> Tensor:
             return torch.randn(batch, n_heads, length, dim, generator=generator)
         args = (draw(heads, 1), draw(kv_heads, 1), draw(kv_heads, 1), draw(kv_heads, cached), draw(kv_heads, cached))
-        cases.append(Case(label, args, reference_attention_step(*args), rtol=1e-4, atol=1e-5, hint=hint))
+        cases.append(Case(label, args, reference_attention_step(*args), rtol=1e-4, atol=1e-5, hint=hint,
+                          unchanged=True))
     return cases
 
 
@@ -73,9 +74,10 @@ def _expect_cached(model: CountingModel, prompt: Sequence[int], new_tokens: int)
     """Prefill once with the whole prompt, then one token per decode step."""
     expected = [len(prompt)] + [1] * (new_tokens - 1)
     if model.calls != expected:
-        shown = model.calls if len(model.calls) <= 6 else model.calls[:5] + ["..."]
-        raise AssertionError(f"the right tokens, but the model ran {sum(model.calls)} tokens in calls of {shown}; "
-                             f"cached generation runs {sum(expected)}: the prompt once, then one token per step")
+        def shown(calls: list[int]) -> str:
+            return f"{len(calls)} calls of {calls if len(calls) <= 6 else calls[:5] + ['...']} tokens ({sum(calls)} in all)"
+        raise AssertionError(f"the right tokens, but the model ran in {shown(model.calls)}; cached generation makes "
+                             f"{shown(expected)}: the prompt once, then one token per step")
 
 
 def random_model(n_heads: int, n_kv_heads: int, seed: int) -> Transformer:

@@ -37,7 +37,7 @@ def _slot_cases() -> list[Case]:
          "block_size given, never a fixed one"),
     ]
     return [Case(label, (torch.tensor(tables), torch.tensor(positions), size),
-                 _slots_by_hand(tables, positions, size), hint=hint)
+                 _slots_by_hand(tables, positions, size), hint=hint, unchanged=True)
             for label, tables, positions, size, hint in runs]
 
 
