@@ -16,7 +16,7 @@ REPO=$PWD
 
 if [ "${1:-}" = wheels ]; then  # Python 3.12 wheels of what the notebooks need and the device image lacks
   version() { .venv/bin/python -m pip show "$1" | awk '/^Version/ {print $2}'; }
-  grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+  grep -qxs '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
   rm -rf .whl && mkdir .whl
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
