@@ -97,8 +97,13 @@ def test_adopt_continues_a_request_prefilled_elsewhere_exactly(folder):
         while not engine.adopt(r, kv):
             engine.step()
         computed = engine.allocator.slot_mapping(r.request_id, range(len(r.prompt)))
-        assert torch.equal(engine.cache.k.flatten(1, 2)[:, computed], kv[0])  # its blocks hold what was shipped
-        assert torch.equal(engine.cache.v.flatten(1, 2)[:, computed], kv[1])
+        # the tokens the prefix cache held keep an earlier prompt's keys and values: the same tokens, but a prompt
+        # of another length, which a CPU's matmul may round differently; the others are what was shipped, exactly
+        held = r.cached_tokens
+        for cache, shipped in zip((engine.cache.k, engine.cache.v), kv):
+            stored = cache.flatten(1, 2)[:, computed]
+            assert torch.equal(stored[:, held:], shipped[:, held:])
+            torch.testing.assert_close(stored[:, :held], shipped[:, :held], rtol=1e-5, atol=1e-6)
     while engine.scheduler.has_work:
         engine.step()
     assert [r.output for r in requests] == [r.output for r in reference]
