@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
-_LABKIT = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
+LABKIT_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep  # labkit's own code lives here
 _checking: str | None = None  # the exercise whose cases run now: one owner, ``checking``
 
 
@@ -49,4 +49,4 @@ def checking(exercise_id: str) -> Iterator[None]:
 
 
 def _is_labkit(filename: str) -> bool:
-    return os.path.normcase(os.path.abspath(filename)).startswith(_LABKIT)
+    return os.path.normcase(os.path.abspath(filename)).startswith(LABKIT_DIR)

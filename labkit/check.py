@@ -11,6 +11,8 @@ bottom.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import signal
@@ -23,12 +25,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from labkit.answers import BorrowedAnswer, checking
+from labkit.answers import LABKIT_DIR, BorrowedAnswer, checking
 from labkit.exercises import Exercise, get
 from labkit.exercises.spec import Case, Scenario, WrongType
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
-_LABKIT = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # where code that is not a student's lives besides labkit: the standard library, installed packages
 _LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
     *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
@@ -97,7 +98,7 @@ def _where(error: BaseException) -> str:
 def _is_students(frame: traceback.FrameSummary) -> bool:
     """Not labkit's, a library's, or generated (a dataclass's ``__init__`` comes from ``<string>``)."""
     path = os.path.normcase(os.path.abspath(frame.filename))
-    return not (path.startswith(_LIBRARIES) or path.startswith(_LABKIT) or frame.filename == "<string>"
+    return not (path.startswith(_LIBRARIES) or path.startswith(LABKIT_DIR) or frame.filename == "<string>"
                 or frame.filename.startswith("<frozen "))
 
 
@@ -159,11 +160,25 @@ def _labkit_code(exercise: Exercise, fn: Any) -> str | None:
     named = ([(f"{exercise.function}.{m}", getattr(fn, m, None)) for m in exercise.methods]
              if isinstance(fn, type) else [(exercise.function, fn)])
     for name, code in named:
+        code = _unwrapped(code)
         module = getattr(code, "__module__", None) or ""
         if module == "labkit" or module.startswith("labkit."):
             where = f"{module}.{getattr(code, '__qualname__', name.split('.')[-1])}"
             return f"{name} is labkit's own ({where}), not yours: write it in your cell"
     return None
+
+
+def _unwrapped(code: Any) -> Any:
+    """What a ``functools.partial``, a bound method or a callable object hands its calls to."""
+    while True:
+        if isinstance(code, (functools.partial, functools.partialmethod)):
+            code = code.func
+        elif inspect.ismethod(code):
+            code = code.__func__
+        elif callable(code) and not isinstance(code, type) and not inspect.isroutine(code):
+            code = type(code).__call__
+        else:
+            return code
 
 
 def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
@@ -177,9 +192,9 @@ def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
     last = frames[-1]
     path = os.path.normcase(os.path.abspath(last.filename))
     if "raise NotImplementedError" not in (last.line or "raise NotImplementedError") or (
-            path.startswith(_LIBRARIES) and not path.startswith(_LABKIT)) or last.filename.startswith("<frozen "):
+            path.startswith(_LIBRARIES) and not path.startswith(LABKIT_DIR)) or last.filename.startswith("<frozen "):
         return None
-    if path.startswith(_LABKIT) or last.name == name or last.name.startswith("<"):  # <module>, <listcomp>
+    if path.startswith(LABKIT_DIR) or last.name == name or last.name.startswith("<"):  # <module>, <listcomp>
         return name
     return f"{name}.{last.name}" if isinstance(fn, type) and hasattr(fn, last.name) else last.name
 

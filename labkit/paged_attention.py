@@ -46,6 +46,7 @@ def gather_kv(pool: Tensor, block_tables: Tensor, length: int) -> Tensor:
     return blocks.view(batch, -1, heads, dim)[:, :length].transpose(1, 2)
 
 
+@answer_to("ex03.4")
 def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, mask: Tensor) -> Tensor:
     """Attention of ``q`` ``[B, n_heads, T, head_dim]`` over the first ``S = mask.shape[-1]`` keys
     and values of each sequence, gathered from the pools through ``block_tables``, where

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from labkit.answers import answer_to
 from labkit.kernels.int4_linear import int4_linear, why_not_int4_linear
 from labkit.model import Transformer
 
@@ -79,6 +80,7 @@ class Scheme:
         return f"INT{self.bits} {'per-channel' if self.group_size is None else f'g{self.group_size}'} {kind}"
 
 
+@answer_to("ex06.1")
 def group_params(groups: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor]:
     """Scale (rounded to fp16, returned as fp32) and zero point of each group ``[..., size]``."""
     levels = 2 ** bits - 1
@@ -121,6 +123,7 @@ def check_codes(codes: Tensor, bits: int) -> None:
                          f"(0..{2 ** bits - 1})")
 
 
+@answer_to("ex06.2")
 def pack_int4(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte along the last dimension: even column low, odd column high."""
     if codes.shape[-1] % 2:
@@ -130,6 +133,7 @@ def pack_int4(codes: Tensor) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
+@answer_to("ex06.2")
 def unpack_int4(packed: Tensor) -> Tensor:
     """The inverse of ``pack_int4``: ``[..., n]`` bytes to ``[..., 2n]`` codes."""
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.generate import SamplingParams, sampling_probs
 from labkit.model import ContiguousKVCache, ContiguousPlan
 from labkit.validate import is_int
@@ -67,6 +68,7 @@ def chain(k: int) -> list[int]:
     return [-1, *range(k)]
 
 
+@answer_to("ex11.1")
 def tree_mask(parents: Sequence[int]) -> Tensor:
     """``[N, N]`` bool: node i may attend to node j when j is i or one of its ancestors."""
     check_tree(parents)
@@ -76,6 +78,7 @@ def tree_mask(parents: Sequence[int]) -> Tensor:
     return mask
 
 
+@answer_to("ex11.1")
 def tree_positions(parents: Sequence[int], start: int) -> Tensor:
     """``[N]`` positions: the root at ``start``, each node one past its parent."""
     return start + torch.tensor(check_tree(parents))
@@ -120,6 +123,7 @@ def walk(parents: Sequence[int], tokens: Sequence[int], logits: Tensor, params: 
         path.append(node)
 
 
+@answer_to("ex11.3")
 def expected_accepted(parents: Sequence[int], accept: Sequence[float]) -> float:
     """The expected number of accepted nodes when node i is accepted with probability ``accept[i]``
     once its parent is (the root's entry is ignored): each node counts with the product of its

@@ -1,7 +1,6 @@
 """The exercise cells of the notebooks, and running one to get what it defines."""
 from __future__ import annotations
 
-import functools
 import linecache
 from pathlib import Path
 
@@ -50,7 +49,6 @@ def mistake(root, ex_id: str, right, wrong):
     return define(source, get(ex_id).function)
 
 
-@functools.cache
 def solution(ex_id: str):
     """What the solutions notebook's cell of ``ex_id`` defines: a right answer to build mistakes on. Not
     labkit's own: that refuses to be called from a student's function while its exercise is checked."""

@@ -225,7 +225,7 @@ def test_what_counts_as_an_argument_changed_in_place():
         assert _changed(before, after) == changed, (before, after)
 
 
-def test_an_argument_changed_in_place_fails_though_the_result_is_right(root):
+def test_an_argument_changed_in_place_fails_though_the_result_is_right():
     acceptance_rule = solution("ex05.1")
 
     def in_place(p, q, token):  # the residual computed in p's own memory
@@ -255,7 +255,7 @@ def test_labkit_own_code_handed_in_scores_nothing():
 
 
 def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_through():
-    from labkit import cost, paged_attention
+    from labkit import cost, paged_attention, tree
     from labkit.paged import BlockPool
 
     class ForkingPool(BlockPool):
@@ -269,12 +269,44 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
              "labkit.cost.tokens_processed"),
             ("ex03.1", lambda *args: paged_attention.slot_mapping(*args), "labkit.paged_attention.slot_mapping"),
             ("ex03.3", ForkingPool, "labkit.paged.BlockPool.fork"),
-            ("ex03.4", lambda *args: paged_attention.paged_attention(*args), "labkit.paged_attention.paged_attention")]:
+            ("ex03.4", lambda *args: paged_attention.paged_attention(*args), "labkit.paged_attention.paged_attention"),
+            ("ex11.3", lambda parents, accept: (tree.expected_accepted(parents, accept),) * 2,
+             "labkit.tree.expected_accepted")]:
         result = run_cases(get(ex_id), fn)
         assert result.status == FAILED and result.points == 0, (ex_id, result.message)
         assert result.message.endswith(f"your code calls labkit's {called}, which is labkit's answer to {ex_id}: write "
                                        "the exercise yourself, without it"), result.message  # and no hint after it
     assert cost.tokens_processed(3, 4) == (18, 6)  # outside a check, anyone may call it
+
+
+def test_labkit_s_own_answer_wrapped_by_partial_or_a_callable_object_scores_nothing():
+    import functools
+
+    from labkit.paged_attention import slot_mapping
+
+    class Mapper:
+        __call__ = staticmethod(slot_mapping)
+    for fn in (functools.partial(slot_mapping), Mapper()):
+        result = run_cases(get("ex03.1"), fn)
+        assert result.status == FAILED and "is labkit's own (labkit.paged_attention.slot_mapping)" in result.message
+
+
+def test_while_a_check_runs_labkit_calls_its_own_answer_and_after_one_raises_anyone_may():
+    import torch
+
+    from labkit import answers, paged_attention
+    from labkit.paged import BlockAllocator
+
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.add_sequence("A", [5, 6, 7])
+    tables, positions = torch.tensor([allocator.tables["A"]]), torch.tensor([[0, 1, 2]])
+    with answers.checking("ex03.1"):
+        assert allocator.slot_mapping("A", range(3)) == [0, 1, 2]  # labkit's code calls slot_mapping
+        with pytest.raises(answers.BorrowedAnswer, match="labkit's answer to ex03.1"):
+            paged_attention.slot_mapping(tables, positions, 2)  # this test's code may not
+    with pytest.raises(ZeroDivisionError), answers.checking("ex03.1"):
+        1 / 0
+    assert paged_attention.slot_mapping(tables, positions, 2).tolist() == [[0, 1, 2]]  # the check is over
 
 
 def test_every_class_exercise_names_the_methods_a_student_writes(root):

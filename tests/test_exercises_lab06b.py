@@ -8,16 +8,12 @@ import torch
 from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
 from labkit.exercises import get, lab06b
 
-from exercise_cells import cells, define, fails, mistake
-
-
-def _solution(root, ex_id):
-    return define(cells("solutions", root)[ex_id], get(ex_id).function)
+from exercise_cells import cells, define, fails, mistake, solution
 
 
 def test_lab06b_solutions_pass_and_stubs_are_not_attempted(root):
     for ex_id in ("ex06b.1", "ex06b.2", "ex06b.3"):
-        assert run_cases(get(ex_id), _solution(root, ex_id)).status == PASSED, ex_id
+        assert run_cases(get(ex_id), solution(ex_id)).status == PASSED, ex_id
 
         def stub(*args, **kwargs):
             raise NotImplementedError("replace this line with your code")
@@ -104,8 +100,8 @@ def test_the_awq_cases_have_one_best_alpha_and_the_planted_channel_is_protected(
 
 
 def _gptq_solution_with(root, u_of):
-    solution = _solution(root, "ex06b.3")
-    return lambda weight, u, scale, zero, bits: solution(weight, u_of(u), scale, zero, bits)
+    right = solution("ex06b.3")
+    return lambda weight, u, scale, zero, bits: right(weight, u_of(u), scale, zero, bits)
 
 
 def test_lab06b_gptq_columns_mistakes_fail(root):

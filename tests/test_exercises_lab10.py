@@ -17,18 +17,14 @@ from labkit.interconnect import Link, ring_allreduce_seconds
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.release import strip_solutions
 
-from exercise_cells import cells, define, fails, mistake
+from exercise_cells import cells, define, fails, mistake, solution
 
 IDS = ("ex10.1", "ex10.2", "ex10.3", "ex10.4")
 
 
-def _solution(root, ex_id):
-    return define(cells("solutions", root)[ex_id], get(ex_id).function)
-
-
 def test_lab10_solutions_pass_and_released_stubs_are_not_attempted(root):
     for ex_id in IDS:
-        assert run_cases(get(ex_id), _solution(root, ex_id)).status == PASSED, ex_id
+        assert run_cases(get(ex_id), solution(ex_id)).status == PASSED, ex_id
         source = cells("solutions", root)[ex_id]
         stub = define(strip_solutions(source, ex_id, ex_id), get(ex_id).function)
         result = run_cases(get(ex_id), stub)
@@ -281,7 +277,7 @@ def _numbers(label):
 
 
 def test_the_cases_are_what_their_labels_say(root):
-    for label, calls in _calls("ex10.1", _solution(root, "ex10.1"), ("column_parallel", "row_parallel")):
+    for label, calls in _calls("ex10.1", solution("ex10.1"), ("column_parallel", "row_parallel")):
         worlds = {args[3] for method in calls.values() for args in method}
         ranks = re.search(r"(\d) ranks?", label)
         assert worlds == {int(ranks[1])}, label
@@ -301,7 +297,7 @@ def test_the_cases_are_what_their_labels_say(root):
         kind = "MHA" if n_kv_heads == n_heads else "MQA" if n_kv_heads == 1 else "GQA"
         assert kind in label or "Llama" in label or "Qwen" in label, label
         assert ("replicated" in label) == (world > n_kv_heads > 1), label
-    for label, calls in _calls("ex10.3", _solution(root, "ex10.3"), ("bubble_fraction", "ring_allreduce_seconds")):
+    for label, calls in _calls("ex10.3", solution("ex10.3"), ("bubble_fraction", "ring_allreduce_seconds")):
         (args,) = calls["bubble_fraction"] or calls["ring_allreduce_seconds"]
         if label.startswith("bubble"):
             stages, micro_batches = args

@@ -153,7 +153,9 @@ _DECODERS = (codecs.getincrementaldecoder, codecs.iterdecode, codecs.utf_8_decod
 
 
 def _without_codecs(stream_text: Callable[[list[bytes]], list[str]]) -> None:
-    """The student's code, and the functions of theirs it calls, name none of Python's incremental decoders."""
+    """The student's code, and the functions of theirs it calls, name none of Python's incremental decoders
+    (once it runs: a stub is not attempted yet)."""
+    stream_text([b"ok"])
     for name in _names_used(stream_text, set()):
         raise AssertionError(f"stream_text uses {name} from Python's codecs: it gives the right pieces, but writing "
                              "that decoder is the exercise")
