@@ -44,7 +44,7 @@ fi
 step() {  # step NAME LIMIT_S COMMAND...: run it with its log in $OUT/NAME.log, unless it would pass TOTAL
   local name=$1 limit=$2 started=$SECONDS
   shift 2
-  if (( SECONDS + limit > TOTAL )); then
+  if (( SECONDS + limit + 15 > TOTAL )); then  # 15: what timeout -k gives a step after its INT
     echo "== $name: skipped ($limit s would pass the $TOTAL s of this call, $SECONDS s gone)"
     return
   fi

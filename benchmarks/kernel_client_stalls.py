@@ -8,6 +8,7 @@ Each run executes, in a fresh kernel, a notebook of ``--cells`` cells that each 
 longer than ``--timeout`` minus one second: a cell here takes well under a second, so such a cell waited
 for its timeout. nbclient does not fail such a cell: when its timeout passes, pyzmq polls the socket
 once more, finds the reply that had been waiting, and the run goes on with that cell's time wrong.
+(nbclient is no dependency of labkit's own; it comes with JupyterLab, through nbconvert.)
 """
 from __future__ import annotations
 

@@ -54,8 +54,9 @@ def run(path: Path, out: Path, busy: int, timeout_s: int, default_threads: bool,
     try:
         with load:
             execute.run(nb, path.parent, timeout_s, keep_going=keep_going)
-    except KeyboardInterrupt:  # what ran so far is still worth reading (timeout -s INT stops a run so)
-        stopped = [f"ERROR: interrupted after {time.perf_counter() - start:.0f} s"]
+    except (KeyboardInterrupt, TimeoutError, execute.CellError) as error:  # what ran so far is still worth reading
+        reason = str(error).splitlines()[0] if str(error) else "interrupted"  # timeout -s INT stops a run so
+        stopped = [f"ERROR after {time.perf_counter() - start:.0f} s: {reason}"]
     seconds = time.perf_counter() - start
     nbformat.write(nb, out / path.name)
     lines = [line for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", [])
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the notebook (0: none)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/under_load"))
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds a cell may go without any output")
     parser.add_argument("--default-threads", action="store_true", help="keep torch's default thread count")
     parser.add_argument("--keep-going", action="store_true", help="run every cell even after one raises")
     args = parser.parse_args()

@@ -40,3 +40,19 @@ def test_a_silent_cell_times_out(tmp_path):
     with pytest.raises(TimeoutError, match=r"cell 1 .*nothing from the kernel for 1 s"):
         execute.run(notebook("import time\ntime.sleep(30)"), tmp_path, timeout_s=1, kernel_name="python3")
     assert time.perf_counter() - started < 20
+
+
+def test_a_kernel_that_dies_or_asks_for_input_stops_the_run_at_once(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(execute.CellError, match=r"cell 1 .*the kernel died"):
+        execute.run(notebook("import os\nos._exit(1)"), tmp_path, timeout_s=60, kernel_name="python3")
+    with pytest.raises(execute.CellError, match=r"cell 1 .*raised StdinNotImplementedError"):
+        execute.run(notebook("input('name? ')"), tmp_path, timeout_s=60, kernel_name="python3")
+    assert time.perf_counter() - started < 30
+
+
+def test_clear_output_with_wait_keeps_the_old_outputs_until_a_new_one(tmp_path):
+    nb = notebook("from IPython.display import clear_output\nprint('old')\nclear_output(wait=True)",
+                  "from IPython.display import clear_output\nprint('old')\nclear_output(wait=True)\nprint('new')")
+    execute.run(nb, tmp_path, timeout_s=60, kernel_name="python3")
+    assert [execute.printed(nbformat.v4.new_notebook(cells=[cell])) for cell in nb.cells[1:]] == ["old\n", "new\n"]
