@@ -113,3 +113,19 @@ def test_a_slot_mapping_that_writes_into_positions_fails(root):
                                         "torch.where(positions >= 0,"),
                        ("    pad = positions < 0\n    clamped = positions.clamp_(min=0)\n", "torch.where(~pad,"))
     fails("ex03.1", in_place, "padding (-1) stays -1", "changed its argument positions in place")
+
+
+def test_each_paged_mistake_fails_at_the_case_that_names_it(root):
+    grouping = "n_heads // kv_heads, dim=2)"
+    for right, wrong, case, hint in [
+            ("if n_blocks > len(self.free_blocks):", "if n_blocks >= len(self.free_blocks):",
+             "asking for exactly the blocks that are free", "n > free, not n >= free"),
+            ("positions[None, None] >= lengths", "positions[None, None] > lengths", "MHA, lengths not multiples",
+             "mask positions >= lengths[b]"),
+            (("keys = k_pool.flatten(0, 1)[slots].repeat_interleave(" + grouping,
+              "values = v_pool.flatten(0, 1)[slots].repeat_interleave(" + grouping),
+             ("keys = k_pool.flatten(0, 1)[slots].repeat(1, 1, n_heads // kv_heads, 1)",
+              "values = v_pool.flatten(0, 1)[slots].repeat(1, 1, n_heads // kv_heads, 1)"),
+             "GQA (8 query heads, 2 KV heads), full blocks", "repeat_interleave, not repeat")]:
+        ex_id = "ex03.2" if "free_blocks" in str(right) else "ex03.4"
+        fails(ex_id, mistake(root, ex_id, right, wrong), case, hint)

@@ -145,6 +145,9 @@ def _allocate_free_cases() -> list[Scenario]:
     return [Scenario("allocate, then free everything", _play_fixed([("a", 3), ("b", 2), ("a", 1)], 8),
                      hint="the basic bookkeeping: a new sequence gets a table, a second allocate for 'a' adds to "
                           "its table, and once every sequence is freed every block is free again with count 0"),
+            Scenario("asking for exactly the blocks that are free: all of them", _play_fixed([("a", 2), ("b", 2)], 4),
+                     hint="a pool with n free blocks can hand out all n: refuse only a request for more than are "
+                          "free (n > free, not n >= free)"),
             Scenario("allocate 0 blocks: nothing taken", _play_fixed([("a", 2), ("a", 0), ("b", 2)], 4),
                      hint="asking for 0 blocks takes none and returns an empty list; watch for expressions that "
                           "mean something else at n = 0 (a slice [-n:] with n = 0 is the whole list)"),
@@ -269,9 +272,12 @@ def _attention_cases() -> list[Case]:
          "the plainest layout (one sequence, a KV head per query head, no partly filled block): a failure here is "
          "in reading keys and values through the table (the pools are [num_blocks, block_size, n_kv_heads, "
          "head_dim]) or in the attention itself (the scale is 1/sqrt(head_dim), the softmax runs over positions)"),
-        ("GQA (8 query heads, 2 KV heads), lengths not multiples of the block", 8, 2, 32, 4, [5, 13, 1],
-         "query heads come in groups that share a KV head (heads 0-3 read KV head 0 here, not heads 0, 2, 4, 6), "
-         "and a sequence's last block is only partly its own: what lies past lengths[b] is noise"),
+        ("MHA, lengths not multiples of the block", 4, 4, 16, 4, [5, 13, 1],
+         "a sequence's last block is only partly its own: what lies past lengths[b] is noise, and must get no "
+         "attention weight (mask positions >= lengths[b], not > )"),
+        ("GQA (8 query heads, 2 KV heads), full blocks", 8, 2, 32, 4, [8, 12],
+         "query heads come in groups that share a KV head: heads 0-3 read KV head 0 here, not heads 0, 2, 4, 6 "
+         "(repeat_interleave, not repeat)"),
         ("MQA, block size 1", 6, 1, 8, 1, [7, 3],
          "one KV head serves every query head, and every token is a block of its own: nothing may assume a "
          "block size or a number of KV heads"),
