@@ -57,13 +57,27 @@ def test_ex01_2_plausible_mistakes_get_the_hint_of_what_they_got_wrong():
     result, hint = failure("ex01.2", attend(right_scale, tiled))
     assert 0 < result.passed < result.total and "GQA" in result.failed_case and "consecutive blocks" in hint
     result, hint = failure("ex01.2", attend(no_scale, interleave))
-    assert "MHA" in result.failed_case and "1/sqrt(head_dim)" in hint
+    assert result.failed_case.startswith("MHA: 4") and "divided by sqrt(head_dim)" in hint
+
+    def over_the_query(q, k_new, v_new, k_cache, v_cache):  # the softmax over the single query: every weight 1
+        keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+        keys, values = interleave(keys, q.shape[1] // keys.shape[1]), interleave(values, q.shape[1] // keys.shape[1])
+        return (q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-2) @ values, keys, values
+    result, hint = failure("ex01.2", over_the_query)
+    assert result.failed_case.startswith("MHA, head_dim 1") and "the softmax's axis" in hint
+
+    def old_keys_only(q, k_new, v_new, k_cache, v_cache):  # attends to the cache before the new token joins it
+        keys, values = interleave(k_cache, q.shape[1] // k_cache.shape[1]), interleave(v_cache, q.shape[1] // k_cache.shape[1])
+        out = (q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ values
+        return out, torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+    result, hint = failure("ex01.2", old_keys_only)
+    assert result.failed_case.startswith("empty cache") and "including the new one" in hint
 
     def forgets_to_append(q, k_new, v_new, k_cache, v_cache):
         out, _, _ = get_reference()(q, k_new, v_new, k_cache, v_cache)
         return out, k_cache, v_cache
     result, _ = failure("ex01.2", forgets_to_append)
-    assert "k_cache: " in result.message and "torch.Size([1, 4, 8, 16])" in result.message, result.message
+    assert "k_cache: " in result.message and "torch.Size([1, 4, 1, 16])" in result.message, result.message
 
 
 def get_reference():
@@ -121,4 +135,4 @@ def test_ex01_3_the_forward_call_written_wrongly_is_explained(call, says):
 def test_a_step_that_scales_the_query_in_place_fails(root):
     in_place = mistake(root, "ex01.2", "    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n",
                        "    q /= math.sqrt(q.shape[-1])\n    scores = q @ keys.transpose(-2, -1)\n")
-    fails("ex01.2", in_place, "MHA", "changed its argument q in place")
+    fails("ex01.2", in_place, "empty cache", "changed its argument q in place")

@@ -44,20 +44,21 @@ def reference_attention_step(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: T
 
 
 def _attention_cases() -> list[Case]:
-    shapes = [  # batch, query heads, KV heads, cached tokens, head_dim, hint
+    shapes = [  # batch, query heads, KV heads, cached tokens, head_dim, hint: each case catches its slip first
+        ("empty cache: the first token attends only to itself", (1, 4, 4, 0, 16),
+         "with S = 0 the caches have length 0 on the sequence axis: append the new key and value there (dim 2) "
+         "first, attend over every key including the new one, and return the caches with them appended; the new "
+         "token's softmax weight is then 1, so each head's output is its own new value"),
+        ("MHA, head_dim 1: where the softmax runs", (1, 4, 4, 7, 1),
+         "with head_dim 1 the scale 1/sqrt(head_dim) is 1, so a failure here is the softmax's axis: it runs over "
+         "the keys (the last axis of the scores [batch, heads, 1, S + 1]), not over the single query"),
         ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16),
-         "one KV head per query head, so no sharing yet: check that the new key and value go at the end of the "
-         "sequence axis (dim 2), that you return the caches with them appended, that the scores are scaled by "
-         "1/sqrt(head_dim), and that the softmax runs over the keys (the last axis of the scores), not over the "
-         "single query"),
+         "the scores are q . k divided by sqrt(head_dim) (4 here) before the softmax"),
         ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32),
          "query heads 0-3 read KV head 0 and query heads 4-7 read KV head 1: consecutive blocks of g query heads, "
          "not every other head; and the batch of 2 must stay two independent sequences"),
         ("MQA: 6 query heads share 1 KV head", (1, 6, 1, 9, 8),
          "a single KV head serves all 6 query heads: each of them attends over the same keys and values"),
-        ("empty cache: the first token attends only to itself", (1, 4, 2, 0, 16),
-         "with S = 0 the caches have length 0 on the sequence axis: the new token is the only key, its softmax "
-         "weight is 1, so each head's output is its KV head's new value"),
     ]
     generator = torch.Generator().manual_seed(1)
     cases = []
