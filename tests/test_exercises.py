@@ -18,19 +18,19 @@ def test_every_exercise_has_one_cell_in_solutions_and_notebooks(root):
 
 
 @pytest.mark.parametrize("ex_id", sorted(EXERCISES))
-def test_solution_passes(root, ex_id):
-    fn = define(cells("solutions", root)[ex_id], get(ex_id).function)
+def test_solution_passes(ex_id):
+    fn = solution(ex_id)
     result = run_cases(get(ex_id), fn)
     assert result.status == PASSED, result.verdict()
     assert result.points == get(ex_id).points
 
 
 @pytest.mark.parametrize("ex_id", sorted(ex_id for ex_id, ex in EXERCISES.items() if ex.returns))
-def test_the_named_items_are_what_the_solution_returns(root, ex_id):
+def test_the_named_items_are_what_the_solution_returns(ex_id):
     """An exercise that names the items of the tuple it returns names as many as the solution returns,
     and a wrong item is named in the message."""
     exercise = get(ex_id)
-    fn = define(cells("solutions", root)[ex_id], exercise.function)
+    fn = solution(ex_id)
     case = exercise.cases()[0]
     got = fn(*case.args, **case.kwargs)
     assert isinstance(got, tuple) and len(got) == len(exercise.returns), got
@@ -353,14 +353,13 @@ def test_an_argument_changed_in_place_is_named():
     assert "changed its argument q in place" in run_cases(get("ex05.1"), rule).message
 
 
-def test_a_stub_or_a_right_value_of_the_wrong_type_names_what_to_do_and_never_brings_the_recipe(root, monkeypatch,
-                                                                                              capsys):
+def test_a_stub_or_a_right_value_of_the_wrong_type_names_what_to_do_and_never_brings_the_recipe(monkeypatch, capsys):
     import importlib
 
     check_module = importlib.import_module("labkit.check")
     monkeypatch.setattr(check_module, "_FAILED_CASES", {})
     monkeypatch.setenv("LABKIT_STRICT", "0")
-    packer = define(cells("solutions", root)["ex06.2"], get("ex06.2").function)
+    packer = solution("ex06.2")
 
     class HalfDone(packer):  # pack written, unpack still the stub
         @staticmethod

@@ -99,7 +99,7 @@ def test_the_awq_cases_have_one_best_alpha_and_the_planted_channel_is_protected(
         "no case's best alpha is 1: a search that stops before alpha = 1 would pass"
 
 
-def _gptq_solution_with(root, u_of):
+def _gptq_solution_with(u_of):
     right = solution("ex06b.3")
     return lambda weight, u, scale, zero, bits: right(weight, u_of(u), scale, zero, bits)
 
@@ -119,14 +119,14 @@ def test_lab06b_gptq_columns_mistakes_fail(root):
 
     def factor_of_h(u):  # the upper Cholesky factor of H, not of its inverse
         return torch.linalg.cholesky(torch.linalg.inv(u.double().T @ u.double()), upper=True).float()
-    fails("ex06b.3", _gptq_solution_with(root, factor_of_h), "correlated inputs", spreads)
+    fails("ex06b.3", _gptq_solution_with(factor_of_h), "correlated inputs", spreads)
 
 
 def test_right_gptq_answers_pass_however_they_compute(root):
     """float64 arithmetic rounds a weight at a .5 boundary differently now and then, which the judge allows; an
     update of the columns before i as well (W -= err * u[i]) changes nothing, since u[i, :i] is 0 and those
     columns' codes are taken already, so it is not a mistake."""
-    assert run_cases(get("ex06b.3"), _gptq_solution_with(root, lambda u: u.double())).status == PASSED
+    assert run_cases(get("ex06b.3"), _gptq_solution_with(lambda u: u.double())).status == PASSED
     source = cells("solutions", root)["ex06b.3"].replace("w = weight.clone().float()", "w = weight.clone().double()")
     assert run_cases(get("ex06b.3"), define(source, "gptq_columns")).status == PASSED
     whole_row = mistake(root, "ex06b.3", "w[:, i + 1:] -= err[:, None] * u[i, i + 1:]", "w -= err[:, None] * u[i]")
