@@ -3,9 +3,10 @@
     python -m labkit.serve --model target [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
-what it may be; a 404 for a model it does not serve), its prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine
-puts it in the continuous batch: an engine in a process of its own (``--engine process``, the
-default, as vLLM's V1), so that the HTTP side's Python never holds the GIL the engine's steps need.
+what it may be, or names a field the server does not take; a 404 for a model it does not serve), its
+prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine puts it in the
+continuous batch: an engine in a process of its own (``--engine process``, the default, as vLLM's
+V1), so that the HTTP side's Python never holds the GIL the engine's steps need.
 Each sampled token comes back to the request's coroutine, which turns it into text incrementally
 (``IncrementalDetokenizer``: a token can end in the middle of a UTF-8 character), cuts the text at
 a stop string (``StopStrings``) and sends it, either as one server-sent event per token
@@ -154,6 +155,22 @@ def _stops(body: dict) -> list[str]:
         raise APIError(f"stop={stop!r} is invalid: {error}", "stop") from None
 
 
+# every field a request may carry: any other is refused by name, as OpenAI's API refuses it, so that an
+# option this server lacks (vLLM's top_k, min_p, repetition_penalty, ...) is never silently ignored
+FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+                    "ignore_eos", "user", "n", "best_of", "logprobs", "echo", "presence_penalty",
+                    "frequency_penalty", "suffix", "logit_bias"})
+PROMPT_FIELDS = {False: frozenset({"prompt"}), True: frozenset({"messages", "max_completion_tokens"})}
+
+
+def _check_known(body: dict, chat: bool) -> None:
+    known = FIELDS | PROMPT_FIELDS[chat]
+    unknown = [name for name in body if name not in known]
+    if unknown:
+        raise APIError(f"unrecognized request field {unknown[0]!r}: this server does not take it, and would "
+                       f"otherwise ignore it (it takes {', '.join(sorted(known))})", unknown[0])
+
+
 def _check_unsupported(body: dict) -> None:
     if body.get("n") not in (None, 1):
         raise APIError(f"n={body['n']!r}: this server returns one completion per request, n must be 1", "n")
@@ -181,6 +198,7 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
     if model not in (None, served.name):
         raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model",
                        status=404)  # as OpenAI's API and vLLM answer
+    _check_known(body, chat=prompt is not None)
     _check_unsupported(body)
     ids = _prompt_ids(body.get("prompt"), served) if prompt is None else prompt
     room = served.max_seq_len - len(ids) + 1  # the last new token is never fed back

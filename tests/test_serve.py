@@ -34,7 +34,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of, stream
 from labkit.load import save_checkpoint
 from labkit.model import ModelConfig, Transformer, forward_tokens
-from labkit.serve import _alive
+from labkit.serve import APIError, ServedModel, _alive, parse_completion
 
 from tiny_models import one_torch_thread
 
@@ -524,6 +524,10 @@ BAD = {  # case: (path, body, param at fault, words the message must hold)
     "temperature a word": ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature",
                            ["temperature='hot'", "is not a number"]),
     "n 2": ("/v1/completions", {"prompt": "x", "n": 2}, "n", ["n=2", "n must be 1"]),
+    "vLLM's top_k": ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k",
+                     ["unrecognized request field 'top_k'", "would otherwise ignore it", "temperature"]),
+    "a chat field on completions": ("/v1/completions", {"prompt": "x", "messages": []}, "messages",
+                                    ["unrecognized request field 'messages'"]),
     "unknown model": ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model", ["'gpt-4'", "serves 'target'"]),
     "token id past the vocabulary": ("/v1/completions", {"prompt": [5, 4096]}, "prompt", ["4096", "[0, 4096)"]),
     "negative token id": ("/v1/completions", {"prompt": [-1, 5]}, "prompt", ["-1", "[0, 4096)"]),
@@ -584,6 +588,19 @@ def test_with_an_api_key_v1_wants_the_bearer_key_and_health_does_not(http, fleet
 
 
 # chat ------------------------------------------------------------------------------------------
+
+
+def test_each_endpoint_takes_its_own_prompt_field_and_refuses_the_others(tiny_folder):
+    _, tokenizer = labkit.load(str(tiny_folder), device="cpu")
+    served = ServedModel("tiny", tokenizer, tokenizer.get_vocab_size(), 64, chat_template="{{ messages }}")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "user": "me"}
+    assert parse_completion(chat, served, prompt=[1, 2], max_tokens_field="max_completion_tokens").params \
+        .max_new_tokens == 3
+    assert parse_completion({"prompt": "x", "max_tokens": 2}, served).params.max_new_tokens == 2
+    with pytest.raises(APIError, match="unrecognized request field 'prompt'"):
+        parse_completion(chat | {"prompt": "x"}, served, prompt=[1, 2])
+    with pytest.raises(APIError, match="unrecognized request field 'max_completion_tokens'"):
+        parse_completion({"prompt": "x", "max_completion_tokens": 2}, served)
 
 
 def test_chat_completions_through_the_models_template_have_openais_chat_shape(http, fleet, tiny_folder):
