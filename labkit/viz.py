@@ -38,8 +38,8 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
         ax.plot(hw.ridge_intensity, hw.peak_flops / 1e12, "o", color=line.get_color())
     for label, intensity, flops in achieved:
         ax.plot(intensity, flops / 1e12, "*", ms=14, color="black")
-        ax.annotate(label, (intensity, flops / 1e12), xytext=(10, -4), textcoords="offset points", fontsize=8,
-                    bbox=dict(fc="white", ec="none", alpha=0.8))
+        ax.annotate(label, (intensity, flops / 1e12), xytext=(8, -8), textcoords="offset points", fontsize=8,
+                    va="top", bbox=dict(fc="white", ec="none", alpha=0.8))  # below: a star is under its roof
     _label_above_the_roofs(ax, sorted(points, key=lambda point: point[1]))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: points go on them
