@@ -33,7 +33,9 @@ def run(nb: nbformat.NotebookNode, cwd: Path, timeout_s: float, kernel_name: str
     for input or kills the kernel stops the run with ``CellError``; with ``keep_going`` a cell's error
     stays as its output and the run goes on. A cell silent for ``timeout_s`` stops it with
     ``TimeoutError``. The kernel is the notebook's own (its kernelspec) unless ``kernel_name`` says, and
-    is shut down however the run ends."""
+    is shut down however the run ends: asked first, as Jupyter's restart asks, so that what the notebook
+    started is stopped by its exit handlers (a server of ``labkit.background``), then killed if it
+    has not gone within jupyter_client's wait."""
     name = kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3")
     manager = KernelManager(kernel_name=name)
     manager.start_kernel(cwd=str(cwd))
@@ -45,7 +47,7 @@ def run(nb: nbformat.NotebookNode, cwd: Path, timeout_s: float, kernel_name: str
                 for index, cell in enumerate(nb.cells) if cell.cell_type == "code"]
     finally:
         client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        manager.shutdown_kernel()
 
 
 def printed(nb: nbformat.NotebookNode) -> str:

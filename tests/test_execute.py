@@ -56,3 +56,10 @@ def test_clear_output_with_wait_keeps_the_old_outputs_until_a_new_one(tmp_path):
                   "from IPython.display import clear_output\nprint('old')\nclear_output(wait=True)\nprint('new')")
     execute.run(nb, tmp_path, timeout_s=60, kernel_name="python3")
     assert [execute.printed(nbformat.v4.new_notebook(cells=[cell])) for cell in nb.cells[1:]] == ["old\n", "new\n"]
+
+
+def test_the_kernel_is_asked_to_shut_down_so_the_notebooks_exit_handlers_run(tmp_path):
+    """As Jupyter's restart does: labkit.background stops the servers a notebook started in such a handler."""
+    execute.run(notebook("import atexit, pathlib\natexit.register(pathlib.Path('stopped.txt').write_text, 'yes')"),
+                tmp_path, timeout_s=60, kernel_name="python3")
+    assert (tmp_path / "stopped.txt").read_text() == "yes"
