@@ -4,19 +4,29 @@ labkit implements what the exercises ask for: ``labkit.paged_attention.slot_mapp
 ex03.1. A check must not pass a cell that only calls it. ``labkit.check`` refuses a function that *is*
 labkit's; a function marked here with ``answer_to`` also refuses to be called from the student's own
 code while that exercise's cases run (a wrapper, ``lambda P, N: cost.tokens_processed(P, N)``, or
-``super().fork(...)`` in a subclass). Calls from labkit itself, the checks' own references among
-them, go through, and outside a check every call does.
+``super().fork(...)`` in a subclass), however far up: through labkit's other functions too (the
+student's cell calling ``quant.quantize``, which calls ``group_params``, the answer to ex06.1). Calls
+from labkit itself, the checks' own references among them, go through, and outside a check every
+call does.
 """
 from __future__ import annotations
 
 import functools
 import os
+import site
 import sys
+import sysconfig
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 LABKIT_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep  # labkit's own code lives here
+CHECK_FILE = LABKIT_DIR + "check.py"  # where the cases run: the student's calls are below it on the stack
+# where code that is not a student's lives besides labkit: the standard library, installed packages
+LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *site.getsitepackages(), site.getusersitepackages())})
 _checking: str | None = None  # the exercise whose cases run now: one owner, ``checking``
 
 
@@ -29,7 +39,7 @@ def answer_to(exercise_id: str) -> Callable[[F], F]:
     def mark(fn: F) -> F:
         @functools.wraps(fn)
         def refusing(*args: Any, **kwargs: Any) -> Any:
-            if _checking == exercise_id and not _is_labkit(sys._getframe(1).f_code.co_filename):
+            if _checking == exercise_id and _called_by_the_student(sys._getframe(1)):
                 raise BorrowedAnswer(f"your code calls labkit's {fn.__module__}.{fn.__qualname__}, which is labkit's "
                                      f"answer to {exercise_id}: write the exercise yourself, without it")
             return fn(*args, **kwargs)
@@ -48,5 +58,19 @@ def checking(exercise_id: str) -> Iterator[None]:
         _checking = before
 
 
-def _is_labkit(filename: str) -> bool:
-    return os.path.normcase(os.path.abspath(filename)).startswith(LABKIT_DIR)
+def is_students(filename: str) -> bool:
+    """Whether code of this file is the student's: not labkit's, nor a library's, nor generated (a
+    dataclass's ``__init__`` comes from ``<string>``, Python's own from ``<frozen ...>``); a cell is."""
+    if filename == "<string>" or filename.startswith("<frozen "):
+        return False
+    path = os.path.normcase(os.path.abspath(filename))
+    return not (path.startswith(LIBRARIES) or path.startswith(LABKIT_DIR))
+
+
+def _called_by_the_student(frame: FrameType | None) -> bool:
+    """Whether the student's code is among the callers, from ``frame`` up to the check that runs the case."""
+    while frame is not None and frame.f_code.co_filename != CHECK_FILE:
+        if is_students(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False

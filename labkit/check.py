@@ -16,8 +16,6 @@ import inspect
 import os
 import re
 import signal
-import site
-import sysconfig
 import threading
 import traceback
 from collections import Counter
@@ -25,15 +23,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from labkit.answers import LABKIT_DIR, BorrowedAnswer, checking
+from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students
 from labkit.exercises import Exercise, get
 from labkit.exercises.spec import Case, Scenario, WrongType
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
-# where code that is not a student's lives besides labkit: the standard library, installed packages
-_LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
-    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
-    *site.getsitepackages(), site.getusersitepackages())})
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
 
 
@@ -89,17 +83,10 @@ def _where(error: BaseException) -> str:
     last, chain = frames[-1], [error]
     while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
         chain.append(cause)
-    theirs = [f for e in chain for f in traceback.extract_tb(e.__traceback__) if _is_students(f)]
+    theirs = [f for e in chain for f in traceback.extract_tb(e.__traceback__) if is_students(f.filename)]
     if not theirs or theirs[-1][:3] == last[:3]:  # file, line, function
         return f" (line {last.lineno} of {last.name})"
     return f" (line {theirs[-1].lineno} of your {theirs[-1].name}; raised in {last.name}, line {last.lineno})"
-
-
-def _is_students(frame: traceback.FrameSummary) -> bool:
-    """Not labkit's, a library's, or generated (a dataclass's ``__init__`` comes from ``<string>``)."""
-    path = os.path.normcase(os.path.abspath(frame.filename))
-    return not (path.startswith(_LIBRARIES) or path.startswith(LABKIT_DIR) or frame.filename == "<string>"
-                or frame.filename.startswith("<frozen "))
 
 
 def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping[str, int] | None = None) -> Result:
@@ -169,12 +156,15 @@ def _labkit_code(exercise: Exercise, fn: Any) -> str | None:
 
 
 def _unwrapped(code: Any) -> Any:
-    """What a ``functools.partial``, a bound method or a callable object hands its calls to."""
+    """What a ``functools.partial``, a bound method, a Triton kernel (its Python function is ``fn``) or a
+    callable object hands its calls to."""
     while True:
         if isinstance(code, (functools.partial, functools.partialmethod)):
             code = code.func
         elif inspect.ismethod(code):
             code = code.__func__
+        elif callable(getattr(code, "fn", None)) and type(code).__module__.startswith("triton."):
+            code = code.fn
         elif callable(code) and not isinstance(code, type) and not inspect.isroutine(code):
             code = type(code).__call__
         else:
@@ -192,7 +182,7 @@ def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
     last = frames[-1]
     path = os.path.normcase(os.path.abspath(last.filename))
     if "raise NotImplementedError" not in (last.line or "raise NotImplementedError") or (
-            path.startswith(_LIBRARIES) and not path.startswith(LABKIT_DIR)) or last.filename.startswith("<frozen "):
+            path.startswith(LIBRARIES) and not path.startswith(LABKIT_DIR)) or last.filename.startswith("<frozen "):
         return None
     if path.startswith(LABKIT_DIR) or last.name == name or last.name.startswith("<"):  # <module>, <listcomp>
         return name

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import multiprocessing.context
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -82,7 +83,8 @@ def _notebooks_in(folder: Path) -> list[Path]:
 def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submission]:
     """Every (student, notebook) under the given paths; a student is the folder a notebook is in,
     or with ``per_file`` the notebook's file name without its extension. A student folder of a
-    class folder that holds no notebook is a submission too, of no lab (``lab`` empty)."""
+    class folder that holds no notebook is a submission too, of no lab (``lab`` empty), and so is a
+    notebook of no lab that can be told (no ``NN_`` prefix, no known exercise): nobody is left out."""
     found: list[Path] = []
     empty: list[Path] = []  # student folders without a notebook
     for path in paths:
@@ -90,11 +92,16 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
             found.append(path)
         elif path.is_dir():
             own = _notebooks_in(path)
+            held = {sub: _notebooks_in(sub) for sub in sorted(path.iterdir())
+                    if sub.is_dir() and not sub.name.startswith(".")}
+            a_class = any(held.values()) or not own  # else one student's folder, its subfolders theirs
+            if a_class and own and not per_file:
+                print(f"{path}: {', '.join(p.name for p in own)} at the top of a class folder: graded as a student "
+                      f"named {path.name}; move each into its student's folder", file=sys.stderr)
             found += own
-            for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                notebooks = _notebooks_in(sub)
+            for sub, notebooks in held.items():
                 found += notebooks
-                if not (notebooks or own or per_file) and _an_empty_student(sub):
+                if not notebooks and a_class and not per_file and _an_empty_student(sub):
                     empty.append(sub.resolve())
         else:
             raise FileNotFoundError(f"{path} does not exist")
@@ -103,12 +110,13 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     owners = {p: p.with_suffix("") if per_file else p.parent for p in found}
     clash = Counter(owner.name for owner in set(owners.values()) | set(empty))
     submissions = [Submission(f.name if clash[f.name] == 1 else str(f), f, "") for f in empty]
-    for nb_path in found:
-        lab, owner = _lab_of(nb_path), owners[nb_path]
-        if lab is None:
-            print(f"skipping {nb_path}: no NN_ prefix and no known exercise in it", file=sys.stderr)
-        else:  # a student is their folder's (or file's) name, or its full path where two share a name
-            submissions.append(Submission(owner.name if clash[owner.name] == 1 else str(owner), nb_path, lab))
+    for nb_path in found:  # a student is their folder's (or file's) name, or its full path where two share one
+        owner = owners[nb_path]
+        lab = _lab_of(nb_path)
+        if lab is None:  # still the student's: a row of missing exercises that names the file
+            print(f"{nb_path}: no NN_ prefix and no known exercise in it: not graded, its exercises count as "
+                  "missing", file=sys.stderr)
+        submissions.append(Submission(owner.name if clash[owner.name] == 1 else str(owner), nb_path, lab or ""))
     return submissions
 
 
@@ -164,10 +172,26 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _exercise_cell(nb: notebook.Notebook, exercise: Exercise) -> str | None:
-    """The source of the exercise's cell; the last one if a student duplicated it."""
+def _exercise_cell(nb: notebook.Notebook, exercise: Exercise) -> tuple[str | None, str]:
+    """The source of the exercise's cell (the last one if a student duplicated it), and a note: where
+    no cell is tagged with the exercise (its tags lost in a copy), the last code cell that defines
+    the exercise's function, said in the note."""
     sources = [notebook.source(c) for c in nb["cells"] if notebook.exercise_id(c) == exercise.id]
-    return sources[-1] if sources else None
+    if sources:
+        return sources[-1], ""
+    defines = re.compile(rf"^(?:def|class)\s+{re.escape(exercise.function)}\b", re.MULTILINE)
+    sources = [notebook.source(c) for c in nb["cells"] if c.get("cell_type") == "code"
+               and defines.search(notebook.source(c))]
+    if sources:
+        return sources[-1], (f"note: no cell is tagged 'exercise' for {exercise.id} (its tags lost?): graded the "
+                             f"last cell that defines {exercise.function}")
+    return None, ""
+
+
+def _setup_cells(nb: notebook.Notebook) -> list[str]:
+    """The sources of the cells tagged ``setup``; where none is (tags lost), the cell whose id is "setup"."""
+    cells = notebook.code_cells(nb, "setup") or [c for c in nb["cells"] if c.get("id") == "setup"]
+    return [notebook.source(c) for c in cells]
 
 
 def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[str, Result]:
@@ -178,13 +202,14 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
     except ValueError as error:
         return {ex.id: Result(ex.id, ERROR, 0, ex.points, message=str(error), notebook=str(sub.path))
                 for ex in exercises}
-    setup = [notebook.source(c) for c in notebook.code_cells(nb, "setup")]
-    cells = [_exercise_cell(nb, ex) for ex in exercises]
+    setup = _setup_cells(nb)
+    cells, notes = zip(*(_exercise_cell(nb, ex) for ex in exercises))
     results = {}
-    for i, (ex, cell) in enumerate(zip(exercises, cells)):
+    for i, (ex, cell, note) in enumerate(zip(exercises, cells, notes)):
         if cell is None:
             results[ex.id] = Result(ex.id, MISSING, 0, ex.points, notebook=str(sub.path),
-                                    message=f"no cell tagged 'exercise' for {ex.id} (was it deleted?)")
+                                    message=f"no cell tagged 'exercise' for {ex.id}, nor one that defines "
+                                            f"{ex.function} (was it deleted?)")
             continue
         limit = timeout_s or ex.timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
@@ -197,6 +222,8 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
                 if alone["status"] != "passed":
                     outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
                                            "with them the process crashed")
+        if note:
+            outcome["message"] = f"{outcome.get('message') or ''}\n    {note}".lstrip("\n ")
         results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome,
                                    "notebook": str(sub.path)})
     return results
@@ -221,12 +248,19 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
             print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
                   f"{best_sub.path.name}{hint}", file=sys.stderr)
         book[student].update(best)
-    if not per_file:  # a student is a folder: what it lacks of the class's labs is missing (a file is one lab)
-        for student, results in book.items():
-            for ex_id in columns:
-                if ex_id not in results:
-                    ex = get(ex_id)
-                    results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted")
+    unplaced = {}  # student: their notebooks of no lab
+    for sub in submissions:
+        if not sub.lab and sub.path.is_file():
+            unplaced.setdefault(sub.student, []).append(sub.path.name)
+    for student, results in book.items():  # what a student lacks of the class's labs is missing
+        if per_file and results:  # but a file is one lab, not missing the others
+            continue
+        why = (f" ({', '.join(unplaced[student])}: no NN_ prefix and no cell tagged with an exercise, so not "
+               "graded)") if student in unplaced else ""
+        for ex_id in columns:
+            if ex_id not in results:
+                ex = get(ex_id)
+                results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted{why}")
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
 
 

@@ -109,6 +109,7 @@ def quantize(weight: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scale.half(), zero.half()
 
 
+@answer_to("ex06.3")
 def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """w_hat = (code - zero) * scale, each group's scale and zero repeated over its columns."""
     out_features, in_features = codes.shape

@@ -291,7 +291,7 @@ def test_labkit_s_own_answer_wrapped_by_partial_or_a_callable_object_scores_noth
         assert result.status == FAILED and "is labkit's own (labkit.paged_attention.slot_mapping)" in result.message
 
 
-def test_while_a_check_runs_labkit_calls_its_own_answer_and_after_one_raises_anyone_may():
+def test_while_a_check_runs_its_answer_refuses_the_students_code_however_far_up_and_after_one_anyone_may():
     import torch
 
     from labkit import answers, paged_attention
@@ -300,10 +300,18 @@ def test_while_a_check_runs_labkit_calls_its_own_answer_and_after_one_raises_any
     allocator = BlockAllocator(num_blocks=4, block_size=2)
     allocator.add_sequence("A", [5, 6, 7])
     tables, positions = torch.tensor([allocator.tables["A"]]), torch.tensor([[0, 1, 2]])
+
+    def run_by_the_check(expression: str):  # as the check's own code runs it: no student's code below it
+        namespace = {"allocator": allocator}
+        exec(compile(f"result = {expression}", answers.CHECK_FILE, "exec"), namespace)
+        return namespace["result"]
+
     with answers.checking("ex03.1"):
-        assert allocator.slot_mapping("A", range(3)) == [0, 1, 2]  # labkit's code calls slot_mapping
+        assert run_by_the_check('allocator.slot_mapping("A", range(3))') == [0, 1, 2]  # labkit's code calls it
         with pytest.raises(answers.BorrowedAnswer, match="labkit's answer to ex03.1"):
             paged_attention.slot_mapping(tables, positions, 2)  # this test's code may not
+        with pytest.raises(answers.BorrowedAnswer, match="labkit's answer to ex03.1"):
+            allocator.slot_mapping("A", range(3))  # nor through labkit's own method
     with pytest.raises(ZeroDivisionError), answers.checking("ex03.1"):
         1 / 0
     assert paged_attention.slot_mapping(tables, positions, 2).tolist() == [[0, 1, 2]]  # the check is over

@@ -10,8 +10,7 @@ from exercise_cells import solution
 
 
 def test_lab06_plausible_mistakes_fail():
-    from labkit.exercises.lab06 import reference_group
-    from labkit.quant import dequantize
+    reference_group = solution("ex06.1")  # labkit's group_params refuses calls from a student's ex06.1
     packer = solution("ex06.2")  # labkit's pack_int4 and unpack_int4 refuse calls from a student's ex06.2
     pack_int4, unpack_int4 = packer.pack, packer.unpack
 
@@ -83,15 +82,16 @@ def test_lab06_plausible_mistakes_fail():
                                                                "unpack": staticmethod(lambda p: unpack_int4(p).flatten())}))
     assert result.status == FAILED and "expected shape [5, 64] of uint8, got shape [320]" in result.message, result.message
 
+    forward = solution("ex06.3")
+
     def forgets_zeros(layer, x):  # treats every grid as symmetric around 0
         codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
-        return torch.nn.functional.linear(x, dequantize(codes, layer.scales, torch.zeros_like(layer.scales)))
+        groups = codes.reshape(codes.shape[0], layer.scales.shape[1], -1).float()
+        return torch.nn.functional.linear(x, (groups * layer.scales[..., None].float()).reshape(codes.shape).to(x.dtype))
     assert run_cases(get("ex06.3"), forgets_zeros).status == FAILED
 
     def always_fp32(layer, x):  # the output in fp32 whatever x is
-        codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
-        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
-        return torch.nn.functional.linear(x.float(), dequantize(codes, layer.scales, zeros))
+        return forward(layer, x.float())
     result = run_cases(get("ex06.3"), always_fp32)
     assert result.status == FAILED and result.passed == result.total - 1 and "bfloat16" in result.message
 
@@ -115,9 +115,8 @@ def test_lab06_a_failing_case_gives_its_own_hint_not_the_recipe():
     assert "group_size is None" in result.message and exercise.recipe not in result.message, result.message
 
     def no_zero_in_range(w, bits, symmetric):  # spans the group's own range, without 0
-        from labkit.exercises.lab06 import reference_group
         if symmetric:
-            return reference_group(w, bits, symmetric)
+            return solution("ex06.1")(w, bits, symmetric)
         scale = ((w.max() - w.min()) / (2 ** bits - 1)).half().float()
         scale = scale if scale > 0 else torch.tensor(1.0)
         zero = torch.round(-w.min() / scale)
@@ -126,3 +125,23 @@ def test_lab06_a_failing_case_gives_its_own_hint_not_the_recipe():
     result = run_cases(get("ex06.1"), no_zero_in_range)
     assert result.status == FAILED and result.failed_case.startswith("all positive"), result.message
     assert "lo = min(w_min, 0) is 0" in result.message, result.message
+
+
+def test_labkits_quantizer_reached_through_its_other_functions_is_refused():
+    """ex06.1's answer is group_params, which quant.quantize calls; ex06.3's is dequantize."""
+    from labkit.quant import Scheme, dequantize, quantize
+
+    def through_quantize(w, bits, symmetric):
+        codes, scale, zero = quantize(w[None], Scheme(bits, None, symmetric))
+        return codes[0], scale.float().item(), zero.float().item(), dequantize(codes, scale, zero)[0]
+    result = run_cases(get("ex06.1"), through_quantize)
+    assert result.status == FAILED and "labkit.quant.group_params, which is labkit's answer to ex06.1" in result.message
+
+    unpack = solution("ex06.2").unpack
+
+    def through_dequantize(layer, x):
+        codes = unpack(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
+        return torch.nn.functional.linear(x, dequantize(codes, layer.scales, zeros, x.dtype))
+    result = run_cases(get("ex06.3"), through_dequantize)
+    assert result.status == FAILED and "labkit.quant.dequantize, which is labkit's answer to ex06.3" in result.message

@@ -50,3 +50,13 @@ def test_lab07_plausible_mistakes_fail(root):
                                                                    "mask=(keys[:, None] < S) & (dims[None, :]"),
                                               "flash_attention_kernel"))
     assert result.status == FAILED and "of your flash_attention_kernel; raised in" in result.message, result.message
+
+
+def test_labkits_own_kernel_is_refused_though_triton_wraps_it():
+    """``@triton.jit`` makes a kernel an object of Triton's, whose ``fn`` is the Python function."""
+    from labkit import kernels
+    if kernels.flash_attention_kernel is None:
+        pytest.skip("Triton is not installed")
+    result = run_cases(get("ex07.2"), kernels.flash_attention_kernel)
+    assert result.status == FAILED and "labkit's own (labkit.kernels.flash.flash_attention_kernel)" in result.message, \
+        result.message

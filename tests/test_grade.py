@@ -173,6 +173,47 @@ def test_empty_student_folders_are_missing_rows_named_as_the_others(root, tmp_pa
     assert "no notebook in it; every exercise counts as missing" in capsys.readouterr().err
 
 
+def test_a_notebook_at_the_top_of_a_class_folder_does_not_hide_the_empty_student_folders(root, tmp_path, capsys):
+    _submit(tmp_path, "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    (tmp_path / "gina").mkdir()  # submitted nothing
+    (tmp_path / "00_welcome.ipynb").write_bytes((root / "notebooks/00_welcome.ipynb").read_bytes())  # a stray copy
+    found = sorted((s.student, s.lab) for s in find_submissions([tmp_path]))
+    assert found == [("alice", "00"), ("gina", ""), (tmp_path.name, "00")]
+    err = capsys.readouterr().err
+    assert f"00_welcome.ipynb at the top of a class folder: graded as a student named {tmp_path.name}" in err
+    assert "gina: no notebook in it" in err
+
+
+def test_a_notebook_of_no_lab_that_can_be_told_is_a_row_of_missing_exercises_that_names_it(root, tmp_path, capsys):
+    _submit(tmp_path / "class", "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    pasted = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
+                         "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+    (tmp_path / "class" / "dave").mkdir()
+    notebook.write(pasted, tmp_path / "class" / "dave" / "my_lab.ipynb")  # no NN_ name, no tagged cell
+    book = grade([tmp_path / "class"], timeout_s=30)
+    assert sorted(book) == ["alice", "dave"] and {r.status for r in book["dave"].values()} == {MISSING}
+    assert "my_lab.ipynb: no NN_ prefix and no cell tagged with an exercise" in book["dave"]["ex00.2"].message
+    assert "my_lab.ipynb: no NN_ prefix and no known exercise in it" in capsys.readouterr().err
+    (tmp_path / "flat").mkdir()
+    notebook.write(pasted, tmp_path / "flat" / "carol.ipynb")
+    (tmp_path / "flat" / "alice.ipynb").write_bytes((tmp_path / "class/alice/00_welcome.ipynb").read_bytes())
+    book = grade([tmp_path / "flat"], timeout_s=30, per_file=True)
+    assert sorted(book) == ["alice", "carol"] and {r.status for r in book["carol"].values()} == {MISSING}
+    assert set(book["carol"]) == set(book["alice"]) == {"ex00.1", "ex00.2"}
+
+
+def test_an_exercise_cell_that_lost_its_tags_is_found_by_the_function_it_defines(root, tmp_path):
+    _submit(tmp_path, "ed", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    nb = notebook.read(tmp_path / "ed/00_welcome.ipynb")
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("tags", None)
+    notebook.write(nb, tmp_path / "ed/00_welcome.ipynb")
+    results = grade([tmp_path / "ed"], timeout_s=30)["ed"]
+    assert {r.status for r in results.values()} == {"passed"}
+    assert "no cell is tagged 'exercise' for ex00.1 (its tags lost?): graded the last cell that defines " \
+           "matmul_intensity" in results["ex00.1"].message
+
+
 def test_a_notebook_is_graded_as_the_lab_its_exercises_belong_to(root, tmp_path, capsys):
     _submit(tmp_path, "alice", root / "notebooks/00_welcome.ipynb", name="10_welcome.ipynb")
     _submit(tmp_path, "bob", root / "notebooks/00_welcome.ipynb", name="my_work.ipynb")
