@@ -145,3 +145,42 @@ def test_labkits_quantizer_reached_through_its_other_functions_is_refused():
         return torch.nn.functional.linear(x, dequantize(codes, layer.scales, zeros, x.dtype))
     result = run_cases(get("ex06.3"), through_dequantize)
     assert result.status == FAILED and "labkit.quant.dequantize, which is labkit's answer to ex06.3" in result.message
+
+
+def test_three_more_lab06_slips_meet_the_hint_that_names_them():
+    packer = solution("ex06.2")
+
+    def scale_kept_in_fp32(w, bits, symmetric):  # skips the fp16 rounding of the scale
+        w = w.float()
+        levels = 2 ** bits - 1
+        if symmetric:
+            scale, zero = w.abs().max() / (2 ** (bits - 1) - 1), torch.tensor(float(2 ** (bits - 1)))
+        else:
+            lo, hi = w.min().clamp(max=0), w.max().clamp(min=0)
+            scale = (hi - lo) / levels
+            scale = scale if scale > 0 else torch.tensor(1.0)
+            zero = torch.round(-lo / scale)
+        codes = (torch.round(w / scale) + zero).clamp(0, levels).to(torch.uint8)
+        return codes, scale, zero, (codes.float() - zero) * scale
+    result = run_cases(get("ex06.1"), scale_kept_in_fp32)
+    assert result.status == FAILED and result.failed_case.startswith("64 weights, 4 bits, asymmetric")
+    assert "scale.half().float()" in result.message, result.message
+
+    def asserts(codes):  # the student's own assert (pytest rewrites a test's assert) instead of the ValueError asked for
+        if codes.shape[-1] % 2:
+            raise AssertionError("odd")
+        return packer.pack(codes)
+    result = run_cases(get("ex06.2"), type("Int4Packer", (), {"pack": staticmethod(asserts),
+                                                               "unpack": staticmethod(packer.unpack)}))
+    assert result.status == FAILED and "raised AssertionError('odd'); it should raise ValueError" in result.message, \
+        result.message
+
+    def groups_of_32(layer, x):  # the first case's group size, fixed
+        codes = packer.unpack(layer.packed) if layer.scheme.bits == 4 else layer.packed
+        zeros = layer.zeros if layer.zeros is not None else torch.full_like(layer.scales, 2 ** (layer.scheme.bits - 1))
+        groups = codes.reshape(codes.shape[0], -1, 32).to(x.dtype)
+        weight = ((groups - zeros[..., None].to(x.dtype)) * layer.scales[..., None].to(x.dtype)).reshape(codes.shape)
+        return torch.nn.functional.linear(x, weight)
+    result = run_cases(get("ex06.3"), groups_of_32)
+    assert result.status == FAILED and result.failed_case == "INT4 g128 asymmetric, one token", result.message
+    assert "read it from the shapes" in result.message
