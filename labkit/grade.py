@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from labkit import notebook
-from labkit.check import Result, run_cases, time_limit
+from labkit.check import NOT_ATTEMPTED, PASSED, Result, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 
 if TYPE_CHECKING:
@@ -318,7 +318,7 @@ def grade_this(name: str) -> None:
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
     print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "
           "the kernel, or Jupyter still names the old file)")
-    print(table(grade([path])))
+    print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
 
 
 @contextmanager
@@ -354,7 +354,9 @@ def _columns(book: dict[str, dict[str, Result]]) -> list[str]:
 
 
 def table(book: dict[str, dict[str, Result]]) -> str:
-    """A points table, then the reason for every exercise that did not pass."""
+    """A points table, then the reason for every exercise that did not pass; for one student, a list."""
+    if len(book) == 1:
+        return _one_student(*next(iter(book.items())))
     columns = _columns(book)
     width = max(len("student"), *(len(s) for s in book))
     lines = ["  ".join(["student".ljust(width), *(c.rjust(7) for c in columns), "  total"])]
@@ -365,6 +367,27 @@ def table(book: dict[str, dict[str, Result]]) -> str:
     notes = [f"{student} {r.exercise}: {r.status}" + (f": {r.message}" if r.message else "")
              for student, results in book.items() for r in results.values() if r.status != "passed"]
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _one_student(student: str, results: dict[str, Result]) -> str:
+    """A line per exercise, with the reason where it did not pass; a notebook none of whose exercises was
+    attempted (or submitted) takes one line."""
+    got, most = _total(results)
+    lines = [f"{student}: {got:g}/{most} points"]
+    by_lab: dict[str, list[Result]] = {}
+    for result in results.values():
+        by_lab.setdefault(get(result.exercise).lab, []).append(result)
+    for lab, labs_results in by_lab.items():
+        statuses = {r.status for r in labs_results}
+        if len(labs_results) > 1 and len(statuses) == 1 and statuses <= {NOT_ATTEMPTED, MISSING}:
+            points = sum(r.max_points for r in labs_results)
+            lines.append(f"  {lab + '_*':<8}{f'0/{points}':>6}  {statuses.pop()}: "
+                         f"{', '.join(r.exercise for r in labs_results)}")
+            continue
+        for r in labs_results:
+            why = f": {r.message}" if r.message and r.status != PASSED else ""
+            lines.append(f"  {r.exercise:<8}{f'{r.points:g}/{r.max_points}':>6}  {r.status}{why}")
+    return "\n".join(lines)
 
 
 def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
@@ -451,13 +474,24 @@ def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | 
     return None
 
 
+def _limits() -> str:
+    """Each exercise's own time limit, the most common first: "60 s for 28 exercises, 30 s for ex06b.1, ..."."""
+    by_limit: dict[float, list[str]] = {}
+    for ex in EXERCISES.values():
+        by_limit.setdefault(ex.timeout_s, []).append(ex.id)
+    common, *others = sorted(by_limit.items(), key=lambda item: -len(item[1]))
+    return ", ".join([f"{common[0]:g} s for {len(common[1])} exercises"]
+                     + [f"{limit:g} s for {', '.join(ids)}" for limit, ids in others])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.grade",
                                      description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks, a student's folder, or a class folder")
     parser.add_argument("--out", type=Path, default=Path("grades"),
                         help="where grades.json and grades.csv go (default: grades)")
-    parser.add_argument("--timeout", type=float, help="seconds per exercise (default: each exercise's own)")
+    parser.add_argument("--timeout", type=float, help="seconds per exercise, replacing every exercise's own limit, "
+                                                      f"up or down (default: each its own: {_limits()})")
     parser.add_argument("--jobs", type=int, help="notebooks graded at once (default: CPU count)")
     parser.add_argument("--per-file", action="store_true",
                         help="each notebook is a student of its own, named by its file (a flat folder of a class)")

@@ -275,6 +275,19 @@ def test_per_file_names_links_and_clashes(root, tmp_path):
                                                        str((tmp_path / "tuesday/alice").resolve())])
 
 
+def test_one_students_grades_are_a_list_and_a_notebook_left_untouched_is_one_line():
+    from labkit.check import NOT_ATTEMPTED, Result
+
+    book = {"me": {"ex00.1": Result("ex00.1", "passed", 2, 2), "ex00.2": Result("ex00.2", "failed", 0, 1,
+                                                                                 message="case 1: wrong"),
+                   **{ex.id: Result(ex.id, NOT_ATTEMPTED, 0, ex.points, message="still a stub") for ex in for_lab("01")}}}
+    lines = table(book).splitlines()
+    assert lines[0] == f"me: 2/{3 + sum(e.points for e in for_lab('01'))} points"
+    assert lines[1].split() == ["ex00.1", "2/2", "passed"] and lines[2].split()[:3] == ["ex00.2", "0/1", "failed:"]
+    assert lines[3].split()[:4] == ["01_*", f"0/{sum(e.points for e in for_lab('01'))}", "not", "attempted:"]
+    assert len(lines) == 4
+
+
 def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
     assert "loops" in table(class_book)
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(tmp_path / "nowhere")],
@@ -315,7 +328,7 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     assert this_notebook("00_welcome.ipynb") == mine and not capsys.readouterr().err
     grade_this("00_welcome.ipynb")
     out = capsys.readouterr().out
-    assert out.startswith(f"grading {mine.resolve()}, saved at ") and "3/3" in out, out
+    assert out.startswith(f"grading {mine.resolve()}, saved at ") and "\nmine: 3/3 points\n" in out, out
     mine.unlink()
     grade_this("00_welcome.ipynb")  # run from elsewhere, or never saved: said, not a traceback
     assert capsys.readouterr().out.startswith("Nothing to grade: Jupyter did not say")
