@@ -1,23 +1,25 @@
 """Exercises of notebook 02: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
+from exercise_cells import fails
+
 
 def test_lab02_plausible_mistakes_fail():
-    import math
-
     size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
     keys_only = lambda layers, heads, kv, dim, tokens, batch, dtype: layers * kv * dim * tokens * batch * size[dtype]
-    assert run_cases(get("ex02.1"), keys_only).status == FAILED
+    fails("ex02.1", keys_only, "Llama-2-70B as if MHA", "a key AND a value")
     query_heads = lambda layers, heads, kv, dim, tokens, batch, dtype: 2 * layers * heads * dim * tokens * batch * size[dtype]
-    result = run_cases(get("ex02.1"), query_heads)  # right only where the model is MHA
-    assert result.status == FAILED and 0 < result.passed < result.total
-    assert "Which of the two head counts" in result.message  # the GQA case's own hint
+    fails("ex02.1", query_heads, "Llama-2-70B with GQA", "Which of the two head counts")  # right where it is MHA
+    bits = lambda layers, heads, kv, dim, tokens, batch, dtype: 2 * layers * kv * dim * tokens * batch * 8 * size[dtype]
+    fails("ex02.1", bits, "Llama-2-70B as if MHA", "bytes, not bits")  # 8 times too many, as GQA's 64 / 8 heads
 
     def no_mask(q, k, v):  # attends to the future too
         batch, heads, length, dim = q.shape
@@ -92,6 +94,9 @@ def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
     rounded = lambda memory, utilization, weights, per_sequence: (
         max(0, round((utilization * memory - weights) / per_sequence)))
     assert run_cases(get("ex02.3"), rounded).status == FAILED  # rounds up where a part of a sequence is left
+    ceiling = lambda memory, utilization, weights, per_sequence: (
+        max(0, math.ceil((utilization * memory - weights) / per_sequence)))
+    fails("ex02.3", ceiling, "Llama-3.1-8B on an H100", "round it down")
     negative = lambda memory, utilization, weights, per_sequence: int((utilization * memory - weights) // per_sequence)
     result = run_cases(get("ex02.3"), negative)
     assert result.status == FAILED and "never a negative count" in result.message

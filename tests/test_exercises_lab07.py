@@ -7,42 +7,67 @@ import torch
 from labkit.check import FAILED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import cells, define
+from exercise_cells import cells, define, fails, solution
+
+V_MASK = "mask=(keys[:, None] < S) & (dims[None, :] < HEAD_DIM)"
+K_MASK = "mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM)"
+WHOLE_TILES, RAGGED, GQA, PREFIX, STRIDES = ("32 queries over 64 keys", "40 queries and keys", "causal, 4 query heads",
+                                             "causal prefill after a cached prefix", "K laid out")
+RUNNING_STATE = "The running state goes from one tile to the next"
+KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail first, words of that case's hint)
+    "acc is not rescaled": ((("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),), WHOLE_TILES,
+                            RUNNING_STATE),
+    "m_i is not updated": ((("        m_i = m_new\n", ""),), WHOLE_TILES, RUNNING_STATE),
+    "exp of scores in log2 units": ((("p = tl.exp2(scores", "p = tl.exp(scores"),
+                                     ("alpha = tl.exp2(", "alpha = tl.exp(")), WHOLE_TILES,
+                                    "tl.exp2 of differences, not tl.exp"),
+    "keys past S are not masked": ((("visible = keys[None, :] < S", "visible = keys[None, :] >= 0"),), RAGGED,
+                                   "must be -inf in the scores"),
+    "the value load masked to the dims only": (((V_MASK, "mask=dims[None, :] < HEAD_DIM"),), RAGGED,
+                                               "masked in both loads"),
+    "neither load masked to keys < S": (((V_MASK, "mask=dims[None, :] < HEAD_DIM"),
+                                         (K_MASK, "mask=dims[:, None] < HEAD_DIM")), RAGGED, "masked in both loads"),
+    "no causal mask": ((("visible = visible & (keys[None, :] <= position[:, None])", "visible = visible"),), GQA,
+                       "a key later than the query's position"),
+    "diagonal tiles left unmasked": ((("partly_masked = partly_masked | (start + BLOCK_N - 1 > first_position)",
+                                       "partly_masked = partly_masked"),), GQA, "in the tiles on the diagonal"),
+    "K's tile not masked to the head's dims": (((K_MASK, "mask=(keys[None, :] < S)"),), PREFIX,
+                                               "dims past HEAD_DIM must be masked"),
+    "V's tokens at K's stride": ((("V + keys[:, None] * stride_vt", "V + keys[:, None] * stride_kt"),), STRIDES,
+                                 "use stride_kt for keys and stride_vt for values"),
+}
 
 
-# the NaN warnings come from the mistake that loads K past the head dims
-@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
-def test_lab07_plausible_mistakes_fail(root):
+def test_ex07_1_mistakes_fail_first_where_their_hint_names_them():
     def no_rescale(m, l, acc, scores, values):  # forgets that the old sum and output were under the old maximum
         m_new = torch.maximum(m, scores.amax(-1))
         p = torch.exp(scores - m_new[:, None])
         return m_new, l + p.sum(-1), acc + p @ values
-    result = run_cases(get("ex07.1"), no_rescale)
-    assert result.status == FAILED and result.failed_case.startswith("a tile with larger scores"), result.message
-    assert "exp(old m - new m)" in result.message and get("ex07.1").recipe not in result.message, result.message
+    result = fails("ex07.1", no_rescale, "a tile with larger scores", "exp(old m - new m)")
+    assert get("ex07.1").recipe not in result.message, result.message
 
+    def normalised(m, l, acc, scores, values):  # divides by l at every step, not once after the last tile
+        m_new, l_new, acc_new = solution("ex07.1")(m, l, acc, scores, values)
+        return m_new, l_new, acc_new / l_new[:, None]
+    fails("ex07.1", normalised, "the first tile", "acc stays unnormalised")
+
+
+# the NaN warnings come from the mistakes that load K or V past the tensor or the head dims
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("what", KERNEL_MISTAKES)
+def test_ex07_2_mistakes_fail_first_where_their_hint_names_them(root, what):
+    """K and V lie in buffers of NaN past S, so a missing mask fails at its own case whatever lies in memory."""
+    replacements, case, hint = KERNEL_MISTAKES[what]
     kernel = cells("solutions", root)["ex07.2"]
-    mistakes = {
-        "acc is not rescaled": ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
-        "no causal mask": ("visible = visible & (keys[None, :] <= position[:, None])", "visible = visible"),
-        "keys past S are not masked": ("visible = keys[None, :] < S", "visible = keys[None, :] >= 0"),
-        "diagonal tiles left unmasked": ("partly_masked = partly_masked | (start + BLOCK_N - 1 > first_position)",
-                                         "partly_masked = partly_masked"),
-        "exp of scores in log2 units": ("p = tl.exp2(scores", "p = tl.exp(scores"),
-        "V's tokens at K's stride": ("V + keys[:, None] * stride_vt", "V + keys[:, None] * stride_kt"),
-        "K's tile not masked to the head's dims": ("mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM)",
-                                                   "mask=(keys[None, :] < S)"),
-    }
-    first_failures = {"no causal mask": ("causal, 4 query heads", "a key later than the query's position"),
-                      "V's tokens at K's stride": ("K laid out", "use stride_kt for keys and stride_vt for values")}
-    for what, (right, wrong) in mistakes.items():
-        assert right in kernel, what
-        result = run_cases(get("ex07.2"), define(kernel.replace(right, wrong), "flash_attention_kernel"))
-        assert result.status == FAILED, what
-        if what in first_failures:  # the failing run's own hint points at what it tests
-            case, hint = first_failures[what]
-            assert result.failed_case.startswith(case) and hint in result.message, (what, result.message)
-    # an error inside the kernel surfaces in Triton's interpreter code; the message names the kernel's line
+    for right, wrong in replacements:
+        assert right in kernel, (what, right)
+        kernel = kernel.replace(right, wrong)
+    fails("ex07.2", define(kernel, "flash_attention_kernel"), case, hint)
+
+
+def test_ex07_2_an_error_inside_the_kernel_names_its_line(root):
+    """An error inside the kernel surfaces in Triton's interpreter code; the message names the kernel's line."""
+    kernel = cells("solutions", root)["ex07.2"]
     right = "k_t = tl.load(K + keys[None, :] * stride_kt + dims[:, None]"
     untransposed = kernel.replace(right, "k_t = tl.load(K + keys[:, None] * stride_kt + dims[None, :]")
     assert right in kernel

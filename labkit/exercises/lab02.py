@@ -17,12 +17,13 @@ from labkit.presets import GPU_PRESETS, MODEL_PRESETS
 
 def _bytes_cases() -> list[Case]:
     runs = [  # preset, KV heads (None: its own), tokens, batch, cache dtype, what the case tests
-        ("Llama-2-70B with GQA (8 KV heads), 2,048 tokens, fp16", "Llama-2-70B", None, 2048, 1, "fp16",
-         "GQA: 64 query heads but only 8 KV heads. Which of the two head counts has a key and a value in "
-         "the cache? And does the cache hold keys only, or values as well?"),
         ("Llama-2-70B as if MHA (64 KV heads), 2,048 tokens, fp16", "Llama-2-70B", 64, 2048, 1, "fp16",
          "MHA, where both head counts are equal: if this fails, the formula itself is off (a key AND a value, "
-         "per layer, per head, per token, head_dim elements each, times the bytes of one element)"),
+         "per layer, per head, per token, head_dim elements each, times the bytes of one element: bytes, not "
+         "bits, so 2 for fp16)"),
+        ("Llama-2-70B with GQA (8 KV heads), 2,048 tokens, fp16", "Llama-2-70B", None, 2048, 1, "fp16",
+         "GQA: 64 query heads but only 8 KV heads. Which of the two head counts has a key and a value in "
+         "the cache?"),
         ("Llama-3.1-8B, 32K tokens, MQA (1 KV head), fp16", "Llama-3.1-8B", 1, 32768, 1, "fp16",
          "MQA: a single KV head serves all 32 query heads, so the cache is 32 times smaller than MHA's"),
         ("Mistral-7B, batch 16 of 4,096 tokens, int8", "Mistral-7B", None, 4096, 16, "int8",
@@ -137,7 +138,8 @@ def _gqa_cases() -> list[Case]:
 def _batch_cases() -> list[Case]:
     runs = [  # model, GPU, tokens per sequence, weight dtype, cache dtype, utilization, what the case tests
         ("Llama-3.1-8B on an H100 at 8K tokens", "Llama-3.1-8B", "H100-SXM", 8192, "bf16", "fp16", 0.9,
-         "usable memory is utilization x memory_bytes, and the weights come out of it before any cache"),
+         "usable memory is utilization x memory_bytes, and the weights come out of it before any cache; what "
+         "is left holds a whole number of sequences and a part of one: round it down"),
         ("Llama-2-7B (MHA) on an A100 40GB at 4K tokens", "Llama-2-7B", "A100-40GB", 4096, "fp16", "fp16", 0.9,
          "a big cache per sequence: round the count of sequences DOWN (a part of a sequence does not fit), "
          "and return an int"),

@@ -37,6 +37,7 @@ def _online_cases() -> list[Case | Scenario]:
              rtol=1e-5, atol=1e-6,
              hint="from the empty state the factor exp(m - m_new) is exp(-inf) = 0, so m, l and acc are the tile's "
                   "own: its row maximum, the sum of exp(scores - that maximum), and those weights times values; "
+                  "acc stays unnormalised (not divided by l: that happens once, after the last tile); "
                   "a NaN here comes from -inf - (-inf), taken where it should not be"),
         Case("a tile with larger scores: the running sum and output are rescaled", (*first, larger, values[8:16]),
              online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6,
@@ -49,7 +50,7 @@ def _online_cases() -> list[Case | Scenario]:
         Case("masked scores (-inf) add nothing", (*first, masked, values[16:]),
              online_softmax_update(*first, masked, values[16:]), rtol=1e-5, atol=1e-6,
              hint="half the scores are -inf: exp(-inf - m) is 0, so they must add nothing to l or acc; replacing "
-                  "-inf by a finite number, or a NaN from a row whose every score is masked, fails here"),
+                  "-inf by a finite number fails here"),
     ]
     row, row_values = torch.randn(3, 40, generator=generator) * 10, torch.randn(40, 5, generator=generator)
     cases += [Scenario(f"a whole row of 40 scores folded {width} keys at a time equals softmax(s) v",
@@ -62,20 +63,30 @@ def _online_cases() -> list[Case | Scenario]:
     return cases
 
 
+def _in_nan(x: torch.Tensor, token_major: bool = False, extra_dims: int = 0) -> torch.Tensor:
+    """``x`` ``[B, heads, S, d]`` as a view into a buffer of NaN that holds 16 tokens more per head (and
+    ``extra_dims`` more dims per token), laid out [B, heads, S, d], or [B, S, heads, d] when ``token_major``:
+    a load not masked to keys < S (or to dims < d) reads NaN, whatever lies in memory past the tensor."""
+    batch, heads, n_tokens, dim = x.shape
+    order = (0, 2, 1, 3) if token_major else (0, 1, 2, 3)  # each its own inverse
+    size = (batch, heads, n_tokens + 16, dim + extra_dims)
+    buffer = torch.full([size[axis] for axis in order], math.nan, dtype=x.dtype, device=x.device).permute(order)
+    buffer[:, :, :n_tokens, :dim] = x
+    return buffer[:, :, :n_tokens, :dim]
+
+
 def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal: bool, dtype: torch.dtype,
                 padded_k: bool = False) -> None:
-    """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA. With
-    ``padded_k``, K is a view of rows 16 wider than the head, NaN past it, in [B, S, heads, d] order:
-    its token stride is not V's, and a load that is not masked to the head's dims reads the NaNs."""
+    """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA. K and V
+    are views into buffers of NaN past their S tokens. With ``padded_k``, K's rows are 16 wider than the
+    head, NaN past it, in [B, S, heads, d] order: its token stride is not V's, and a load that is not
+    masked to the head's dims reads the NaNs."""
     batch, heads, kv_heads, n_queries, n_keys, dim = shape
     generator = torch.Generator().manual_seed(sum(shape))
     device = "cpu" if interpreted() else "cuda"
     q = torch.randn(batch, heads, n_queries, dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
-    if padded_k:
-        rows = torch.full((batch, n_keys, kv_heads, dim + 16), math.nan, device=device, dtype=dtype)
-        rows[..., :dim] = k.transpose(1, 2)
-        k = rows[..., :dim].transpose(1, 2)
+    k, v = _in_nan(k, token_major=padded_k, extra_dims=16 * padded_k), _in_nan(v)
     try:
         out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
     except Exception as error:  # a stub is not attempted: the interpreter wraps what it raised, and
@@ -91,9 +102,14 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
 
 def _kernel_cases() -> list[Scenario]:
     runs = [  # label, (batch, heads, kv_heads, queries, keys, head dim), causal, what the run tests (its hint)
+        ("32 queries over 64 keys, not causal: whole tiles, nothing to mask", (1, 2, 2, 32, 64, 32), False,
+         "no score is masked here, so this case tests the update alone. The scores are in log2 units (scaled "
+         "by scale_log2e): alpha and p are tl.exp2 of differences, not tl.exp. The running state goes from "
+         "one tile to the next: l_i and acc multiplied by alpha before the tile's terms are added, and m_i, "
+         "l_i and acc set to their new values at the end of each step"),
         ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
          "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
-         "loads (other=0.0), and the running state must be carried from one tile to the next"),
+         "loads (other=0.0), the key load and the value load"),
         ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True,
          "causal: a key later than the query's position must be -inf, in the tiles on the diagonal, which are "
          "partly masked even where they lie inside S"),
