@@ -4,7 +4,7 @@ from __future__ import annotations
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import solution
+from exercise_cells import fails, mistake, solution
 
 
 def test_lab04_plausible_mistakes_fail():
@@ -128,3 +128,15 @@ def test_lab04_a_failing_case_shows_its_own_hint():
         return metrics
     result = run_cases(get("ex04.3"), divides_by_zero)
     assert result.failed_case == "a single token has no TPOT" and "not a division by zero" in result.message
+
+
+def test_each_lab04_mistake_fails_at_the_case_that_names_it(root):
+    for ex_id, right, wrong, case, hint in [
+            # slots for the scheduled chunk only: the rest of the prompt has nowhere to go in later steps
+            ("ex04.1", "allocator.add_sequence(request.request_id, request.tokens)",
+             "allocator.add_sequence(request.request_id, request.tokens[:budget])",
+             "the budget cuts the last prompt", "slots are reserved for all its tokens"),
+            # sets the count instead of counting: right only for a first preemption
+            ("ex04.2", "victim.preemptions += 1", "victim.preemptions = 1",
+             "a request preempted before", "counts every preemption")]:
+        fails(ex_id, mistake(root, ex_id, right, wrong), case, hint)

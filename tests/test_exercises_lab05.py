@@ -6,7 +6,7 @@ import torch
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import solution
+from exercise_cells import fails, mistake, solution
 
 
 def test_lab05_plausible_mistakes_fail():
@@ -78,3 +78,8 @@ def test_lab05_a_failing_case_shows_its_own_hint():
         return tokens, tokens / (k * c + 1)
     message = run_cases(get("ex05.3"), closed_form_only).message
     assert "(a perfect draft" in message and "divides 0 by 0" in message, message
+
+
+def test_a_speedup_without_the_verification_step_fails_naming_the_rounds_cost(root):
+    no_verification = mistake(root, "ex05.3", "tokens / (k * c + 1)", "tokens / (k * c)")  # the round's cost forgets v
+    fails("ex05.3", no_verification, "a = 0.8, k = 4, free draft", "plus one target step, the verification")

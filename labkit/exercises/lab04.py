@@ -101,7 +101,8 @@ def _admit_cases() -> list[Scenario]:
          "scheduled, nothing computed yet (num_computed 0) and its status 'running'"),
         ("the budget cuts the last prompt into a chunk", budget_chunks,
          "the budget runs out inside the third prompt: that request is still admitted, with only what is left of "
-         "the budget scheduled (chunked prefill), and once the budget is spent nobody else is"),
+         "the budget scheduled (chunked prefill), while its slots are reserved for all its tokens, the chunk and "
+         "the rest of the prompt that later steps run; once the budget is spent nobody else is admitted"),
         ("max_num_seqs caps the running requests", seq_cap,
          "the cap counts every running request, the one running before this call included: one runs, the cap is "
          "3, so only two of the three waiting join"),
@@ -134,6 +135,11 @@ def _preempt_cases() -> list[Scenario]:
         running = _running(allocator, _request("a", 9), _request("b", 10, output=2))
         return (deque(), running, allocator), ()
 
+    def preempted_before() -> tuple[State, tuple]:  # the victim comes back from an earlier preemption
+        state, extra = build(2, 1)()
+        state[1][-1].preemptions = 1
+        return state, extra
+
     return [_scenario(label, build_state, preempt_newest, hint) for label, build_state, hint in [
         ("three running, none waiting", build(3, 0),
          "the plainest preemption, of the newest request (the last in running): the field the message names "
@@ -146,7 +152,10 @@ def _preempt_cases() -> list[Scenario]:
          "with one request running, that one is the newest: running is left empty"),
         ("blocks shared with an older request stay with it", shared_prefix,
          "the victim shares its prefix blocks with an older request: freeing it through the allocator drops its "
-         "own hold only, and the shared blocks stay with the request still running")]]
+         "own hold only, and the shared blocks stay with the request still running"),
+        ("a request preempted before is preempted again", preempted_before,
+         "the victim was preempted once already (preemptions is 1): preemptions counts every preemption, so it "
+         "goes up by one, to 2, not back to 1")]]
 
 
 def _metric_cases() -> list[Case]:
