@@ -7,11 +7,13 @@ code while that exercise's cases run (a wrapper, ``lambda P, N: cost.tokens_proc
 ``super().fork(...)`` in a subclass), however far up: through labkit's other functions too (the
 student's cell calling ``quant.quantize``, which calls ``group_params``, the answer to ex06.1). Calls
 from labkit itself, the checks' own references among them, go through, and outside a check every
-call does.
+call does. A call from another thread is not refused (its stack does not lead back to the check, and
+labkit's own threads must go through): this stops a slip, not a student set on getting around it.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import site
 import sys
@@ -22,7 +24,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 LABKIT_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep  # labkit's own code lives here
-CHECK_FILE = LABKIT_DIR + "check.py"  # where the cases run: the student's calls are below it on the stack
+CHECK_FILE = LABKIT_DIR + "check.py"  # where the cases run: the student's calls are below it on the stack (normcased)
 # where code that is not a student's lives besides labkit: the standard library, installed packages
 LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
     *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
@@ -43,6 +45,8 @@ def answer_to(exercise_id: str) -> Callable[[F], F]:
                 raise BorrowedAnswer(f"your code calls labkit's {fn.__module__}.{fn.__qualname__}, which is labkit's "
                                      f"answer to {exercise_id}: write the exercise yourself, without it")
             return fn(*args, **kwargs)
+        del refusing.__wrapped__  # functools.wraps leaves the unguarded answer there, one attribute away
+        refusing.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]  # what help() shows
         return refusing  # type: ignore[return-value]
     return mark
 
@@ -63,14 +67,28 @@ def is_students(filename: str) -> bool:
     dataclass's ``__init__`` comes from ``<string>``, Python's own from ``<frozen ...>``); a cell is."""
     if filename == "<string>" or filename.startswith("<frozen "):
         return False
-    path = os.path.normcase(os.path.abspath(filename))
+    path = _normalised(filename)
     return not (path.startswith(LIBRARIES) or path.startswith(LABKIT_DIR))
 
 
 def _called_by_the_student(frame: FrameType | None) -> bool:
     """Whether the student's code is among the callers, from ``frame`` up to the check that runs the case."""
-    while frame is not None and frame.f_code.co_filename != CHECK_FILE:
-        if is_students(frame.f_code.co_filename):
+    while frame is not None and _normalised(frame.f_code.co_filename) != CHECK_FILE:
+        if _runs_students_code(frame):
             return True
         frame = frame.f_back
     return False
+
+
+def _runs_students_code(frame: FrameType) -> bool:
+    """``is_students`` of the frame's file; code made from a string (a dataclass's ``__init__``, an
+    ``eval``'d lambda) is the module's whose globals it runs in: a student's unless that has a file
+    that is not theirs."""
+    if frame.f_code.co_filename == "<string>":
+        module_file = frame.f_globals.get("__file__")
+        return module_file is None or is_students(module_file)
+    return is_students(frame.f_code.co_filename)
+
+
+def _normalised(filename: str) -> str:
+    return os.path.normcase(os.path.abspath(filename))

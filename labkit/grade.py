@@ -77,7 +77,12 @@ def _lab_of(path: Path) -> str | None:
 
 
 def _notebooks_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.ipynb") if p.is_file())
+    return sorted(p for p in folder.glob("*.ipynb") if p.is_file() and _a_submissions_name(p.name))
+
+
+def _a_submissions_name(name: str) -> bool:
+    """Not hidden, nor what a zip made on a Mac adds: ``__MACOSX`` and its ``._x.ipynb`` shadows."""
+    return not name.startswith((".", "__"))
 
 
 def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submission]:
@@ -93,7 +98,7 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
         elif path.is_dir():
             own = _notebooks_in(path)
             held = {sub: _notebooks_in(sub) for sub in sorted(path.iterdir())
-                    if sub.is_dir() and not sub.name.startswith(".")}
+                    if sub.is_dir() and _a_submissions_name(sub.name)}
             a_class = any(held.values()) or not own  # else one student's folder, its subfolders theirs
             if a_class and own and not per_file:
                 print(f"{path}: {', '.join(p.name for p in own)} at the top of a class folder: graded as a student "
@@ -189,8 +194,9 @@ def _exercise_cell(nb: notebook.Notebook, exercise: Exercise) -> tuple[str | Non
 
 
 def _setup_cells(nb: notebook.Notebook) -> list[str]:
-    """The sources of the cells tagged ``setup``; where none is (tags lost), the cell whose id is "setup"."""
-    cells = notebook.code_cells(nb, "setup") or [c for c in nb["cells"] if c.get("id") == "setup"]
+    """The sources of the cells tagged ``setup``; where none is (tags lost), the first code cell, where
+    every notebook has its setup (tests/test_release.py checks it)."""
+    cells = notebook.code_cells(nb, "setup") or [c for c in nb["cells"] if c.get("cell_type") == "code"][:1]
     return [notebook.source(c) for c in cells]
 
 
@@ -265,9 +271,9 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
 
 
 def _an_empty_student(folder: Path) -> bool:
-    """Whether a folder of a class folder that holds no notebook is a student's (said on stderr):
-    not ``__MACOSX`` and the like, nor the grader's own output (a folder holding grades.json)."""
-    if folder.name.startswith("__") or (folder / "grades.json").exists():
+    """Whether a folder of a class folder that holds no notebook is a student's (said on stderr): not
+    the grader's own output (a folder holding grades.json)."""
+    if (folder / "grades.json").exists():
         return False
     deeper = next(folder.rglob("*.ipynb"), None)
     where = f" ({deeper.relative_to(folder)} is deeper down: move it up)" if deeper else ""
@@ -318,7 +324,10 @@ def grade_this(name: str) -> None:
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
     print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "
           "the kernel, or Jupyter still names the old file)")
-    print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
+    try:
+        print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
+    except FileNotFoundError as error:  # a notebook of no lab that can be told: said on stderr, and here
+        print(f"Nothing to grade: {error}")
 
 
 @contextmanager
@@ -381,8 +390,10 @@ def _one_student(student: str, results: dict[str, Result]) -> str:
         statuses = {r.status for r in labs_results}
         if len(labs_results) > 1 and len(statuses) == 1 and statuses <= {NOT_ATTEMPTED, MISSING}:
             points = sum(r.max_points for r in labs_results)
+            reasons = {r.message for r in labs_results}
+            why = f" ({reasons.pop()})" if len(reasons) == 1 and "" not in reasons else ""
             lines.append(f"  {lab + '_*':<8}{f'0/{points}':>6}  {statuses.pop()}: "
-                         f"{', '.join(r.exercise for r in labs_results)}")
+                         f"{', '.join(r.exercise for r in labs_results)}{why}")
             continue
         for r in labs_results:
             why = f": {r.message}" if r.message and r.status != PASSED else ""

@@ -155,37 +155,41 @@ def _stops(body: dict) -> list[str]:
         raise APIError(f"stop={stop!r} is invalid: {error}", "stop") from None
 
 
-# every field a request may carry: any other is refused by name, as OpenAI's API refuses it, so that an
-# option this server lacks (vLLM's top_k, min_p, repetition_penalty, ...) is never silently ignored
-FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-                    "ignore_eos", "user", "n", "best_of", "logprobs", "echo", "presence_penalty",
-                    "frequency_penalty", "suffix", "logit_bias"})
-PROMPT_FIELDS = {False: frozenset({"prompt"}), True: frozenset({"messages", "max_completion_tokens"})}
+# The fields each endpoint takes. Any other is refused by name, as OpenAI's API refuses it, so that an
+# option this server lacks (vLLM's top_k, min_p, repetition_penalty, ...) is never silently ignored.
+USED = frozenset({"model", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos", "user"})
+USED_BY = {"completions": USED | {"prompt", "max_tokens"},
+           "chat": USED | {"messages", "max_tokens", "max_completion_tokens"}}
+# OpenAI's fields that this server takes only at their defaults (``_check_unsupported`` names each)
+DEFAULT_ONLY = {"completions": frozenset({"n", "best_of", "logprobs", "echo", "presence_penalty", "frequency_penalty",
+                                          "suffix", "logit_bias"}),
+                "chat": frozenset({"n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                                   "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                                   "functions", "function_call", "metadata", "store", "service_tier", "modalities",
+                                   "audio", "prediction", "reasoning_effort", "web_search_options"})}
+ABSENT = (None, False, 0, "", {}, [])  # what a field left at its default holds
 
 
-def _check_known(body: dict, chat: bool) -> None:
-    known = FIELDS | PROMPT_FIELDS[chat]
-    unknown = [name for name in body if name not in known]
+def _check_known(body: dict, endpoint: str) -> None:
+    unknown = [name for name in body if name not in USED_BY[endpoint] | DEFAULT_ONLY[endpoint]]
     if unknown:
         raise APIError(f"unrecognized request field {unknown[0]!r}: this server does not take it, and would "
-                       f"otherwise ignore it (it takes {', '.join(sorted(known))})", unknown[0])
+                       f"otherwise ignore it (it uses {', '.join(sorted(USED_BY[endpoint]))}; OpenAI's other "
+                       "fields only at their defaults)", unknown[0])
 
 
-def _check_unsupported(body: dict) -> None:
+def _check_unsupported(body: dict, endpoint: str) -> None:
     if body.get("n") not in (None, 1):
         raise APIError(f"n={body['n']!r}: this server returns one completion per request, n must be 1", "n")
     if body.get("best_of") not in (None, 1):
         raise APIError(f"best_of={body['best_of']!r} is not supported: leave it out or set it to 1", "best_of")
-    if body.get("logprobs") not in (None, False, 0):
-        raise APIError("logprobs are not supported by this server: leave the field out", "logprobs")
-    if body.get("echo"):
-        raise APIError("echo is not supported by this server: leave the field out", "echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise APIError(f"{name} is not supported by this server: leave it out or set it to 0", name)
-    for name in ("suffix", "logit_bias"):
-        if body.get(name) not in (None, "", {}):
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise APIError("response_format is not supported by this server: leave it out (plain text)", "response_format")
+    for name in sorted(DEFAULT_ONLY[endpoint] - {"n", "best_of", "response_format"}):
+        if body.get(name) not in ABSENT:
             raise APIError(f"{name} is not supported by this server: leave the field out", name)
+    if endpoint == "chat" and None not in (body.get("max_tokens"), body.get("max_completion_tokens")):
+        raise APIError("give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
 
 
 def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = None,
@@ -198,8 +202,9 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
     if model not in (None, served.name):
         raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model",
                        status=404)  # as OpenAI's API and vLLM answer
-    _check_known(body, chat=prompt is not None)
-    _check_unsupported(body)
+    endpoint = "completions" if prompt is None else "chat"
+    _check_known(body, endpoint)
+    _check_unsupported(body, endpoint)
     ids = _prompt_ids(body.get("prompt"), served) if prompt is None else prompt
     room = served.max_seq_len - len(ids) + 1  # the last new token is never fed back
     if room < 1:

@@ -317,6 +317,19 @@ def test_while_a_check_runs_its_answer_refuses_the_students_code_however_far_up_
     assert paged_attention.slot_mapping(tables, positions, 2).tolist() == [[0, 1, 2]]  # the check is over
 
 
+def test_labkits_answer_is_not_one_attribute_or_one_eval_away():
+    import inspect
+
+    from labkit import cost
+
+    assert not hasattr(cost.tokens_processed, "__wrapped__")  # functools.wraps left the unguarded answer there
+    assert list(inspect.signature(cost.tokens_processed).parameters)[:2] == ["prompt_len", "new_tokens"]
+    # a lambda made from a string runs in the globals it was given, not in labkit's: the student's
+    via_eval = eval("lambda P, N: tokens_processed(P, N)", {"tokens_processed": cost.tokens_processed})
+    result = run_cases(get("ex01.1"), via_eval)
+    assert result.status == FAILED and "labkit's answer to ex01.1" in result.message, result.message
+
+
 def test_every_class_exercise_names_the_methods_a_student_writes(root):
     for ex_id, source in cells("solutions", root).items():
         fn = define(source, get(ex_id).function)

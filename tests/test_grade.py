@@ -203,15 +203,28 @@ def test_a_notebook_of_no_lab_that_can_be_told_is_a_row_of_missing_exercises_tha
 
 
 def test_an_exercise_cell_that_lost_its_tags_is_found_by_the_function_it_defines(root, tmp_path):
-    _submit(tmp_path, "ed", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    # ex00.1's answer uses torch, which only the setup cell imports: the setup is found without its tag too
+    uses_setup = "def matmul_intensity(m, n, k, b=2):\n    return float(torch.tensor(2*m*n*k / (b*(m*k + k*n + m*n))))\n"
+    _submit(tmp_path, "ed", root / "notebooks/00_welcome.ipynb", uses_setup)
     nb = notebook.read(tmp_path / "ed/00_welcome.ipynb")
+    assert "import torch" in next(notebook.source(c) for c in nb["cells"] if c["cell_type"] == "code")
     for cell in nb["cells"]:
         cell.get("metadata", {}).pop("tags", None)
     notebook.write(nb, tmp_path / "ed/00_welcome.ipynb")
     results = grade([tmp_path / "ed"], timeout_s=30)["ed"]
-    assert {r.status for r in results.values()} == {"passed"}
+    assert {r.status for r in results.values()} == {"passed"}, results
     assert "no cell is tagged 'exercise' for ex00.1 (its tags lost?): graded the last cell that defines " \
            "matmul_intensity" in results["ex00.1"].message
+
+
+def test_what_a_zip_made_on_a_mac_adds_is_nobody(root, tmp_path):
+    _submit(tmp_path / "class", "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
+    (tmp_path / "class" / "__MACOSX" / "alice").mkdir(parents=True)
+    (tmp_path / "class" / "__MACOSX" / "alice" / "._00_welcome.ipynb").write_bytes(b"\x00\x05\x16\x07")
+    (tmp_path / "class" / "alice" / "._00_welcome.ipynb").write_bytes(b"\x00\x05\x16\x07")
+    assert [(s.student, s.lab) for s in find_submissions([tmp_path / "class"])] == [("alice", "00")]
+    assert [(s.student, s.lab) for s in find_submissions([tmp_path / "class" / "alice"], per_file=True)] == [
+        ("00_welcome", "00")]
 
 
 def test_a_notebook_is_graded_as_the_lab_its_exercises_belong_to(root, tmp_path, capsys):
@@ -332,6 +345,15 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     mine.unlink()
     grade_this("00_welcome.ipynb")  # run from elsewhere, or never saved: said, not a traceback
     assert capsys.readouterr().out.startswith("Nothing to grade: Jupyter did not say")
+
+def test_the_grade_cell_of_a_notebook_of_no_lab_says_so(tmp_path, monkeypatch, capsys):
+    pasted = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
+                         "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+    notebook.write(pasted, tmp_path / "scratch.ipynb")
+    monkeypatch.setenv("JPY_SESSION_NAME", str(tmp_path / "scratch.ipynb"))
+    grade_this("00_welcome.ipynb")
+    assert "Nothing to grade: no notebooks to grade in" in capsys.readouterr().out
+
 
 def test_in_vs_code_the_notebook_it_names_is_graded(tmp_path, monkeypatch):
     import IPython

@@ -126,6 +126,13 @@ def test_every_notebook_is_valid_with_a_unique_id_per_cell(root):
         nbformat.validate(nbformat.read(path, as_version=4))
 
 
+def test_every_notebooks_setup_is_its_first_code_cell(root):
+    """Where a student's copy lost its tags, the grader takes the first code cell for the setup."""
+    for path in root.glob("solutions/*.ipynb"):
+        code = [cell for cell in notebook.read(path)["cells"] if cell["cell_type"] == "code"]
+        assert notebook.code_cells(notebook.read(path), "setup") == code[:1], path.name
+
+
 def test_check_reports_stale_and_orphan_notebooks(root, tmp_path, capsys):
     shutil.copytree(root / "solutions", tmp_path / "solutions")
     shutil.copytree(root / "notebooks", tmp_path / "notebooks")

@@ -525,7 +525,7 @@ BAD = {  # case: (path, body, param at fault, words the message must hold)
                            ["temperature='hot'", "is not a number"]),
     "n 2": ("/v1/completions", {"prompt": "x", "n": 2}, "n", ["n=2", "n must be 1"]),
     "vLLM's top_k": ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k",
-                     ["unrecognized request field 'top_k'", "would otherwise ignore it", "temperature"]),
+                     ["unrecognized request field 'top_k'", "would otherwise ignore it", "uses ignore_eos, max_tokens"]),
     "a chat field on completions": ("/v1/completions", {"prompt": "x", "messages": []}, "messages",
                                     ["unrecognized request field 'messages'"]),
     "unknown model": ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model", ["'gpt-4'", "serves 'target'"]),
@@ -601,6 +601,13 @@ def test_each_endpoint_takes_its_own_prompt_field_and_refuses_the_others(tiny_fo
         parse_completion(chat | {"prompt": "x"}, served, prompt=[1, 2])
     with pytest.raises(APIError, match="unrecognized request field 'max_completion_tokens'"):
         parse_completion({"prompt": "x", "max_completion_tokens": 2}, served)
+    # OpenAI's chat fields that this server lacks are named as such, and taken at their defaults
+    assert parse_completion(chat | {"response_format": {"type": "text"}, "tools": [], "store": False}, served,
+                            prompt=[1, 2], max_tokens_field="max_completion_tokens").params.max_new_tokens == 3
+    with pytest.raises(APIError, match="tools is not supported by this server"):
+        parse_completion(chat | {"tools": [{"type": "function"}]}, served, prompt=[1, 2])
+    with pytest.raises(APIError, match="give max_completion_tokens or max_tokens, not both"):
+        parse_completion(chat | {"max_tokens": 9}, served, prompt=[1, 2])
 
 
 def test_chat_completions_through_the_models_template_have_openais_chat_shape(http, fleet, tiny_folder):

@@ -25,7 +25,7 @@ def _group_cases() -> list[Case]:
     groups = [  # label, arguments, what the case tests (its hint)
         ("64 weights, 4 bits, asymmetric", (w, 4, False),
          "the plain asymmetric grid: scale (hi - lo) / 15 from the range widened to include 0, zero = round(-lo / "
-         "scale); a scale off in its 4th digit was not rounded to fp16, the precision it is stored in "
+         "scale); a scale off by less than 0.1% was not rounded to fp16, the precision it is stored in "
          "(scale.half().float()); if only w_hat is off, look at the dequantization (codes as float32 before "
          "subtracting the zero)"),
         ("64 weights, 4 bits, symmetric", (w, 4, True),
