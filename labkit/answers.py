@@ -23,10 +23,18 @@ from types import FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
-LABKIT_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__))) + os.sep  # labkit's own code lives here
+
+
+@functools.lru_cache(maxsize=None)  # a check's every call of a marked answer walks the stack through a few files
+def normalised(filename: str) -> str:
+    """A file's path as paths are compared here: absolute, and in the case the system compares names in."""
+    return os.path.normcase(os.path.abspath(filename))
+
+
+LABKIT_DIR = normalised(os.path.dirname(__file__)) + os.sep  # labkit's own code lives here
 CHECK_FILE = LABKIT_DIR + "check.py"  # where the cases run: the student's calls are below it on the stack (normcased)
 # where code that is not a student's lives besides labkit: the standard library, installed packages
-LIBRARIES = tuple({os.path.normcase(os.path.abspath(path)) + os.sep for path in (
+LIBRARIES = tuple({normalised(path) + os.sep for path in (
     *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
     *site.getsitepackages(), site.getusersitepackages())})
 _checking: str | None = None  # the exercise whose cases run now: one owner, ``checking``
@@ -67,13 +75,13 @@ def is_students(filename: str) -> bool:
     dataclass's ``__init__`` comes from ``<string>``, Python's own from ``<frozen ...>``); a cell is."""
     if filename == "<string>" or filename.startswith("<frozen "):
         return False
-    path = _normalised(filename)
+    path = normalised(filename)
     return not (path.startswith(LIBRARIES) or path.startswith(LABKIT_DIR))
 
 
 def _called_by_the_student(frame: FrameType | None) -> bool:
     """Whether the student's code is among the callers, from ``frame`` up to the check that runs the case."""
-    while frame is not None and _normalised(frame.f_code.co_filename) != CHECK_FILE:
+    while frame is not None and normalised(frame.f_code.co_filename) != CHECK_FILE:
         if _runs_students_code(frame):
             return True
         frame = frame.f_back
@@ -88,7 +96,3 @@ def _runs_students_code(frame: FrameType) -> bool:
         module_file = frame.f_globals.get("__file__")
         return module_file is None or is_students(module_file)
     return is_students(frame.f_code.co_filename)
-
-
-def _normalised(filename: str) -> str:
-    return os.path.normcase(os.path.abspath(filename))

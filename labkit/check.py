@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students
+from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
 from labkit.exercises import Exercise, get
 from labkit.exercises.spec import Case, Scenario, WrongType
 
@@ -180,7 +180,7 @@ def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
     if not isinstance(error, NotImplementedError) or not frames:
         return None
     last = frames[-1]
-    path = os.path.normcase(os.path.abspath(last.filename))
+    path = normalised(last.filename)
     if "raise NotImplementedError" not in (last.line or "raise NotImplementedError") or (
             path.startswith(LIBRARIES) and not path.startswith(LABKIT_DIR)) or last.filename.startswith("<frozen "):
         return None

@@ -33,6 +33,11 @@ BROKEN_EX1 = {
 }
 
 
+# a notebook of no lab that can be told: code pasted into a new notebook, no NN_ name, no tagged cell
+NO_LAB = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
+                     "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+
+
 def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00_welcome.ipynb",
             ex2_source=CORRECT_ROOFLINE):
     nb = notebook.read(template)
@@ -186,16 +191,14 @@ def test_a_notebook_at_the_top_of_a_class_folder_does_not_hide_the_empty_student
 
 def test_a_notebook_of_no_lab_that_can_be_told_is_a_row_of_missing_exercises_that_names_it(root, tmp_path, capsys):
     _submit(tmp_path / "class", "alice", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"])
-    pasted = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
-                         "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
     (tmp_path / "class" / "dave").mkdir()
-    notebook.write(pasted, tmp_path / "class" / "dave" / "my_lab.ipynb")  # no NN_ name, no tagged cell
+    notebook.write(NO_LAB, tmp_path / "class" / "dave" / "my_lab.ipynb")  # no NN_ name, no tagged cell
     book = grade([tmp_path / "class"], timeout_s=30)
     assert sorted(book) == ["alice", "dave"] and {r.status for r in book["dave"].values()} == {MISSING}
     assert "my_lab.ipynb: no NN_ prefix and no cell tagged with an exercise" in book["dave"]["ex00.2"].message
     assert "my_lab.ipynb: no NN_ prefix and no known exercise in it" in capsys.readouterr().err
     (tmp_path / "flat").mkdir()
-    notebook.write(pasted, tmp_path / "flat" / "carol.ipynb")
+    notebook.write(NO_LAB, tmp_path / "flat" / "carol.ipynb")
     (tmp_path / "flat" / "alice.ipynb").write_bytes((tmp_path / "class/alice/00_welcome.ipynb").read_bytes())
     book = grade([tmp_path / "flat"], timeout_s=30, per_file=True)
     assert sorted(book) == ["alice", "carol"] and {r.status for r in book["carol"].values()} == {MISSING}
@@ -346,10 +349,9 @@ def test_where_jupyter_does_not_say_the_lab_s_notebook_saved_last_is_graded_and_
     grade_this("00_welcome.ipynb")  # run from elsewhere, or never saved: said, not a traceback
     assert capsys.readouterr().out.startswith("Nothing to grade: Jupyter did not say")
 
+
 def test_the_grade_cell_of_a_notebook_of_no_lab_says_so(tmp_path, monkeypatch, capsys):
-    pasted = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
-                         "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
-    notebook.write(pasted, tmp_path / "scratch.ipynb")
+    notebook.write(NO_LAB, tmp_path / "scratch.ipynb")
     monkeypatch.setenv("JPY_SESSION_NAME", str(tmp_path / "scratch.ipynb"))
     grade_this("00_welcome.ipynb")
     assert "Nothing to grade: no notebooks to grade in" in capsys.readouterr().out
