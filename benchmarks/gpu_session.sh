@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU figure that the open issues wait for, in one call on a lent GPU machine, most wanted first:
-#   issue 35: the Triton INT4 kernel against fp16 F.linear at batch 1 (goal >= 2.5x), then its launch sweeps;
-#   issue 32: graphed decode on a Llama-3.2-1B shape against the datasheet bandwidth (goal >= 70%) and cached
-#             against naive generation at 1,024 tokens (goal >= 10x); notebooks 08, 05, 04 and 06b on the GPU;
-#             a Llama-3.1-8B shape, where the weights, not the launches, should set a step's time.
-# Each step has a time limit and its own log; a step that would not fit in what is left of TOTAL seconds
-# is skipped and says so. On the machine (the device tool's run, carrying .whl), TOTAL a little under the
-# call's limit, which is less than its timeout_s when little device time is left:
-#     TOTAL=540 bash benchmarks/gpu_session.sh
+# The GPU figures that the open issues still wait for, in one call on a lent GPU machine, most wanted first
+# (session 33's run, BENCHMARKS.md, says what the last one found):
+#   issue 35: the Triton INT4 kernel at its new defaults against fp16 F.linear at batch 1 (goal >= 2.5x), then
+#             the launch sweep, its untimed split walks first;
+#   issue 32: notebooks 05 and 04 whole on the GPU (each stopped by too short a limit last time), then the
+#             notebooks that have never run on one (07, 00, 02, 03); then the Llama-3.2-1B shape's naive loop
+#             (cached against naive at 1,024 tokens, goal >= 10x) and the other INT4 sweeps.
+# Each step has a time limit (about what it took on an H100, with a margin) and its own log; a step that would
+# not fit in what is left of TOTAL seconds is skipped and says so, and the steps after it still run. On the
+# machine (the device tool's run, carrying .whl), TOTAL a little under the call's limit, which is less than
+# its timeout_s when little device time is left:
+#     TOTAL=575 bash benchmarks/gpu_session.sh
 # Here first, once a session (the device image lacks Jupyter's kernel packages; they travel as wheels):
 #     bash benchmarks/gpu_session.sh wheels
+# It prints what would travel: the tree and the wheels must fit in the device tool's 64 MiB.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -26,13 +30,24 @@ if [ "${1:-}" = wheels ]; then  # Python 3.12 wheels of what the notebooks need 
   for present in attrs narwhals packaging psutil pygments python_dateutil typing_extensions; do
     rm -f .whl/"$present"-*.whl  # the image has these: two versions of one package would stop the install
   done
-  du -sh .whl
+  for optional in debugpy jedi parso widgetsnbextension; do  # a kernel runs without them (debugger, completion,
+    rm -f .whl/"$optional"-*.whl                             # the classic notebook's front end); the tree and
+  done                                                       # the wheels must travel in 64 MiB
+  tracked=$(git ls-files -z | xargs -0 du -cb 2> /dev/null | tail -n 1 | cut -f 1)
+  wheels=$(du -cb .whl | tail -n 1 | cut -f 1)
+  echo "to travel: $(( (tracked + wheels) >> 20 )) MiB ($(( tracked >> 20 )) MiB of tracked files, $(( wheels >> 20 )) of wheels); the limit is 64 MiB"
+  if (( tracked + wheels > 64 << 20 )); then  # what the steps can do without, the largest first
+    echo "over it: for the call, move away (and back after) the checkpoints of labs it does not run:"
+    du -sh labkit/checkpoints/{mha,gqa,mqa} | sed 's/$/ (notebook 02 alone)/'
+    du -sh labkit/checkpoints/{medusa,early-exit} | sed 's/$/ (notebook 11 alone)/'
+  fi
   exit
 fi
 
 TOTAL=${TOTAL:-570}
 OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
+LOGS=/tmp/gpu_session_logs  # packed into $OUT/logs.tgz after each step: the device returns at most 8 files
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -41,7 +56,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m ipykernel install --user --name labkit > /dev/null  # the kernel the solutions ask for
 fi
 
-step() {  # step NAME LIMIT_S COMMAND...: run it with its log in $OUT/NAME.log, unless it would pass TOTAL
+step() {  # step NAME LIMIT_S COMMAND...: run it with its log in $LOGS/NAME.log, unless it would pass TOTAL
   local name=$1 limit=$2 started=$SECONDS
   shift 2
   if (( SECONDS + limit + 15 > TOTAL )); then  # 15: what timeout -k gives a step after its INT
@@ -49,23 +64,25 @@ step() {  # step NAME LIMIT_S COMMAND...: run it with its log in $OUT/NAME.log, 
     return
   fi
   echo "== $name (at most $limit s): $*"
-  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1  # INT: Python's finally blocks run
+  timeout -s INT -k 15 "$limit" "$@" > "$LOGS/$name.log" 2>&1  # INT: Python's finally blocks run
   echo "   exit $? after $(( SECONDS - started )) s; its last lines:"
-  tail -n 25 "$OUT/$name.log" | sed 's/^/   /'
+  tail -n 25 "$LOGS/$name.log" | sed 's/^/   /'
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 IN_BENCHMARKS="import sys; sys.path.insert(0, 'benchmarks')"
-NOTEBOOK=(python3 benchmarks/notebooks_under_load.py --busy 0 --keep-going --out "$OUT")
+NOTEBOOK=(python3 benchmarks/notebooks_under_load.py --busy 0 --keep-going --out "$LOGS")
 
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory,driver_version --format=csv | tee "$OUT/gpu.csv"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.csv"
-step int4_layer 90 python3 -c "$IN_BENCHMARKS; from quantization import gpu_layer; gpu_layer(30)"
-step compile_1b 150 python3 benchmarks/compile.py --models draft --skip-cold --repeats 20 --shape Llama-3.2-1B
-step int4_sweep 130 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 100
-step notebook_08 90 "${NOTEBOOK[@]}" solutions/08_compilation.ipynb
-step notebook_05 60 "${NOTEBOOK[@]}" solutions/05_speculative_decoding.ipynb
-step notebook_04 60 "${NOTEBOOK[@]}" solutions/04_continuous_batching.ipynb
-step notebook_06b 70 "${NOTEBOOK[@]}" solutions/06b_fast_quantized_decode.ipynb
-step int4_sweep_bf16 50 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 30 --dtype bf16
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory,driver_version --format=csv | tee "$LOGS/gpu.csv"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOGS/gpu.csv"
+step int4_layer 60 python3 -c "$IN_BENCHMARKS; from quantization import gpu_layer; gpu_layer(30)"
+step int4_sweep 120 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 90
+step notebook_05 170 "${NOTEBOOK[@]}" solutions/05_speculative_decoding.ipynb
+step notebook_07 60 "${NOTEBOOK[@]}" solutions/07_triton_attention.ipynb
+step notebook_00 45 "${NOTEBOOK[@]}" solutions/00_welcome.ipynb
+step notebook_02 60 "${NOTEBOOK[@]}" solutions/02_kv_memory.ipynb
+step notebook_03 45 "${NOTEBOOK[@]}" solutions/03_paged_attention.ipynb
+step notebook_04 230 "${NOTEBOOK[@]}" solutions/04_continuous_batching.ipynb
+step compile_1b 300 python3 benchmarks/compile.py --models draft --skip-cold --repeats 20 --shape Llama-3.2-1B
 step int4_sweep_down 50 python3 benchmarks/int4_gpu_sweep.py --shapes 11008x4096 --budget 30
-step decode_8b 90 python3 -c "$IN_BENCHMARKS; from compile import gpu_scale; gpu_scale('Llama-3.1-8B', 256, 20, False)"
-echo "== done after $SECONDS s; logs in $OUT"
+step int4_sweep_bf16 50 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 30 --dtype bf16
+echo "== done after $SECONDS s; logs in $OUT/logs.tgz"

@@ -48,9 +48,13 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # default_split_k), the library's GPU_FORM first
 DEFAULTS = sorted((launch_parameters(GROUP, form, on_gpu=True) for form in KERNELS),
                   key=lambda config: config[0] != GPU_FORM)
-# every configuration: the defaults first, then those with fewer instructions per code (BENCHMARKS.md),
-# then the rest, so that a sweep cut short by its budget has timed the likeliest
-LIKELY = ([("dot", bn, groups, None, warps) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
+# every configuration: the defaults first, then the untimed that may feed memory better (the best
+# gemv tiles of session 33's sweep with their walk over the inputs split among programs), then those
+# with fewer instructions per code (BENCHMARKS.md), then the rest, so that a sweep cut short by its
+# budget has timed the likeliest
+LIKELY = ([("gemv", bn, groups, split, warps) for split in (2, 4) for bn, groups, warps in
+           ((16, 8, 4), (8, 8, 1), (16, 16, 4), (8, 8, 2))]
+          + [("dot", bn, groups, None, warps) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
           + [("gemv", bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
 ALL = ([("dot", bn, groups, split, warps) for split in (None, 1, 2, 4, 8) for bn in (64, 128, 256, 32)
         for groups in (1, 2, 4, 8) for warps in (4, 8)]

@@ -303,7 +303,9 @@ def test_the_gpu_kernel_issues_few_instructions_per_code(form, least, most):
         assert base["HGMMA"] > 0 and 0 < base["HADD2"] + base["HFMA2"] <= codes, counts
         assert not base["FFMA"] + base["FADD"] + base["FMUL"], counts  # no fp32 arithmetic
     else:
-        assert sum(n for op, n in counts.items() if op.startswith("LDG") and op != "LDGDEPBAR") <= 6, counts
+        # a few wide loads a step (the codes, a scale and a zero point a group, x: 8 at the defaults
+        # since session 33), not a scale and a zero point per byte of codes (4a84ebf: 160)
+        assert sum(n for op, n in counts.items() if op.startswith("LDG") and op != "LDGDEPBAR") <= 8, counts
     assert ISSUE_RATES["H100-SXM"].floor_s(32 * 528 * 1.98e9) == pytest.approx(1.0)  # 132 SMs x 4 schedulers
     with pytest.raises(ValueError, match="dtype='int8'"):
         int4_loop(dtype="int8")

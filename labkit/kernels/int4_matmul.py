@@ -145,13 +145,15 @@ def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featur
 
 
 KERNELS = {"gemv": int4_gemv_kernel, "dot": int4_dot_kernel}
-# the form and launch parameters on a GPU: the matrix-vector form at the best measured for its first
-# version on an H100 (one program a feature tile), until a GPU times both forms
-# (benchmarks/int4_gpu_sweep.py); the tensor-core form's, a guess from its instruction counts and
-# registers (BENCHMARKS.md), with default_split_k. In the interpreter, where every program costs
-# time, few large programs.
+# the form and launch parameters on a GPU: the matrix-vector form at one of the two best of
+# benchmarks/int4_gpu_sweep.py on an H100 (session 33, BENCHMARKS.md: 1.67x fp16 F.linear on a
+# 4096 -> 11008 layer, 1.63x with bf16, 1.61x on 11008 -> 4096, where the form's first defaults,
+# 4 features a program, made 1.20x, 1.20x, 1.16x), one program a feature tile; the tensor-core
+# form's, a guess from its instruction counts and registers, with default_split_k (1.20x, 0.90x,
+# 1.14x there; none of its 12 likeliest configurations reached the sweep's best 8). In the
+# interpreter, where every program costs time, few large programs.
 GPU_FORM = "gemv"
-GPU_DEFAULTS = {"gemv": (4, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
+GPU_DEFAULTS = {"gemv": (16, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
 INTERPRETER_BLOCK_N, INTERPRETER_GROUPS = 16, 2
 DOT_MIN = 16  # tl.dot's smallest tile side: features per program, and bytes per step
 DOT_MAX_BYTES = 128  # bytes of codes per thread and step the tensor-core form holds in registers: more spill
