@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.labkit-installed
+STAMP := $(VENV)/.labkit-installed  # the lab: what a student's notebooks and the server need
+TEST_STAMP := $(VENV)/.labkit-test-installed  # and what the tests need besides
 LAB_ARGS ?=
 # jupyter refuses to run as root unless told; containers often run as root
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -30,8 +31,12 @@ $(BIN)/python:
 # constraints.txt pins torch so a CPU machine never pulls the CUDA build.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,serve,test]"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,serve]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -c constraints.txt -e ".[lab,serve,test]"
 	touch $@
 
 lab: $(STAMP)
@@ -44,18 +49,18 @@ serve: $(STAMP)
 
 test: test-unit test-notebooks test-browser
 
-test-unit: $(STAMP)
+test-unit: $(TEST_STAMP)
 	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
 
 # the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, last
-test-browser: $(STAMP)
+test-browser: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
 # Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
 # the student copies must run top to bottom with every exercise still a stub. The student
 # copy of 02 is left to tests/test_browser.py, which runs all of it in JupyterLab and fails
 # on any error output (CI always runs it), so it is not run twice.
-test-notebooks: $(STAMP)
+test-notebooks: $(TEST_STAMP)
 	$(SHARE_CORES) LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PARALLEL) $(PYTEST_ARGS)
 	$(SHARE_CORES) LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks --ignore=notebooks/02_kv_memory.ipynb \
 		$(PARALLEL) $(PYTEST_ARGS)

@@ -226,9 +226,10 @@ def _run_all_cells(page: Page) -> None:
 
 
 def _gib(text: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?) GiB", text.strip())
-    assert match, f"the KV cache figure reads {text!r}, not 'X.XX GiB'"
-    return float(match[1])
+    """The KV cache's size as shown ("3.00 GiB", or "512.0 MiB" where it is small), in GiB."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?) (GiB|MiB)", text.strip())
+    assert match, f"the KV cache figure reads {text!r}, not 'X.XX GiB' or 'X.X MiB'"
+    return float(match[1]) / (1024 if match[2] == "MiB" else 1)
 
 
 def _move_context_slider(page: Page) -> None:
@@ -239,7 +240,7 @@ def _move_context_slider(page: Page) -> None:
     slider = explore.locator(".widget-slider").filter(has=label)
     expect(slider).to_have_count(1, timeout=UI_TIMEOUT_MS)
     readout, handle = slider.locator(".widget-readout"), slider.locator(".noUi-handle")
-    kv_cache = explore.locator("#kv-cache-gib")
+    kv_cache = explore.locator("#kv-cache-size")
     expect(readout).to_have_text("8K")
     expect(kv_cache).to_have_text(re.compile(r"^\d+\.\d\d GiB$"), timeout=UI_TIMEOUT_MS)
     # Both plotly FigureWidgets (the memory bar and the curves) have drawn.

@@ -48,10 +48,83 @@ def test_torch_and_triton_are_pinned_alike_in_constraints_and_conda(root):
         assert conda[name].specifier == pins[name].specifier
 
 
-def test_make_installs_every_extra(root):
+def test_make_lab_installs_the_lab_and_make_test_every_extra(root):
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    makefile = (root / "Makefile").read_text()
     extras = ",".join(sorted(project["optional-dependencies"]))
-    assert f'-e ".[{extras}]"' in (root / "Makefile").read_text(), f"make install must install .[{extras}]"
+    assert f'-e ".[{extras}]"' in makefile.split("$(TEST_STAMP): $(STAMP)")[1], f"make test must install .[{extras}]"
+    lab = makefile.split("$(STAMP): pyproject.toml")[1].split("touch $@")[0]
+    assert '-e ".[lab,serve]"' in lab, "make lab must install the lab and the server, without the test tools"
+    for target in ("test-unit", "test-notebooks", "test-browser"):
+        assert f"{target}: $(TEST_STAMP)" in makefile
+
+
+def _imports(source: str) -> set[str]:
+    """The top-level modules that Python ``source`` imports (IPython's % and ! lines left out)."""
+    import ast
+
+    names = set()
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _lab_imports(root) -> set[str]:
+    """What the solution notebooks and labkit's own modules import."""
+    import json
+
+    names = set()
+    for path in (root / "solutions").glob("*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        names |= _imports("\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code"))
+    for path in (root / "labkit").rglob("*.py"):
+        names |= _imports(path.read_text())
+    return names
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def _with_dependencies(names: set[str]) -> set[str]:
+    """``names`` and every installed distribution they need, transitively (no extras)."""
+    import importlib.metadata
+
+    found, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for line in importlib.metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(_canonical(req.name))
+    return found
+
+
+def test_make_lab_installs_everything_the_notebooks_and_labkit_import(root):
+    """make lab leaves out the test extras: a notebook, or a labkit module, that imports one of them
+    fails for a student."""
+    import importlib.metadata
+    import sys
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    lab = _with_dependencies({_canonical(Requirement(r).name)
+                              for r in project["dependencies"] + extras["lab"] + extras["serve"]})
+    distributions = importlib.metadata.packages_distributions()
+    imports = _lab_imports(root)
+    assert {"labkit", "torch", "openai", "fastapi"} <= imports  # the parse found the notebooks' and labkit's
+    for name in sorted(imports - set(sys.stdlib_module_names) - {"labkit"}):
+        provided = {_canonical(d) for d in distributions.get(name, [])}
+        assert provided & lab, (
+            f"the notebooks or labkit import {name} ({', '.join(sorted(provided)) or 'no installed package'}), which make "
+            f"lab does not install: add it to pyproject.toml's dependencies or its lab or serve extra")
 
 
 def test_pyproject_ranges_admit_the_pinned_versions(root):
