@@ -12,7 +12,9 @@ crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs tha
 points and nothing more. The grader prints a points table and writes ``grades.json`` (every
 result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a
 column per exercise, a total per notebook when there are several, the total, and the exercises
-that did not pass, each with its status).
+that did not pass, each with its status). A notebook whose lab cannot be told (no ``NN_`` prefix, no
+exercise cell, tagged or defining an exercise's function) is not graded: it is an entry of its own,
+named by its file, 0 points of 0, that says what would place it.
 """
 from __future__ import annotations
 
@@ -62,18 +64,45 @@ def _lab_of(path: Path) -> str | None:
     """The notebook number: the file name's (``03_paged-Copy1.ipynb``) if it holds any of that
     notebook's exercises, or else that of most of its exercises (said on stderr where the name
     gives another), or else the name's."""
-    named = notebook.lab_of_name(path.name)
+    named = _known_lab_of_name(path.name)
     try:
-        ids = [i for c in notebook.read(path)["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
+        labs = Counter(ex.lab for ex in _exercises_in(notebook.read(path)))
     except ValueError:
         return named  # unreadable: graded by its name, which reports it so
-    labs = Counter(get(i).lab for i in ids)
     if named in labs:  # an exercise of another lab pasted in does not move it
         return named
     held = labs.most_common(1)[0][0] if labs else None
     if held is not None and named is not None:
         print(f"{path}: named {named}_ but it holds notebook {held}'s exercises: graded as {held}", file=sys.stderr)
     return held or named
+
+
+def _exercises_in(nb: notebook.Notebook) -> list[Exercise]:
+    """The exercises of the cells tagged with one; where no cell is (tags lost in a copy), those whose
+    function a code cell defines, as the grader finds them (``_exercise_cell``)."""
+    tagged = [get(i) for c in nb["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
+    return tagged or [ex for ex in EXERCISES.values() if _exercise_cell(nb, ex)[0] is not None]
+
+
+def _known_lab_of_name(name: str) -> str | None:
+    """The lab a file name gives (``notebook.lab_of_name``), None where it gives none or one with no exercises."""
+    named = notebook.lab_of_name(name)
+    return named if named in {ex.lab for ex in EXERCISES.values()} else None
+
+
+def _unplaced(path: Path) -> str:
+    """Why a notebook whose lab cannot be told was not graded, and what would place it."""
+    try:
+        notebook.read(path)
+    except ValueError as error:
+        return f"its lab cannot be told, so it was not graded: {error}"
+    named = notebook.lab_of_name(path.name)
+    labs = sorted({ex.lab for ex in EXERCISES.values()})
+    name = (f"its name's {named}_ is no lab's (the labs: {', '.join(labs)})" if named else "no NN_ prefix in its name")
+    bare = path.name[len(named) + 1:] if named else path.name
+    return (f"its lab cannot be told ({name}, and no cell tagged as an exercise or defining an exercise's "
+            f"function), so it was not graded: rename it with its lab's NN_ prefix (as 03_{bare} for lab 03) or "
+            "restore the 'exercise' tags of its exercise cells")
 
 
 def _notebooks_in(folder: Path) -> list[Path]:
@@ -89,7 +118,7 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     """Every (student, notebook) under the given paths; a student is the folder a notebook is in,
     or with ``per_file`` the notebook's file name without its extension. A student folder of a
     class folder that holds no notebook is a submission too, of no lab (``lab`` empty), and so is a
-    notebook of no lab that can be told (no ``NN_`` prefix, no known exercise): nobody is left out."""
+    notebook of no lab that can be told (no ``NN_`` prefix, no exercise cell): nobody is left out."""
     found: list[Path] = []
     empty: list[Path] = []  # student folders without a notebook
     for path in paths:
@@ -118,9 +147,8 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     for nb_path in found:  # a student is their folder's (or file's) name, or its full path where two share one
         owner = owners[nb_path]
         lab = _lab_of(nb_path)
-        if lab is None:  # still the student's: a row of missing exercises that names the file
-            print(f"{nb_path}: no NN_ prefix and no known exercise in it: not graded, its exercises count as "
-                  "missing", file=sys.stderr)
+        if lab is None:  # still the student's: an entry of the student's row that names the file
+            print(f"{nb_path}: {_unplaced(nb_path)}", file=sys.stderr)
         submissions.append(Submission(owner.name if clash[owner.name] == 1 else str(owner), nb_path, lab or ""))
     return submissions
 
@@ -237,14 +265,14 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
 
 def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = None, per_file: bool = False
           ) -> dict[str, dict[str, Result]]:
-    """Grade every submission under ``paths``: {student: {exercise id: Result}}."""
+    """Grade every submission under ``paths``: {student: {exercise id: Result}}, where a notebook whose
+    lab cannot be told is an entry of its own, keyed by its file name (see ``_add_missing``)."""
     submissions = find_submissions(paths, per_file)
-    notebooks = [sub for sub in submissions if sub.lab]  # not the student folders that hold none
-    if not notebooks:
+    if not any(sub.path.is_file() for sub in submissions):  # only student folders that hold none
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
+    placed = [sub for sub in submissions if sub.lab]
     with _no_main_file(), ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), notebooks))
-    columns = sorted({ex.id for sub in notebooks for ex in for_lab(sub.lab)})
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), placed))
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
@@ -254,20 +282,27 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
             print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
                   f"{best_sub.path.name}{hint}", file=sys.stderr)
         book[student].update(best)
-    unplaced = {}  # student: their notebooks of no lab
+    _add_missing(book, submissions, per_file)
+    return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+def _add_missing(book: dict[str, dict[str, Result]], submissions: list[Submission], per_file: bool) -> None:
+    """Count as missing what a student lacks of the grading's labs: every lab's exercises (a student
+    submits each), or with ``per_file`` none (a file is one lab, its own), but for a file whose lab
+    cannot be told, the grading's lab where it has one only (where it has several, no lab's: its
+    maximum would count them all). Each notebook whose lab cannot be told adds an entry that names
+    it, 0 points of 0, and says what would place it."""
+    columns = sorted({ex.id for sub in submissions for ex in for_lab(sub.lab)})
+    one_lab = len({get(c).lab for c in columns}) == 1
+    for results in book.values():
+        if per_file and (results or not one_lab):  # a file of its own lab, or one of no lab among several
+            continue
+        for ex in map(get, columns):
+            results.setdefault(ex.id, Result(ex.id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted"))
     for sub in submissions:
         if not sub.lab and sub.path.is_file():
-            unplaced.setdefault(sub.student, []).append(sub.path.name)
-    for student, results in book.items():  # what a student lacks of the class's labs is missing
-        if per_file and results:  # but a file is one lab, not missing the others
-            continue
-        why = (f" ({', '.join(unplaced[student])}: no NN_ prefix and no cell tagged with an exercise, so not "
-               "graded)") if student in unplaced else ""
-        for ex_id in columns:
-            if ex_id not in results:
-                ex = get(ex_id)
-                results[ex_id] = Result(ex_id, MISSING, 0, ex.points, message=f"no notebook {ex.lab}_* submitted{why}")
-    return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+            book[sub.student][sub.path.name] = Result(sub.path.name, MISSING, 0, 0, message=_unplaced(sub.path),
+                                                      notebook=str(sub.path))
 
 
 def _an_empty_student(folder: Path) -> bool:
@@ -324,10 +359,7 @@ def grade_this(name: str) -> None:
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
     print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "
           "the kernel, or Jupyter still names the old file)")
-    try:
-        print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
-    except FileNotFoundError as error:  # a notebook of no lab that can be told: said on stderr, and here
-        print(f"Nothing to grade: {error}")
+    print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
 
 
 @contextmanager
@@ -358,8 +390,14 @@ def _total(results: dict[str, Result]) -> tuple[float, int]:
 
 
 def _columns(book: dict[str, dict[str, Result]]) -> list[str]:
-    """Every exercise any student was graded on (with ``--per-file``, a file has its own lab's only)."""
-    return sorted({ex_id for results in book.values() for ex_id in results})
+    """Every exercise any student was graded on (with ``--per-file``, a file has its own lab's only);
+    not the entries of notebooks whose lab cannot be told."""
+    return sorted({key for results in book.values() for key in results if key in EXERCISES})
+
+
+def _lab_of_entry(key: str) -> str:
+    """The lab of an exercise's entry; the file name, for a notebook whose lab cannot be told."""
+    return EXERCISES[key].lab if key in EXERCISES else key
 
 
 def table(book: dict[str, dict[str, Result]]) -> str:
@@ -385,7 +423,7 @@ def _one_student(student: str, results: dict[str, Result]) -> str:
     lines = [f"{student}: {got:g}/{most} points"]
     by_lab: dict[str, list[Result]] = {}
     for result in results.values():
-        by_lab.setdefault(get(result.exercise).lab, []).append(result)
+        by_lab.setdefault(_lab_of_entry(result.exercise), []).append(result)
     for lab, labs_results in by_lab.items():
         statuses = {r.status for r in labs_results}
         if len(labs_results) > 1 and len(statuses) == 1 and statuses <= {NOT_ATTEMPTED, MISSING}:
@@ -404,7 +442,7 @@ def _one_student(student: str, results: dict[str, Result]) -> str:
 def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
     """grades.json (every result) and grades.csv (a row per student: the points of each exercise,
     of each notebook where there are several (a gradebook's assignments), in all, and which
-    exercises did not pass and why, in a word)."""
+    exercises did not pass and why, in a word; a notebook whose lab cannot be told, by its file name)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
     report = {s: {"total": _total(r)[0], "max": _total(r)[1],
@@ -426,7 +464,7 @@ def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, 
 
 def _lab_total(results: dict[str, Result], lab: str) -> str:
     """The points of one notebook's exercises; blank for a student graded on none of them."""
-    ours = {e: r for e, r in results.items() if get(e).lab == lab}
+    ours = {e: r for e, r in results.items() if _lab_of_entry(e) == lab}
     return f"{_total(ours)[0]:g}" if ours else ""
 
 

@@ -33,8 +33,10 @@ BROKEN_EX1 = {
 }
 
 
-# a notebook of no lab that can be told: code pasted into a new notebook, no NN_ name, no tagged cell
-NO_LAB = {"cells": [{"cell_type": "code", "metadata": {}, "source": CORRECT_ROOFLINE, "outputs": [],
+# a notebook of no lab that can be told: code pasted into a new notebook, no NN_ name, no tagged cell, and no
+# exercise's function defined (attainable_flops, say, would place it in lab 00)
+NO_LAB = {"cells": [{"cell_type": "code", "metadata": {}, "source": "def roof(i, p, b):\n    return min(p, i * b)\n",
+                     "outputs": [],
                      "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
 
 
@@ -195,14 +197,80 @@ def test_a_notebook_of_no_lab_that_can_be_told_is_a_row_of_missing_exercises_tha
     notebook.write(NO_LAB, tmp_path / "class" / "dave" / "my_lab.ipynb")  # no NN_ name, no tagged cell
     book = grade([tmp_path / "class"], timeout_s=30)
     assert sorted(book) == ["alice", "dave"] and {r.status for r in book["dave"].values()} == {MISSING}
-    assert "my_lab.ipynb: no NN_ prefix and no cell tagged with an exercise" in book["dave"]["ex00.2"].message
-    assert "my_lab.ipynb: no NN_ prefix and no known exercise in it" in capsys.readouterr().err
+    assert sorted(book["dave"]) == ["ex00.1", "ex00.2", "my_lab.ipynb"]
+    assert book["dave"]["my_lab.ipynb"].message.startswith("its lab cannot be told (no NN_ prefix in its name")
+    assert "rename it with its lab's NN_ prefix (as 03_my_lab.ipynb" in book["dave"]["my_lab.ipynb"].message
+    assert "my_lab.ipynb: its lab cannot be told" in capsys.readouterr().err
+    assert "\n  my_lab.ipynb   0/0  missing: its lab cannot be told" in table({"dave": book["dave"]})
     (tmp_path / "flat").mkdir()
     notebook.write(NO_LAB, tmp_path / "flat" / "carol.ipynb")
     (tmp_path / "flat" / "alice.ipynb").write_bytes((tmp_path / "class/alice/00_welcome.ipynb").read_bytes())
     book = grade([tmp_path / "flat"], timeout_s=30, per_file=True)
     assert sorted(book) == ["alice", "carol"] and {r.status for r in book["carol"].values()} == {MISSING}
-    assert set(book["carol"]) == set(book["alice"]) == {"ex00.1", "ex00.2"}
+    assert set(book["alice"]) == {"ex00.1", "ex00.2"}  # and carol's file is most likely a copy of the one lab's
+    assert set(book["carol"]) == {"ex00.1", "ex00.2", "carol.ipynb"}
+
+
+def test_per_file_a_notebook_of_no_lab_claims_no_lab_where_the_files_are_of_several(tmp_path):
+    """Of a flat folder of labs 00 and 02, a file whose lab cannot be told is 0 points out of 0 (not every lab's
+    exercises missing), and its row says what would place it."""
+    for name in ("00_alice.ipynb", "02_bob.ipynb"):  # placed by their names; nothing in them, so nothing runs
+        notebook.write({**NO_LAB, "cells": []}, tmp_path / name)
+    notebook.write(NO_LAB, tmp_path / "carol.ipynb")
+    book = grade([tmp_path], timeout_s=30, per_file=True)
+    assert {e[:4] for e in book["00_alice"]} == {"ex00"} and {e[:4] for e in book["02_bob"]} == {"ex02"}
+    assert list(book["carol"]) == ["carol.ipynb"], book["carol"]
+    untold = book["carol"]["carol.ipynb"]
+    assert (untold.status, untold.points, untold.max_points) == (MISSING, 0, 0)
+    assert "its lab cannot be told" in untold.message and "rename it with its lab's NN_ prefix" in untold.message
+    rows = table(book).splitlines()
+    assert next(r for r in rows if r.startswith("carol ")).split()[-1] == "0/0", rows
+    assert any(r.startswith("carol carol.ipynb: missing: its lab cannot be told") for r in rows), rows
+    write_reports(book, tmp_path / "grades")
+    carol = next(r for r in csv.DictReader((tmp_path / "grades/grades.csv").open()) if r["student"] == "carol")
+    assert (carol["00 total"], carol["02 total"], carol["total"], carol["max"]) == ("", "", "0", "0"), carol
+    assert carol["not passed"] == "carol.ipynb missing"
+
+
+def test_a_notebook_named_for_no_lab_or_unreadable_says_so(tmp_path):
+    """A prefix of no lab (12_) places nothing and the entry names it; an unreadable file of no prefix is
+    said to be unreadable, not to lack tags."""
+    notebook.write(NO_LAB, tmp_path / "12_extra.ipynb")
+    (tmp_path / "scratch.ipynb").write_text("{not json")
+    book = grade([tmp_path], timeout_s=30, per_file=True)
+    extra = book["12_extra"]["12_extra.ipynb"].message
+    assert extra.startswith("its lab cannot be told (its name's 12_ is no lab's (the labs: 00, 01,"), extra
+    assert "(as 03_extra.ipynb for lab 03)" in extra
+    scratch = book["scratch"]["scratch.ipynb"].message
+    assert scratch.startswith("its lab cannot be told, so it was not graded: ") and "not a readable notebook" in scratch
+
+
+def test_a_class_of_notebooks_of_no_lab_only_is_graded_as_one_with_others(tmp_path):
+    for student in ("dave", "erin"):
+        (tmp_path / "class" / student).mkdir(parents=True)
+        notebook.write(NO_LAB, tmp_path / "class" / student / "my_lab.ipynb")
+    book = grade([tmp_path / "class"], timeout_s=30)
+    assert sorted(book) == ["dave", "erin"]
+    for results in book.values():
+        assert list(results) == ["my_lab.ipynb"] and results["my_lab.ipynb"].status == MISSING
+        assert "its lab cannot be told" in results["my_lab.ipynb"].message
+    assert "dave my_lab.ipynb: missing: its lab cannot be told" in table(book)
+    (tmp_path / "nobody" / "gina").mkdir(parents=True)  # a class folder without a notebook: nothing to grade
+    with pytest.raises(FileNotFoundError, match="no notebooks to grade in"):
+        grade([tmp_path / "nobody"])
+
+
+def test_a_notebook_of_no_nn_name_whose_exercise_cells_lost_their_tags_is_placed_by_their_functions(
+        root, tmp_path, capsys):
+    _submit(tmp_path, "fay", root / "notebooks/00_welcome.ipynb", BROKEN_EX1["magic"], name="my_work.ipynb")
+    nb = notebook.read(tmp_path / "fay/my_work.ipynb")
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("tags", None)
+    notebook.write(nb, tmp_path / "fay/my_work.ipynb")
+    assert [(s.student, s.lab) for s in find_submissions([tmp_path / "fay"])] == [("fay", "00")]
+    assert "cannot be told" not in capsys.readouterr().err
+    results = grade([tmp_path / "fay"], timeout_s=30)["fay"]
+    assert sorted(results) == ["ex00.1", "ex00.2"] and {r.status for r in results.values()} == {"passed"}, results
 
 
 def test_an_exercise_cell_that_lost_its_tags_is_found_by_the_function_it_defines(root, tmp_path):
@@ -354,7 +422,10 @@ def test_the_grade_cell_of_a_notebook_of_no_lab_says_so(tmp_path, monkeypatch, c
     notebook.write(NO_LAB, tmp_path / "scratch.ipynb")
     monkeypatch.setenv("JPY_SESSION_NAME", str(tmp_path / "scratch.ipynb"))
     grade_this("00_welcome.ipynb")
-    assert "Nothing to grade: no notebooks to grade in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1] == "scratch: 0/0 points" and lines[2].split()[:6] == [
+        "scratch.ipynb", "0/0", "missing:", "its", "lab", "cannot"], out
 
 
 def test_in_vs_code_the_notebook_it_names_is_graded(tmp_path, monkeypatch):
