@@ -164,6 +164,13 @@ ROW_SLICE = "x_part @ weight[:, rank * size:(rank + 1) * size].T"
     (ROW_SLICE, ROW_SLICE + " / world", ROW_2, "it does not average them"),
     (ROW_SLICE, "x_part @ weight[:, (world - 1 - rank) * size:(world - rank) * size].T", ROW_2,
      "this uses rank 1's columns"),
+    (COLUMN_SLICE, "x @ weight[rank:rank + size].T", COLUMN_2,
+     "this uses rows 1 .. 4, a share that starts at row 1; rank 1's share starts at rank x 4 = 4: rows 4 .. 7"),
+    (ROW_SLICE, "x_part @ weight[:, rank:rank + size].T", ROW_2, "a share that starts at column 1"),
+    (ROW_SLICE, "x_part[..., rank * size:(rank + 1) * size] @ weight[:, rank * size:(rank + 1) * size].T", ROW_2,
+     "x_part is already rank 1's share of the input, 4 of the 8 features (use it whole"),  # sliced once more
+    (COLUMN_SLICE, f"({COLUMN_SLICE}).float()", COLUMN_2,  # fp32 out of fp64: a dtype named, not a crash in the check
+     "expected torch.float64, the dtype of x and weight, got torch.float32"),
     ("if out_features % world:", "if False:", REFUSE, "column_parallel(..., weight of shape [8, 6], rank=0, world=3) "
                                                       "returned tensor(shape=(2, 2)"),
     ("if out_features % world:", "if weight.shape[1] % world:", "column-parallel, 4 ranks",  # the other dimension's
@@ -201,6 +208,8 @@ KV_ONE = "kv_heads = [query_heads[0] // (n_heads // n_kv_heads)]"
     (KV_SHARE, "kv_heads = list(range((world - 1 - rank) * kv_per_rank, (world - rank) * kv_per_rank))",
      "MHA on 2 ranks", "got [4, 5, 6, 7]: its query heads [0, 1, 2, 3] read KV heads [0, 1, 2, 3] (query head h "
                        "reads h // 1); a rank must hold each KV head its query heads read"),
+    ("return query_heads, kv_heads", "return kv_heads, query_heads", "GQA on 2 ranks: 8 query heads, 4 KV heads",
+     "got ([0, 1], [0, 1, 2, 3]): the two lists are swapped"),
 ])
 def test_lab10_shard_heads_mistakes_fail(root, right, wrong, case, hint):
     fails("ex10.2", mistake(root, "ex10.2", right, wrong), case, hint)
@@ -227,11 +236,42 @@ def test_lab10_cost_mistakes_fail(root, right, wrong, case, hint):
     fails("ex10.3", mistake(root, "ex10.3", right, wrong), case, hint)
 
 
+RING = "steps * (latency_s + nbytes / (world * bandwidth))"
+
+
+@pytest.mark.parametrize("right, wrong, case, hint, not_named", [
+    # with one stage, (m - 1) / m is both stages and micro_batches swapped and the brackets left out: the probe decides
+    (BUBBLE, "stages - 1 / (micro_batches + stages - 1)", "bubble: one stage", "/ binds before -", "swapped"),
+    (BUBBLE, "1 - 1 / micro_batches", "bubble: one stage", "expected 0, got 0.875\n", "swapped"),  # no known slip
+    (BUBBLE, "100 * (stages - 1) / (micro_batches + stages - 1)", "bubble: 4 stages", "that is a percentage", None),
+    (RING, "steps / world * (latency_s + nbytes / bandwidth)", "ring all-reduce: 2 ranks",
+     "the / W cuts the latency too", "the latency counted once"),
+    (RING, "(world - 1) * latency_s + steps * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks",
+     "got 1.93641e-06 s\n", "the latency counted once"),  # once at W = 2, W - 1 times in general: not named
+    ("nbytes / (world * bandwidth)", "8 * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks", "that counts bits",
+     None),
+    ("return steps", "return 1e3 * steps", "ring all-reduce: 2 ranks", "that is in milliseconds", None),
+])
+def test_a_cost_mistake_is_named_only_where_it_fits_a_second_point(root, right, wrong, case, hint, not_named):
+    result = fails("ex10.3", mistake(root, "ex10.3", right, wrong), case, hint)
+    assert not_named is None or not_named not in result.message, result.message
+
+
+@pytest.mark.parametrize("mistakes, probe, right", [
+    (lab10.BUBBLE_MISTAKES, lab10.BUBBLE_PROBE, lab10.bubble_by_schedule),
+    (lab10.RING_MISTAKES, lab10.RING_PROBE, lab10.ring_by_steps),
+])
+def test_the_probes_tell_the_known_mistakes_apart(mistakes, probe, right):
+    values = [right(*probe), *(formula(*probe) for formula, _ in mistakes)]
+    assert all(a != pytest.approx(b, rel=1e-6) for i, a in enumerate(values) for b in values[i + 1:]), values
+
+
 SHIPPED = "2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element"
 LLAMA = "Llama-3.2-1B, a 512-token prompt"
 
 
 @pytest.mark.parametrize("wrong, hint", [
+    ("2 * n_layers * n_kv_heads * head_dim * bytes_per_element", "that is one token's"),
     ("n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element", "the factor 2"),
     ("2 * n_layers * n_heads * head_dim * prompt_tokens * bytes_per_element", "that counts the 32 query heads"),
     ("2 * n_kv_heads * head_dim * prompt_tokens * bytes_per_element", "every one of the 16 layers"),
@@ -242,9 +282,13 @@ def test_lab10_shipped_bytes_mistakes_fail(root, wrong, hint):
     fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)
 
 
-def test_a_whole_bytes_per_element_fails_on_the_int4_cache(root):
-    fails("ex10.4", mistake(root, "ex10.4", SHIPPED, SHIPPED.replace("bytes_per_element", "int(bytes_per_element)")),
-          "Llama-3.1-8B, a 1,000-token prompt", "0.5 here, a fraction")
+@pytest.mark.parametrize("whole", ["int(bytes_per_element)", "max(1, bytes_per_element)"])
+def test_a_whole_bytes_per_element_fails_on_the_int4_cache(root, whole):
+    """Rounded down or up: 0.5 made 1 gives 2 x elements, a count of elements too, which it is not (the cases of whole
+    bytes passed)."""
+    result = fails("ex10.4", mistake(root, "ex10.4", SHIPPED, SHIPPED.replace("bytes_per_element", whole)),
+                   "Llama-3.1-8B, a 1,000-token prompt", "0.5 here, a fraction")
+    assert "count of elements" not in result.message
 
 
 # --- the cases are what their labels say --------------------------------------------------------------------

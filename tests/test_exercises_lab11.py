@@ -171,6 +171,18 @@ def test_lab11_tree_mask_mistakes_fail(root):
         return torch.zeros(mask.shape).masked_fill(~mask, float("-inf")), positions
     fails("ex11.1", additive, chain, "this is an additive mask")
 
+    def inverted(parents, start):  # True where a node may NOT look: nn.MultiheadAttention's bool attn_mask
+        mask, positions = solution(parents, start)
+        return ~mask, positions
+    # for a chain the inverse is also the transpose without its diagonal: both named; on a tree, the inverse alone
+    fails("ex11.1", inverted, chain, "this mask is inverted: True where node i may NOT see node j")
+    fails("ex11.1", _mistake(root, "ex11.1", "mask[i, j] = True", "mask[j, i] = i != j"), chain,
+          ". Or, the same mask for this tree: this mask is transposed (row i: the nodes that see node i) and has no "
+          "diagonal")
+    with pytest.raises(AssertionError) as raised:
+        get("ex11.1").cases()[1].run(inverted)  # two candidates for the next token, each with a child
+    assert "this mask is inverted" in str(raised.value) and "transposed" not in str(raised.value)
+
     def a_stranger(parents, start):  # wrong in no known way: the row is named, no mistake is
         mask, positions = solution(parents, start)
         mask[-1, 0] = False
@@ -186,6 +198,8 @@ def test_lab11_accept_branch_mistakes_fail(root):
         ("for kid in kids[node] if", "for kid in range(node + 1, len(parents)) if", cousin, "(a cousin)"),
         ("tokens[kid] == choices[node]", "tokens[kid] == choices[kid]", chain, "whether a child is accepted is decided "
                                                                                "at its parent"),
+        ("tokens[kid] == choices[node]", "tokens[node] == choices[kid]", chain,  # the parent's token: also choices[kid]
+         "that is what comparing with choices[child] gives, the target's token AFTER the child"),
         ("branch, node = [], 0", "branch, node = [0], 0", chain, "the root is not part of the branch"),
         ("branch.append(node)", "branch.append(tokens[node])", chain, "these are the accepted tokens"),
         ("return branch, choices[node], keep", "return branch, tokens[node], keep", chain,
@@ -194,6 +208,8 @@ def test_lab11_accept_branch_mistakes_fail(root):
         ("[start + n for n in [0] + branch]", "list(range(start, start + len(branch) + 1))", second,
          "these are the positions the kept entries move TO"),
         ("[start + n for n in [0] + branch]", "[0] + branch", chain, "these are node numbers"),
+        ("[start + n for n in [0] + branch]", "[start + 1 + n for n in [0] + branch]", chain, "each slot is one off"),
+        ("[start + n for n in [0] + branch]", "[start - 1 + n for n in [0] + branch]", chain, "each slot is one off"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex11.2", _mistake(root, "ex11.2", right, wrong), case, hint)
@@ -213,6 +229,10 @@ def test_lab11_expected_accepted_length_mistakes_fail(root):
         (reach, "reach[i] = accept[parents[i]] * accept[i]", chain, "by its parent's only"),
         (reach, "reach[i] = reach[parents[i]] * accept[parents[i]]", one, "not its own"),
         ("sum(reach[1:])", "sum(reach)", one, "the root is counted"),
+        (reach, "reach[i] = reach[i - 1] * accept[i]", two, "that multiplies along the node numbers, node i after "
+                                                            "node i - 1, as in a chain"),
+        ("sum(reach[1:])", "sum(reach[i] for i in range(1, len(parents)) if i not in parents)", chain,
+         "that counts the leaves alone"),
         ("return accepted, accepted + 1", "return accepted, accepted", one, "each target call also emits its own "
                                                                             "token after them"),
     ]

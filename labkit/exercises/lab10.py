@@ -38,7 +38,9 @@ ex10.4  ``kv_bytes_shipped(n_layers, n_heads, n_kv_heads, head_dim, prompt_token
     against ``labkit.memory.kv_cache_bytes`` for published models and against the bytes a labkit
     ``ContiguousKVCache`` holds for the prompt.
 
-Each check names a known mistake when an answer is one. The tests check the references against the formulas.
+Each check names a known mistake when an answer is one; in ex10.3 a slip in a formula is named only where it
+gives the answer's value at a second point too (one value can fit two slips). The tests check the references
+against the formulas.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _close(got: Tensor, want: Tensor) -> bool:
-    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    return (got.shape, got.dtype) == (want.shape, want.dtype) and torch.allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 def _judge_shard(what: str, got: Any, want: Tensor, mistakes: list[tuple[Tensor, str]]) -> None:
@@ -88,6 +90,9 @@ def _judge_shard(what: str, got: Any, want: Tensor, mistakes: list[tuple[Tensor,
     why = next((text for wrong, text in mistakes if _close(got, wrong)), None)
     if why is None and got.shape != want.shape:
         why = f"expected shape {list(want.shape)}, got {list(got.shape)}"
+    elif why is None and got.dtype != want.dtype:
+        why = (f"expected {want.dtype}, the dtype of x and weight, got {got.dtype}: compute with the tensors as they "
+               "are given, without .float() or a new tensor of torch's default dtype")
     elif why is None:
         why = f"the values differ (by up to {(got - want).abs().max().item():.3g})"
     raise AssertionError(f"{what}: {why}")
@@ -95,6 +100,12 @@ def _judge_shard(what: str, got: Any, want: Tensor, mistakes: list[tuple[Tensor,
 
 def _span(part: range) -> str:
     return f"{part.start} .. {part.stop - 1}"
+
+
+def _starts_at_rank(what: str, rank: int, part: range) -> str:
+    """What a share of ``what`` (rows, columns) that starts at ``rank`` instead of rank x its size is."""
+    return (f"this uses {what} {rank} .. {rank + len(part) - 1}, a share that starts at {what[:-1]} {rank}; rank "
+            f"{rank}'s share starts at rank x {len(part)} = {part.start}: {what} {_span(part)}")
 
 
 def _column_mistakes(x: Tensor, weight: Tensor, rank: int, world: int) -> list[tuple[Tensor, str]]:
@@ -110,6 +121,7 @@ def _column_mistakes(x: Tensor, weight: Tensor, rank: int, world: int) -> list[t
           for other, theirs in enumerate(others) if other != rank),
         (x @ weight.T, f"this is the whole output, all {out} features; a rank computes only its share, "
                        f"{out // world} of them, with its rows of the weight"),
+        (x @ weight[rank:rank + len(rows)].T, _starts_at_rank("rows", rank, rows)),
     ]
 
 
@@ -128,6 +140,7 @@ def _row_mistakes(x_part: Tensor, weight: Tensor, rank: int, world: int) -> list
         ((x_part @ weight[:, cols.start:cols.stop].T) / world,
          f"this is the partial sum divided by {world}: the all-reduce adds the ranks' partial sums (each holds part "
          "of every output feature's dot product), it does not average them"),
+        (x_part @ weight[:, rank:rank + len(cols)].T, _starts_at_rank("columns", rank, cols)),
     ]
     if out == inp:  # a square weight: a slice of rows fits x_part without a transpose
         rows = share(out, rank, world)
@@ -170,9 +183,10 @@ def _row_partials(cls: Any, parts: Sequence[Tensor], weight: Tensor, world: int)
     partials = []
     for rank, x_part in enumerate(parts):
         cols = share(weight.shape[1], rank, world)
-        hint = (f"x_part holds {x_part.shape[-1]} of the {weight.shape[1]} input features, so the row-parallel layer "
-                f"splits the weight by columns: weight[:, {cols.start}:{cols.stop}], shape [{weight.shape[0]}, "
-                f"{len(cols)}]; a slice of rows does not fit x_part")
+        hint = (f"x_part is already rank {rank}'s share of the input, {x_part.shape[-1]} of the {weight.shape[1]} "
+                f"features (use it whole, with no slice of its own); the row-parallel layer splits the weight by "
+                f"columns: weight[:, {cols.start}:{cols.stop}], shape [{weight.shape[0]}, {len(cols)}]; a slice of "
+                "rows does not fit x_part")
         got = _judged_share(f"row_parallel(x_part, weight, rank={rank}, world={world})",
                             lambda: _call(cls.row_parallel, x_part, weight, rank, world),
                             x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world), hint)
@@ -295,6 +309,9 @@ def _layout_play(n_heads: int, n_kv_heads: int, world: int) -> Callable[[Any], N
             got_query, got_kv = (_heads(v) for v in given)
             if got_query is None:
                 raise AssertionError(f"{what}: query_heads: expected a list of ints, got {_short(given[0])}")
+            if (got_query, got_kv) == (kv, query) != (query, kv):
+                raise AssertionError(f"{what}: expected ({query}, {kv}), got ({got_query}, {got_kv}): the two lists "
+                                     "are swapped; return (query_heads, kv_heads), the query heads first")
             if got_query != query:
                 raise AssertionError(f"{what}: query_heads: expected {query}, got {got_query}"
                                      + _query_why(got_query, n_heads, rank, world))
@@ -398,24 +415,88 @@ def ring_by_steps(nbytes: float, world: int, latency_s: float, bandwidth: float)
     return seconds
 
 
-def _judge_number(what: str, got: Any, want: float, mistakes: list[tuple[float, str]], unit: str = "") -> None:
-    close = lambda a, b: abs(a - b) <= 1e-12 + 1e-9 * abs(b)
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-12 + 1e-9 * abs(b)
+
+
+def _judge_number(what: str, got: Any, want: float, name: Callable[[float], str | None], unit: str = "") -> None:
+    """``got`` must be the number ``want``; ``name(value)`` says what a wrong value is, if it knows."""
     value = number_of(got, what)
-    if not close(value, want):
-        why = next((text for wrong, text in mistakes if close(value, wrong)), None)
+    if not _near(value, want):
+        why = name(value)
         raise AssertionError(f"{what}: expected {want:.6g}{unit}, got {value:.6g}{unit}" + (f": {why}" if why else ""))
+
+
+def _first_fit(mistakes: list[tuple[float, str]]) -> Callable[[float], str | None]:
+    """What the first of ``mistakes`` (a wrong value, what it is) that a value equals says."""
+    return lambda value: next((text for wrong, text in mistakes if _near(value, wrong)), None)
+
+
+def _value_at(method: Callable[..., Any], args: tuple) -> float | None:
+    """``method(*args)`` as a float; None where it raises or gives no number."""
+    try:
+        return float(method(*args))
+    except Exception:  # a student's code: whatever it raises at the probe, no mistake is named
+        return None
+
+
+def _formula_fit(method: Callable[..., Any], args: tuple, mistakes: list[tuple[Callable[..., float], str]],
+                 probe: tuple) -> Callable[[float], str | None]:
+    """What the first of ``mistakes`` (a formula of the method's arguments, what it is) says whose formula gives a
+    value at ``args`` and what ``method`` gives at ``probe`` too. One value can fit two slips (with one stage,
+    (m - 1) / m is both p and m swapped and p - 1 / (m + p - 1), its brackets left out); two points seldom do."""
+    def name(value: float) -> str | None:
+        fitting = [(formula, text) for formula, text in mistakes if _near(value, formula(*args))]
+        at_probe = _value_at(method, probe) if fitting else None
+        return next((text for formula, text in fitting if at_probe is not None and _near(at_probe, formula(*probe))),
+                    None)
+    return name
+
+
+BUBBLE_PROBE = (3, 5)  # stages, micro_batches: where the formulas below all differ
+BUBBLE_MISTAKES = [
+    (lambda p, m: (p - 1) / m, "that is the idle time over the busy time of a stage, (p - 1) / m; the fraction is "
+                               "over the whole schedule, which lasts m + p - 1 slots"),
+    (lambda p, m: (m - 1) / (m + p - 1), "stages and micro_batches are swapped: the idle slots of a stage are p - 1, "
+                                         "one for each stage before it (waiting to start) or after it (done early)"),
+    (lambda p, m: (p - 1) / (m + p), "the schedule lasts m + p - 1 slots, not m + p: the last micro-batch enters the "
+                                     "last stage p - 1 slots after the first stage took it"),
+    (lambda p, m: p - 1 / (m + p - 1), "that is stages - 1 / (m + p - 1): / binds before -, so the numerator needs "
+                                       "its brackets, (stages - 1) / (...)"),
+    (lambda p, m: 100 * (p - 1) / (m + p - 1), "that is a percentage; a share of the time is a fraction, between 0 "
+                                               "and 1"),
+]
+
+
+def _ring(nbytes: float, world: int, latency_s: float, bandwidth: float) -> float:
+    return 2 * (world - 1) * (latency_s + nbytes / (world * bandwidth))
+
+
+RING_PROBE = (1e6, 4, 1e-5, 1e9)  # nbytes, world, latency_s, bandwidth: where the formulas below all differ
+RING_MISTAKES = [
+    (lambda n, w, lat, bw: (w - 1) * (lat + n / (w * bw)),
+     "that is half of it, one phase: a ring all-reduce is a reduce-scatter (W - 1 steps that add the pieces) then an "
+     "all-gather (W - 1 steps that share the sums): 2 (W - 1) steps"),
+    (lambda n, w, lat, bw: 2 * (w - 1) * (lat + n / bw),
+     "each step sends the whole message; a rank sends one piece of nbytes / W bytes per step"),
+    (lambda n, w, lat, bw: 2 * w * (lat + n / (w * bw)),
+     "2 W steps; each phase takes W - 1: a piece starts on one rank and needs W - 1 hops to reach the other W - 1"),
+    (lambda n, w, lat, bw: lat + 2 * (w - 1) * n / (w * bw),
+     "the latency counted once; each of the 2 (W - 1) steps is a message of its own, and pays it"),
+    (lambda n, w, lat, bw: 2 * (w - 1) * n / (w * bw),
+     "the latency is left out: every step pays it, 2 (W - 1) of them"),
+    (lambda n, w, lat, bw: 2 * (w - 1) / w * (lat + n / bw),
+     "that is 2 (W - 1) / W x (latency + nbytes / bandwidth): the / W cuts the latency too, but only the bytes are cut "
+     "in W pieces; each of the 2 (W - 1) steps pays the whole latency"),
+    (lambda n, w, lat, bw: 2 * (w - 1) * (lat + 8 * n / (w * bw)),
+     "that counts bits: nbytes is in bytes and bandwidth in bytes per second, so nbytes / (W x bandwidth) is seconds"),
+    (lambda *args: 1e3 * _ring(*args), "that is in milliseconds; return seconds"),
+    (lambda *args: 1e6 * _ring(*args), "that is in microseconds; return seconds"),
+]
 
 
 def _bubble_play(stages: int, micro_batches: int) -> Callable[[Any], None]:
     p, m = stages, micro_batches
-    mistakes = [
-        ((p - 1) / m, "that is the idle time over the busy time of a stage, (p - 1) / m; the fraction is over the "
-                      "whole schedule, which lasts m + p - 1 slots"),
-        ((m - 1) / (m + p - 1), "stages and micro_batches are swapped: the idle slots of a stage are p - 1, one for "
-                                "each stage before it (waiting to start) or after it (done early)"),
-        ((p - 1) / (m + p), "the schedule lasts m + p - 1 slots, not m + p: the last micro-batch enters the last "
-                            "stage p - 1 slots after the first stage took it"),
-    ]
     want = bubble_by_schedule(p, m)
     what = f"bubble_fraction(stages={p}, micro_batches={m})"
 
@@ -424,28 +505,17 @@ def _bubble_play(stages: int, micro_batches: int) -> Callable[[Any], None]:
         if isinstance(got, int) and not isinstance(got, bool) and want != int(want):
             raise AssertionError(f"{what}: expected {want:.6g}, got the int {got}: // divides and drops the fraction; "
                                  "a share of the time is a fraction, so divide with /")
-        _judge_number(what, got, want, mistakes)
+        _judge_number(what, got, want, _formula_fit(cls.bubble_fraction, (p, m), BUBBLE_MISTAKES, BUBBLE_PROBE))
     return judge
 
 
 def _ring_play(nbytes: float, world: int, latency_s: float, bandwidth: float) -> Callable[[Any], None]:
-    w, piece = world, nbytes / world / bandwidth
-    mistakes = [
-        ((w - 1) * (latency_s + piece), "that is half of it, one phase: a ring all-reduce is a reduce-scatter (W - 1 "
-                                        "steps that add the pieces) then an all-gather (W - 1 steps that share the "
-                                        "sums): 2 (W - 1) steps"),
-        (2 * (w - 1) * (latency_s + nbytes / bandwidth), "each step sends the whole message; a rank sends one piece "
-                                                         "of nbytes / W bytes per step"),
-        (2 * w * (latency_s + piece), "2 W steps; each phase takes W - 1: a piece starts on one rank and needs W - 1 "
-                                      "hops to reach the other W - 1"),
-        (latency_s + 2 * (w - 1) * piece, "the latency counted once; each of the 2 (W - 1) steps is a message of its "
-                                          "own, and pays it"),
-        (2 * (w - 1) * piece, "the latency is left out: every step pays it, 2 (W - 1) of them"),
-    ]
-    want = ring_by_steps(nbytes, world, latency_s, bandwidth)
+    args = (nbytes, world, latency_s, bandwidth)
+    want = ring_by_steps(*args)
     return lambda cls: _judge_number(
-        f"ring_allreduce_seconds(nbytes={nbytes:g}, world={w}, latency_s={latency_s:g}, bandwidth={bandwidth:g})",
-        cls.ring_allreduce_seconds(nbytes, world, latency_s, bandwidth), want, mistakes, " s")
+        f"ring_allreduce_seconds(nbytes={nbytes:g}, world={world}, latency_s={latency_s:g}, bandwidth={bandwidth:g})",
+        cls.ring_allreduce_seconds(*args), want,
+        _formula_fit(cls.ring_allreduce_seconds, args, RING_MISTAKES, RING_PROBE), " s")
 
 
 def _cost_cases() -> list[Scenario]:
@@ -487,20 +557,23 @@ def cache_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
 def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens: int, size: float, want: float
                    ) -> Callable[[Any], None]:
     elements = layers * kv_heads * head_dim * tokens
+    whole = [] if size == int(size) else [  # a fraction made whole: these come first, for 2 x elements x 1 is both
+        (2 * elements * rounded, f"bytes_per_element is {size:g} here, a fraction: multiply by it as it is, with no "
+                                 "int(), //, rounding or max(1, ...) on the way") for rounded in (0, 1)]
     mistakes = [
+        *whole,
         (elements * size, "that is the keys alone (or the values alone); each token has a key AND a value per layer "
                           "and KV head: the factor 2"),
         (2 * layers * heads * head_dim * tokens * size, f"that counts the {heads} query heads; only the "
                                                         f"{kv_heads} KV heads have keys and values in the cache"),
         (2 * kv_heads * head_dim * tokens * size, f"that is one layer's; every one of the {layers} layers keeps its "
                                                   "own keys and values"),
+        (2 * layers * kv_heads * head_dim * size, f"that is one token's; each of the prompt's {tokens} tokens has its "
+                                                  "own keys and values"),
         (2 * elements, "that is a count of elements; times bytes_per_element for bytes"),
         (2 * elements * size * 8, "that is bits; bytes_per_element counts bytes"),
     ]
-    if size != int(size):
-        mistakes.append((2 * elements * int(size), f"bytes_per_element is {size:g} here, a fraction: multiply by it as "
-                                                   "it is, with no int() or // on the way"))
-    return lambda got: _judge_number("the bytes shipped", got, want, mistakes, " B")
+    return lambda got: _judge_number("the bytes shipped", got, want, _first_fit(mistakes), " B")
 
 
 def _shipped_cases() -> list[Case]:

@@ -11,7 +11,8 @@ ex11.1  ``tree_mask_and_positions(parents, start) -> (mask, positions)``
     True when node j is node i itself or one of its ancestors (row i: what node i sees); ``positions`` int64
     ``[N]``, node i at start + depth(i), the root at depth 0. Checked against ``tree.tree_mask`` and
     ``tree.tree_positions``; a wrong mask or positions that are a known mistake (only the parent, no
-    diagonal, the transpose, a chain's causal mask; start + node number, the root at depth 1) are named.
+    diagonal, the transpose, the inverse, a chain's causal mask; start + node number, the root at depth 1)
+    are named.
 
 ex11.2  ``accept_branch(parents, tokens, choices, start) -> (branch, next_token, keep)``
     Greedy verification of a tree: ``tokens[i]`` is node i's token, ``choices[i]`` the target's greedy
@@ -35,6 +36,8 @@ branch tried, every outcome of the walk enumerated).
 from __future__ import annotations
 
 import numbers
+import operator
+from itertools import accumulate
 from typing import Any, Callable, Sequence
 
 import torch
@@ -63,6 +66,8 @@ def _mask_mistakes(parents: Sequence[int]) -> list[tuple[Tensor, str]]:
     ancestors_only = ("it must see its parent's parent too, and so on up to the root, for its logits must be "
                       "those the text along its whole branch gives")
     return [
+        (~right, "this mask is inverted: True where node i may NOT see node j (the convention of a bool attn_mask in "
+                 "nn.MultiheadAttention); here True means node i sees node j: itself and its ancestors"),
         (right.T, "this mask is transposed: row i says which nodes see node i (its descendants). Row i is node "
                   "i's query, column j the key it may read: mask[i, j] is True when j is i or an ancestor of i"),
         (right & ~eye, "no node sees itself: the diagonal must be True, for a token attends to its own key and "
@@ -103,7 +108,8 @@ def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
                                  "the spec asks for a bool mask, True where node i may see node j")
         if not torch.equal(mask.cpu().bool(), right_mask):
             mask = mask.cpu().bool()
-            why = next((text for wrong, text in _mask_mistakes(parents) if torch.equal(mask, wrong)), None)
+            why = ". Or, the same mask for this tree: ".join(text for wrong, text in _mask_mistakes(parents)
+                                                               if torch.equal(mask, wrong))
             node = next(i for i in range(n) if not torch.equal(mask[i], right_mask[i]))
             row = (f"row {node} (what node {node} sees) should be nodes {_sees(right_mask, node)}, got "
                    f"{_sees(mask, node)}")
@@ -181,8 +187,8 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
          "under another parent (a cousin) follows a different text, which the target did not write; only the "
          "current node's children are candidates"),
         (_walk_with(lambda node, child: tokens[child] == choices[child], lambda node: kids[node]),
-         "that is what comparing a child's token with choices[child] gives, the target's token AFTER the child; "
-         "whether a child is accepted is decided at its parent: tokens[child] == choices[parent]"),
+         "that is what comparing with choices[child] gives, the target's token AFTER the child; whether a child is "
+         "accepted is decided at its parent: tokens[child] == choices[parent]"),
         ([0, *branch], "the root is not part of the branch: it is the last token of the text already; the branch "
                        "holds the nodes accepted after it"),
         ([tokens[node] for node in branch], "these are the accepted tokens; branch holds the nodes (numbers into "
@@ -197,6 +203,9 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
                                                       "key and value were written to slot start + n"),
         ([0, *branch], "these are node numbers; the slots count from the start of the cache: node n's key and value "
                        "sit in slot start + n"),
+        *(([start + shift + node for node in (0, *branch)], "each slot is one off: the start cached tokens fill slots "
+                                                            "0 .. start - 1, so the pass wrote node 0 (the root) to "
+                                                            "slot start, node n to start + n") for shift in (1, -1)),
     ]
 
     def judge(got: Any) -> None:
@@ -292,6 +301,12 @@ def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[An
                           "and each node adds its own chance of being accepted: sum over all the nodes"),
         (sum(chance[parent] for parent in parents[1:]), "each node counts with its ancestors' probabilities but not "
                                                        "its own; it must be accepted itself too"),
+        (sum(accumulate(accept[1:], operator.mul)),
+         "that multiplies along the node numbers, node i after node i - 1, as in a chain; node i's path runs through "
+         "its parent, parents[i], and the parent's parent, up to the root"),
+        (sum(chance[path[-1]] for path in _branches(parents)),
+         "that counts the leaves alone, the chance that a whole branch is accepted; a walk that stops halfway down "
+         "still yields the nodes it accepted: add every node's chance"),
     ]
 
     def judge(got: Any) -> None:
