@@ -146,3 +146,27 @@ def test_the_gptq_cases_are_what_their_labels_say():
         h = torch.linalg.inv(u.double().T @ u.double())  # the (damped) Hessian whose factor u is
         codes = gptq(weight, h, Scheme(bits, None), damp=0)[0]
         assert (codes != quantize(weight, Scheme(bits, None))[0]).any(1).float().mean() > 0.5, case.label
+
+
+def test_awq_search_slips_that_fail_late_get_a_hint_that_names_them(root):
+    """Slips that only the case with no planted channel, or the planted one, tells apart: the hint names them."""
+    plain = "no planted channel"
+    fails("ex06b.2", mistake(root, "ex06b.2", ".norm().item()", ".abs().mean().item()"), plain,
+          "not a mean of absolute values")
+    fails("ex06b.2", mistake(root, "ex06b.2", "range(grid + 1)", "range(1, grid + 1)"), plain,
+          "the least error is at alpha = 0")
+    fails("ex06b.2", mistake(root, "ex06b.2", "rows.abs().mean(0)", "rows.mean(0).abs()"),
+          "a planted salient channel", "|x| first, then the mean")
+
+
+def test_gptq_columns_slips_in_the_error_get_a_hint_that_names_them(root):
+    correlated = "correlated inputs"
+    fails("ex06b.3", mistake(root, "ex06b.3", "(w[:, i] - (q - zero) * scale)", "((q - zero) * scale - w[:, i])"),
+          correlated, "the weight minus its rounded value")
+    fails("ex06b.3", mistake(root, "ex06b.3", ("q = (torch.round(w[:, i] / scale) + zero).clamp(0, 2 ** bits - 1)",
+                                               "(q - zero) * scale) / u"),
+                             ("raw = torch.round(w[:, i] / scale) + zero\n        q = raw.clamp(0, 2 ** bits - 1)",
+                              "(raw - zero) * scale) / u")),
+          correlated, "the clamped code")
+    fails("ex06b.3", mistake(root, "ex06b.3", "torch.round(w[:, i] / scale)", "torch.round(weight[:, i] / scale)"),
+          correlated, "rounded from the caller's weight")

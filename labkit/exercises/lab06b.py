@@ -172,7 +172,8 @@ def _awq_cases() -> list[Case]:
              "find an alpha > 0 that gives channel 5 the largest scale and beats RTN (alpha = 0). If it does not: "
              "it is W diag(s), W's columns times s, that is rounded, while x is divided by s; the error is the "
              "layer's output error on x, ||x W^T - (x / s) Q(W diag(s))^T||, not the weights' own rounding error "
-             "(least at alpha = 0); and the alpha to keep is the one of least error")]
+             "(least at alpha = 0); m is the mean of |x| per channel, |x| first, then the mean (x's own mean is "
+             "near 0 in every channel); and the alpha to keep is the one of least error")]
     for label, (weight, x), scheme, grid, hint in [
         ("the planted layer again: labkit's scales and alpha", planted, Scheme(4, 64), 20,
          "alpha is right if the case before passed; now the scales themselves: m is the mean of |x| per input "
@@ -189,7 +190,9 @@ def _awq_cases() -> list[Case]:
          "the grid has both ends: alpha = k / grid for k = 0, 1, ..., grid, grid + 1 values (range(grid + 1)); "
          "with so salient a channel alpha = 1 has the least error, less than half of alpha = 0.75's"),
         ("no planted channel: channels only 0.5 to 1.5 times each other", plain, Scheme(4, 32), 10,
-         "no channel stands out much, and the best alpha is still found by the error, not assumed"),
+         "no channel stands out much, and the least error is at alpha = 0, plain RTN: the grid starts at 0 "
+         "(k = 0, 1, ..., grid). The error compared is the norm ||...||, the square root of the sum of squares (its "
+         "square picks the same alpha), not a mean of absolute values, which picks another alpha here"),
     ]:
         cases.append(Case(label, (weight, x, scheme, grid), reference_awq(weight, x, scheme, grid), rtol=1e-4,
                           atol=1e-6, numbers_as_tensors=True, hint=hint))
@@ -217,7 +220,8 @@ def _codes_judge(expected: Tensor, rtn: Tensor, bits: int) -> Callable[[Any], No
             return
         if torch.equal(got.cpu(), rtn) and not torch.equal(expected, rtn):
             raise AssertionError("these are the codes of rounding each weight to nearest (RTN): no column's rounding "
-                                 "error reached the columns after it")
+                                 "error reached the columns after it (or each column was rounded from the caller's "
+                                 "weight, not from the copy that the errors update)")
         row = int(wrong.nonzero()[0])
         column = int((got[row].cpu() != expected[row]).nonzero()[0])
         raise AssertionError(f"the codes differ from labkit's gptq in {int(wrong.sum())} of {out_features} rows, first "
@@ -257,7 +261,9 @@ def _gptq_cases() -> list[Case]:
         _gptq_case("correlated inputs, u with a unit diagonal (8 x 24, 4 bits)", unit_weight, unit_h, unit_u, 4, 0.0,
                    "here the columns' inputs are correlated: once column i is rounded, its error err must change "
                    "the columns not yet rounded, W[:, i+1:] -= err[:, None] * u[i, i+1:] (row i of u, which is "
-                   "given: no inverse or factor to compute), before column i + 1 is rounded"),
+                   "given: no inverse or factor to compute), before column i + 1 is rounded. err is the weight "
+                   "minus its rounded value, w_i - (code_i - zero) * scale with the clamped code (in weights, not "
+                   "codes), divided by u[i, i]"),
     ]
     for label, seed, shape, bits, hint in [
         ("u from a layer's Hessian: its diagonal is not 1 (16 x 32, 4 bits)", 12, (16, 32), 4,

@@ -1,8 +1,8 @@
 """Notebook 08 (compilation): the static cache's plan, a decode loop's bookkeeping that compiles
 whole, and padding a batch to its CUDA-graph bucket.
 
-ex08.2 is checked twice: for its values, eagerly, and for being capturable, by compiling it with
-``fullgraph=True`` and a backend that generates no code (``compiled_whole``): a graph break, or an
+ex08.1 and ex08.2 are checked twice: for their values, eagerly, and for being capturable, by compiling them
+with ``fullgraph=True`` and a backend that generates no code (``compiled_whole``): a graph break, or an
 operation whose output shape depends on the data, fails with the reason in plain words.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from labkit.cuda_graphs import bucket_for, pad_to_bucket
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, Scenario, assert_matches, items_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache, StaticPlan
 
@@ -81,6 +81,11 @@ def _attend_through_plan(static_plan: Callable[..., Any]) -> None:
                     "keys, or its own key was overwritten")
 
 
+def _plan_compiles(static_plan: Callable[..., Any]) -> None:
+    positions = torch.tensor([[3, 4, 5], [0, 1, -1]])
+    _compiled_gives(static_plan, (positions, 8), _reference_plan(positions, 8), ("slots", "mask"))
+
+
 def _plan_cases() -> list[Case | Scenario]:
     return [
         _plan_case("a decode step: one token per row at positions 5, 2 and 0, max_len 8", [[5], [2], [0]], 8,
@@ -104,6 +109,11 @@ def _plan_cases() -> list[Case | Scenario]:
                  hint="a prefill with padding beside real tokens, a decode step, then a row that reaches the last "
                       "slot (7) with a padding token in the same step: if only this fails, padding is written to a "
                       "real slot (max_len - 1) and overwrites that row's own key"),
+        Scenario("compiles whole: torch.compile(static_plan, fullgraph=True) captures it in one graph", _plan_compiles,
+                 hint="the values are right when run eagerly; inside a compiled step the plan may not read a position "
+                      "on the host (.tolist(), .item(), int(...), a Python if or loop over the values): compare the "
+                      "positions with torch.arange(max_len) and pick the slots with torch.where, for every row at "
+                      "once"),
     ]
 
 
@@ -184,22 +194,28 @@ def _rows(tokens: list[int], positions: list[int], finished: list[bool]) -> tupl
 
 
 def _advance_case(label: str, before: tuple[list[int], list[int], list[bool]], eos_id: int,
-                  after: tuple[list[int], list[bool]], hint: str, unchanged: bool = False) -> Case:
+                  after: tuple[list[int], list[bool]], hint: str) -> Case:
+    """Every case checks that the inputs are left as they were: the spec asks for new tensors."""
     return Case(label, (*_rows(*before), eos_id), (torch.tensor(after[0]), torch.tensor(after[1])),
-                unchanged=unchanged, hint=hint)
+                unchanged=True, hint=hint)
+
+
+def _compiled_gives(fn: Callable[..., Any], args: tuple, expected: tuple[Tensor, ...], names: tuple[str, ...]) -> None:
+    """``fn(*args)`` compiled whole returns ``expected``, item by item; AssertionError naming the item otherwise."""
+    fn(*(a.clone() if isinstance(a, Tensor) else a for a in args))  # eagerly first: a stub stops here, as itself
+    compiled = compiled_whole(fn, *args)
+    for name, got, want in zip(names, items_of(compiled, names), expected):
+        try:
+            assert_matches(got, want, 0, 0)
+        except AssertionError as error:
+            raise AssertionError(f"compiled, {name}: {error}") from None
 
 
 def _compiles(advance: Callable[..., Any]) -> None:
-    tokens, positions, finished = _rows([2, 9, 2, 5, 0, 2], [7, 3, 12, 4, 9, 0],
-                                        [False, False, True, True, False, False])
-    eager = advance(tokens.clone(), positions.clone(), finished.clone(), 2)  # a stub stops here, as itself
-    compiled = compiled_whole(advance, tokens, positions, finished, 2)
-    expected = (torch.tensor([7, 4, 12, 4, 10, 0]), torch.tensor([True, False, True, True, False, True]))
-    for name, got, want, then in zip(("positions", "finished"), compiled, expected, eager):
-        if not isinstance(got, Tensor) or got.shape != want.shape or not torch.equal(got, want):
-            raise AssertionError(f"compiled, it returns {name} {got.tolist() if isinstance(got, Tensor) else got!r}, "
-                                 f"expected {want.tolist()} (eagerly it returned "
-                                 f"{then.tolist() if isinstance(then, Tensor) else then!r})")
+    _compiled_gives(advance, (*_rows([2, 9, 2, 5, 0, 2], [7, 3, 12, 4, 9, 0], [False, False, True, True, False, False]),
+                              2),
+                    (torch.tensor([7, 4, 12, 4, 10, 0]), torch.tensor([True, False, True, True, False, True])),
+                    ("positions", "finished"))
 
 
 def _advance_cases() -> list[Case | Scenario]:
@@ -207,7 +223,9 @@ def _advance_cases() -> list[Case | Scenario]:
         _advance_case("no row finishes: every row moves on by one", ([5, 7, 9], [3, 4, 10], [False] * 3), 2,
                       ([4, 5, 11], [False] * 3),
                       hint="a running row's next token goes one position further; with no eos and nothing finished, "
-                           "positions + 1 and finished unchanged"),
+                           "positions + 1 and finished unchanged, as new tensors (positions += ... changes the "
+                           "caller's). Python's and, or and not ask a tensor of several values for one truth value "
+                           "('Boolean value of Tensor ... is ambiguous'): combine tensors with |, & and ~"),
         _advance_case("rows that produce eos (2) finish and keep their position", ([2, 7, 2, 4], [3, 4, 10, 0],
                                                                                     [False] * 4), 2,
                       ([3, 5, 10, 1], [True, False, True, False]),
@@ -218,7 +236,9 @@ def _advance_cases() -> list[Case | Scenario]:
                       ([9, 2, 2, 6], [8, 4, 6, 2], [True, False, True, True]), 2,
                       ([8, 4, 6, 2], [True, True, True, True]),
                       hint="a finished row's token is padding, not text: it must neither move its position nor "
-                           "unfinish the row (combine with the old finished, do not replace it)", unchanged=True),
+                           "unfinish the row (combine with the old finished, do not replace it). Mind Python's "
+                           "precedence: | binds tighter than ==, so finished | tokens == eos_id means "
+                           "(finished | tokens) == eos_id; write finished | (tokens == eos_id)"),
         _advance_case("eos_id is an argument: 0 here", ([0, 2, 5], [1, 2, 3], [False, False, False]), 0,
                       ([1, 3, 4], [True, False, False]),
                       hint="compare with eos_id, the argument, not a number of your own"),
@@ -258,13 +278,14 @@ def _too_large(pad_batch: Callable[..., Any]) -> None:
 def _pad_cases() -> list[Case | Scenario]:
     return [
         _pad_case("4 rows, buckets 1, 2, 4, 8: the batch fills the bucket of 4, nothing to pad", 4, 1, [1, 2, 4, 8],
-                  hint="the bucket is the smallest size that holds the batch: 4 here, not the largest (8) and not "
-                       "the next one up; a batch that fills its bucket comes back as it is, values and dtypes "
-                       "(int64) alike"),
+                  hint="the bucket is the smallest size that holds the batch's B rows (B = tokens.shape[0]: tokens "
+                       "are [B, T]): 4 here, not the largest (8) and not the next one up; a batch that fills its "
+                       "bucket comes back as it is, values and dtypes (int64) alike"),
         _pad_case("3 rows, buckets 1, 2, 4, 8: one padding row", 3, 1, [1, 2, 4, 8], unchanged=True,
-                  hint="the new row is token 0 at position -1: padding, which the static cache writes to its spare "
-                       "slot (position 0 is a real token: it would overwrite slot 0 of that row). Keep the dtypes, "
-                       "int64: torch.zeros and torch.ones make float32 unless given dtype=..."),
+                  hint="the new row goes after the batch's own rows (torch.cat([tokens, padding]) along dim 0), and "
+                       "is token 0 at position -1: padding, which the static cache writes to its spare slot (position "
+                       "0 is a real token: it would overwrite slot 0 of that row). Keep the dtypes, int64: torch.zeros "
+                       "and torch.ones make float32 unless given dtype=..."),
         _pad_case("5 rows of 2 tokens (a verification step), buckets 1, 2, 4, 8, 16", 5, 2, [1, 2, 4, 8, 16],
                   hint="pad whole rows: [5, 2] becomes [8, 2], every token of a new row at position -1"),
         _pad_case("9 rows, the sizes in no order: 32, 1, 16, 2, 4, 8", 9, 1, [32, 1, 16, 2, 4, 8],
