@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from labkit.answers import answer_to
 from labkit.model import Block, ModelConfig, Transformer
 from labkit.quant import Scheme, dequantize, hessian, hooked, quantize
 
@@ -85,6 +86,7 @@ def awq_scales(mean_abs: Tensor, alpha: float) -> Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
+@answer_to("ex06b.2")
 def search_scales(weight: Tensor, mean_abs: Tensor, h: Tensor, scheme: Scheme, grid: int = 20
                   ) -> tuple[Tensor, float, float]:
     """AWQ's search for one layer ``[out, in]``: over alpha = 0, 1/grid, ..., 1, the scales

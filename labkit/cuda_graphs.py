@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache
 
@@ -44,6 +45,7 @@ def buckets(max_batch: int) -> list[int]:
     return sizes[:next(i for i, b in enumerate(sizes) if b >= max_batch) + 1]
 
 
+@answer_to("ex08.3")
 def bucket_for(batch: int, sizes: Sequence[int]) -> int:
     """The smallest bucket that holds ``batch`` rows."""
     fitting = [b for b in sizes if b >= batch]
@@ -52,6 +54,7 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int:
     return min(fitting)
 
 
+@answer_to("ex08.3")
 def pad_to_bucket(tokens: Tensor, positions: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
     """``tokens`` and ``positions`` ``[B, T]`` padded with rows of token 0 at position -1 up to
     ``bucket`` rows: rows that the static cache writes to its spare slot."""

@@ -234,6 +234,7 @@ def inverse_hessian_factor(h: Tensor, damp: float = 0.01) -> Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
 
+@answer_to("ex06b.3")
 def gptq(weight: Tensor, h: Tensor, scheme: Scheme, damp: float = 0.01, block: int = 128
          ) -> tuple[Tensor, Tensor, Tensor]:
     """GPTQ for one weight ``[out, in]`` given its input Hessian ``[in, in]``: codes, scales and

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.model import AttentionPlan, ModelConfig, attention, cache_length
 from labkit.validate import check_positions
 
@@ -86,6 +87,7 @@ class StaticKVCache:
         view.max_len, view.k, view.v, view.key_slots, view.rows = self.max_len, k, v, key_slots, rows
         return view
 
+    @answer_to("ex08.1")
     def plan(self, positions: Tensor) -> StaticPlan:
         """The plan of a step whose tokens are at ``positions`` ``[batch_size, T]`` (-1: padding),
         made without reading them on the host: a padding token is written to the spare slot, and

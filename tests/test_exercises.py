@@ -255,8 +255,15 @@ def test_labkit_own_code_handed_in_scores_nothing():
 
 
 def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_through():
-    from labkit import cost, paged_attention, tree
+    from labkit import awq, cost, cuda_graphs, paged_attention, quant, tree
+    from labkit.model import ModelConfig
     from labkit.paged import BlockPool
+    from labkit.static_cache import StaticKVCache
+
+    def static_plan(positions, max_len):  # the cache's own plan, unpacked
+        config = ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8, max_seq_len=64)
+        plan = StaticKVCache(config, positions.shape[0], max_len).plan(positions)
+        return plan.slots, plan.mask
 
     class ForkingPool(BlockPool):
         def fork(self, parent, child):
@@ -271,7 +278,15 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
             ("ex03.3", ForkingPool, "labkit.paged.BlockPool.fork"),
             ("ex03.4", lambda *args: paged_attention.paged_attention(*args), "labkit.paged_attention.paged_attention"),
             ("ex11.3", lambda parents, accept: (tree.expected_accepted(parents, accept),) * 2,
-             "labkit.tree.expected_accepted")]:
+             "labkit.tree.expected_accepted"),
+            ("ex08.1", static_plan, "labkit.static_cache.StaticKVCache.plan"),
+            ("ex08.3", lambda tokens, positions, sizes: cuda_graphs.pad_to_bucket(
+                tokens, positions, cuda_graphs.bucket_for(tokens.shape[0], sizes)), "labkit.cuda_graphs.bucket_for"),
+            ("ex06b.2", lambda weight, x, scheme, grid=20: awq.search_scales(
+                weight, x.reshape(-1, x.shape[-1]).abs().mean(0), quant.hessian(x), scheme, grid)[:2],
+             "labkit.awq.search_scales"),
+            ("ex06b.3", lambda weight, u, scale, zero, bits: quant.gptq(weight, u.T @ u, quant.Scheme(bits, None))[0],
+             "labkit.quant.gptq")]:
         result = run_cases(get(ex_id), fn)
         assert result.status == FAILED and result.points == 0, (ex_id, result.message)
         assert result.message.endswith(f"your code calls labkit's {called}, which is labkit's answer to {ex_id}: write "
