@@ -2,11 +2,13 @@
 
     result = launch(fn, world_size=2, args=(...))     # rank 0's return value
 
-Each rank is a fresh Python process (``spawn``: a notebook's kernel is never forked) that joins
-one process group, meeting the others through a file in a temporary folder: gloo on a CPU (its
+Each rank is a new Python process that joins one process group, meeting the others through a file in a temporary folder: gloo on a CPU (its
 messages over 127.0.0.1), NCCL when there is a CUDA GPU per rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
 ``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
-process imports it by name.
+process imports it by name. A rank is never a fork of its starter (a notebook's kernel, with its
+threads): it forks from multiprocessing's fork server, a process started once that has imported
+torch and labkit, so that a rank starts in a fraction of a second where a fresh interpreter
+(``spawn``, where there is no fork server, as on Windows) takes seconds to import them.
 
 The caller waits for every rank and returns rank 0's result. If a rank raises, the others are
 stopped and ``RankError`` shows the rank's traceback; a rank that dies without a word, or a run
@@ -77,7 +79,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     check_importable(fn)
     backend, devices = backend_for(world_size, backend)
     threads = threads or default_threads(world_size)
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.Queue()
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
     procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
@@ -96,6 +98,16 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
         _stop(procs, grace_s=5.0 if finished else 0.0)
         results.close()
         shutil.rmtree(store, ignore_errors=True)
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork server's context where the system has one, with torch and labkit imported in it before its
+    first fork; else spawn's."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["labkit.parallel.launch"])  # matters until the server has started
+    return context
 
 
 def _collect(procs: list, results, deadline: float) -> Any:
@@ -137,14 +149,30 @@ def _stop(procs: list, grace_s: float) -> None:
             p.join()
 
 
-def _die_with_parent(parent: int) -> None:
-    """A thread that ends this process once its starter ``parent`` is gone (a killed or restarted kernel):
-    this process is then adopted, and its parent id changes. It checks at once, then twice a second."""
+def _die_with_parent(starter: int) -> None:
+    """A thread that ends this process once its ``starter`` is gone (a killed or restarted kernel): its
+    parent (the starter, or the fork server, which ends with the starter) is then gone and this process
+    adopted, or the starter's pid no longer exists. It checks at once, then twice a second."""
+    parent = os.getppid()
+
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent and _exists(starter):
             time.sleep(0.5)
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="labkit-parent-watch").start()
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (on Windows, where a signal 0 would interrupt it, always True)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
 
 
 def _run_rank(fn: Callable[..., Any], rank: Rank, args: tuple, address: str, threads: int, timeout_s: float,
