@@ -37,11 +37,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-import torch
-
 from labkit import notebook
 from labkit.check import NOT_ATTEMPTED, PASSED, Result, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
+from labkit.spawning import fork_server
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -153,20 +152,10 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
     return submissions
 
 
-_PRELOAD = ["torch", "IPython.core.interactiveshell"]
-
-
 @lru_cache(maxsize=1)
 def _context() -> multiprocessing.context.BaseContext:
-    """Fresh processes that start in milliseconds: a fork server that has imported torch once.
-    With a GPU it imports torch alone: importing labkit asks torch whether a GPU exists, which starts
-    the CUDA driver, and a process forked from one that has started it cannot use CUDA ("Cannot
-    re-initialize CUDA in forked subprocess"): every exercise would fail on a GPU machine."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD + ([] if torch.cuda.is_available() else ["labkit", *_grade_module()]))
-    return ctx
+    """Fresh processes that start in milliseconds (``spawning.fork_server``)."""
+    return fork_server("IPython.core.interactiveshell", "labkit", *_grade_module())
 
 
 def _grade_module() -> list[str]:

@@ -1,6 +1,10 @@
 """Starting Python processes with ``spawn`` from anywhere: a notebook, a script with no
 ``if __name__ == "__main__"`` guard, a pytest worker.
 
+``fork_server(*modules)`` is multiprocessing's fork server (spawn where there is none): its processes
+fork from one that imported torch and ``modules`` once, and start in milliseconds where a fresh
+interpreter takes seconds to import torch.
+
 A spawned process is a fresh interpreter that imports by name what it must run, and re-imports
 the starter's main module first. ``check_importable`` refuses, by name, a function the new process
 could not import (a notebook cell's, a nested one); ``main_not_rerun`` hides the main module while
@@ -9,6 +13,7 @@ processes start, so that a script's top level does not run again in each.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import sys
 from typing import Any, Iterator
 
@@ -18,6 +23,22 @@ def check_importable(fn: Any) -> None:
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
                          "at the top of an importable module (a notebook cell's function is not)")
+
+
+def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
+    """The fork server's context where the system has one, else spawn's. The server is one for the whole
+    process, started at its first use with torch and ``modules`` imported (the first caller's ``modules``
+    hold; what it lacks, a process imports when it needs it). With a GPU, labkit's modules are left out:
+    importing labkit asks torch whether a GPU exists, which starts the CUDA driver, and a process forked
+    from one that has started it cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    import torch
+
+    gpu = torch.cuda.is_available()
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", *(m for m in modules if not (gpu and m.split(".")[0] == "labkit"))])
+    return context
 
 
 @contextlib.contextmanager

@@ -6,9 +6,9 @@ Each rank is a new Python process that joins one process group, meeting the othe
 messages over 127.0.0.1), NCCL when there is a CUDA GPU per rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
 ``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
 process imports it by name. A rank is never a fork of its starter (a notebook's kernel, with its
-threads): it forks from multiprocessing's fork server, a process started once that has imported
-torch and labkit, so that a rank starts in a fraction of a second where a fresh interpreter
-(``spawn``, where there is no fork server, as on Windows) takes seconds to import them.
+threads): it forks from multiprocessing's fork server (``labkit.spawning.fork_server``), a process
+started once that has imported torch, so that a rank starts in a fraction of a second where a fresh
+interpreter (``spawn``, where there is no fork server, as on Windows) takes seconds to import it.
 
 The caller waits for every rank and returns rank 0's result. If a rank raises, the others are
 stopped and ``RankError`` shows the rank's traceback; a rank that dies without a word, or a run
@@ -18,7 +18,6 @@ killed or restarted leaves none).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -34,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from labkit.spawning import check_importable, main_not_rerun
+from labkit.spawning import check_importable, fork_server, main_not_rerun
 
 
 class RankError(RuntimeError):
@@ -79,7 +78,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     check_importable(fn)
     backend, devices = backend_for(world_size, backend)
     threads = threads or default_threads(world_size)
-    context = _context()
+    context = fork_server("labkit.parallel.launch")
     results = context.Queue()
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
     procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
@@ -98,16 +97,6 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
         _stop(procs, grace_s=5.0 if finished else 0.0)
         results.close()
         shutil.rmtree(store, ignore_errors=True)
-
-
-def _context() -> mp.context.BaseContext:
-    """The fork server's context where the system has one, with torch and labkit imported in it before its
-    first fork; else spawn's."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["labkit.parallel.launch"])  # matters until the server has started
-    return context
 
 
 def _collect(procs: list, results, deadline: float) -> Any:

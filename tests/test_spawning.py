@@ -1,0 +1,36 @@
+"""labkit.spawning: the fork server that the grader and the ranks start from."""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+
+import pytest
+import torch
+
+from labkit.spawning import fork_server
+
+needs_fork_server = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
+                                       reason="this system has no fork server (spawn is used)")
+
+
+def _preloaded() -> list[str]:
+    return list(multiprocessing.forkserver._forkserver._preload_modules)
+
+
+@needs_fork_server
+def test_the_fork_server_preloads_torch_and_leaves_labkit_out_where_a_gpu_is(monkeypatch):
+    """Importing labkit in the server would start CUDA's driver there, and its forks could not use CUDA."""
+    try:
+        assert fork_server("IPython.core.interactiveshell", "labkit.grade").get_start_method() == "forkserver"
+        assert _preloaded() == ["torch", "IPython.core.interactiveshell", "labkit.grade"] or torch.cuda.is_available()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        fork_server("IPython.core.interactiveshell", "labkit", "labkit.parallel.launch")
+        assert _preloaded() == ["torch", "IPython.core.interactiveshell"]
+    finally:
+        monkeypatch.undo()
+        fork_server("labkit.parallel.launch")  # as launch leaves it, should this process start the server later
+
+
+def test_without_a_fork_server_processes_are_spawned(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert fork_server("labkit").get_start_method() == "spawn"
