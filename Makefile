@@ -4,8 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.labkit-installed  # the lab: what a student's notebooks and the server need
-TEST_STAMP := $(VENV)/.labkit-test-installed  # and what the tests need besides
+# installed: the lab (what a student's notebooks and the server need), then what the tests need besides
+STAMP := $(VENV)/.labkit-installed
+TEST_STAMP := $(VENV)/.labkit-test-installed
 LAB_ARGS ?=
 # jupyter refuses to run as root unless told; containers often run as root
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)

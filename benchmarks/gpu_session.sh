@@ -3,14 +3,17 @@
 # (session 33's run, BENCHMARKS.md, says what the last one found):
 #   issue 35: the Triton INT4 kernel at its new defaults against fp16 F.linear at batch 1 (goal >= 2.5x), then
 #             the launch sweep, its untimed split walks first;
-#   issue 32: notebooks 05 and 04 whole on the GPU (each stopped by too short a limit last time), then the
-#             notebooks that have never run on one (07, 00, 02, 03); then the Llama-3.2-1B shape's naive loop
-#             (cached against naive at 1,024 tokens, goal >= 10x) and the other INT4 sweeps.
-# Each step has a time limit (about what it took on an H100, with a margin) and its own log; a step that would
-# not fit in what is left of TOTAL seconds is skipped and says so, and the steps after it still run. On the
-# machine (the device tool's run, carrying .whl), TOTAL a little under the call's limit, which is less than
-# its timeout_s when little device time is left:
+#   issue 32: notebooks 05 and 04 whole on the GPU (each stopped by too short a limit last time), the
+#             Llama-3.2-1B shape's naive loop (cached against naive at 1,024 tokens, goal >= 10x), then the
+#             notebooks that have never run on one (07, 00, 02, 03) and the other INT4 sweeps.
+# Each step has a time limit (what it took on an H100 with a margin, where it has run there) and its own log; a
+# step that would not fit in what is left of TOTAL seconds is skipped and says so, and the steps after it still
+# run. On the machine (the device tool's run, carrying .whl), TOTAL a little under the call's limit, which is
+# less than its timeout_s when little device time is left:
 #     TOTAL=575 bash benchmarks/gpu_session.sh
+# One call rarely holds them all: a second call (on the warm machine) names the steps it wants, in the order
+# they come here:
+#     TOTAL=575 STEPS="compile_1b notebook_07 notebook_00" bash benchmarks/gpu_session.sh
 # Here first, once a session (the device image lacks Jupyter's kernel packages; they travel as wheels):
 #     bash benchmarks/gpu_session.sh wheels
 # It prints what would travel: the tree and the wheels must fit in the device tool's 64 MiB.
@@ -33,13 +36,13 @@ if [ "${1:-}" = wheels ]; then  # Python 3.12 wheels of what the notebooks need 
   for optional in debugpy jedi parso widgetsnbextension; do  # a kernel runs without them (debugger, completion,
     rm -f .whl/"$optional"-*.whl                             # the classic notebook's front end); the tree and
   done                                                       # the wheels must travel in 64 MiB
-  tracked=$(git ls-files -z | xargs -0 du -cb 2> /dev/null | tail -n 1 | cut -f 1)
+  tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2> /dev/null | tail -n 1 | cut -f 1)
   wheels=$(du -cb .whl | tail -n 1 | cut -f 1)
-  echo "to travel: $(( (tracked + wheels) >> 20 )) MiB ($(( tracked >> 20 )) MiB of tracked files, $(( wheels >> 20 )) of wheels); the limit is 64 MiB"
-  if (( tracked + wheels > 64 << 20 )); then  # what the steps can do without, the largest first
-    echo "over it: for the call, move away (and back after) the checkpoints of labs it does not run:"
-    du -sh labkit/checkpoints/{mha,gqa,mqa} | sed 's/$/ (notebook 02 alone)/'
-    du -sh labkit/checkpoints/{medusa,early-exit} | sed 's/$/ (notebook 11 alone)/'
+  awk -v t="$tree" -v w="$wheels" 'BEGIN {printf "to travel: %.1f MiB (%.1f of the tree, %.1f of wheels); the limit is 64 MiB\n",
+                                          (t + w) / 2^20, t / 2^20, w / 2^20}'
+  if (( tree + wheels > 64 << 20 )); then  # notebook 02, which the steps run, needs mha, gqa and mqa's
+    echo "over it: for the call, move away (and back after) the checkpoints of notebook 11, which the steps do not run:"
+    du -sh labkit/checkpoints/{early-exit,medusa}
   fi
   exit
 fi
@@ -47,7 +50,7 @@ fi
 TOTAL=${TOTAL:-570}
 OUT=${OUT:-/tmp/gpu_session}
 LOGS=/tmp/gpu_session_logs  # packed into $OUT/logs.tgz after each step: the device returns at most 8 files
-mkdir -p "$OUT" "$LOGS"
+rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"  # a warm machine's second call: this call's logs alone
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -59,6 +62,9 @@ fi
 step() {  # step NAME LIMIT_S COMMAND...: run it with its log in $LOGS/NAME.log, unless it would pass TOTAL
   local name=$1 limit=$2 started=$SECONDS
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+    return  # not among the STEPS named
+  fi
   if (( SECONDS + limit + 15 > TOTAL )); then  # 15: what timeout -k gives a step after its INT
     echo "== $name: skipped ($limit s would pass the $TOTAL s of this call, $SECONDS s gone)"
     return
@@ -77,12 +83,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 step int4_layer 60 python3 -c "$IN_BENCHMARKS; from quantization import gpu_layer; gpu_layer(30)"
 step int4_sweep 120 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 90
 step notebook_05 170 "${NOTEBOOK[@]}" solutions/05_speculative_decoding.ipynb
+step notebook_04 230 "${NOTEBOOK[@]}" solutions/04_continuous_batching.ipynb
+step compile_1b 300 python3 benchmarks/compile.py --models draft --skip-cold --repeats 20 --shape Llama-3.2-1B
 step notebook_07 60 "${NOTEBOOK[@]}" solutions/07_triton_attention.ipynb
 step notebook_00 45 "${NOTEBOOK[@]}" solutions/00_welcome.ipynb
 step notebook_02 60 "${NOTEBOOK[@]}" solutions/02_kv_memory.ipynb
 step notebook_03 45 "${NOTEBOOK[@]}" solutions/03_paged_attention.ipynb
-step notebook_04 230 "${NOTEBOOK[@]}" solutions/04_continuous_batching.ipynb
-step compile_1b 300 python3 benchmarks/compile.py --models draft --skip-cold --repeats 20 --shape Llama-3.2-1B
 step int4_sweep_down 50 python3 benchmarks/int4_gpu_sweep.py --shapes 11008x4096 --budget 30
 step int4_sweep_bf16 50 python3 benchmarks/int4_gpu_sweep.py --shapes 4096x11008 --budget 30 --dtype bf16
 echo "== done after $SECONDS s; logs in $OUT/logs.tgz"

@@ -78,15 +78,23 @@ def _lab_of(path: Path) -> str | None:
 
 def _exercises_in(nb: notebook.Notebook) -> list[Exercise]:
     """The exercises of the cells tagged with one; where no cell is (tags lost in a copy), those whose
-    function a code cell defines, as the grader finds them (``_exercise_cell``)."""
+    function a code cell defines, as the grader finds them (``_exercise_cell``), of labs with two or
+    more of them defined (one function of a common name, ``advance``, does not make a lab's notebook)."""
     tagged = [get(i) for c in nb["cells"] if (i := notebook.exercise_id(c)) in EXERCISES]
-    return tagged or [ex for ex in EXERCISES.values() if _exercise_cell(nb, ex)[0] is not None]
+    if tagged:
+        return tagged
+    defined = [ex for ex in EXERCISES.values() if _exercise_cell(nb, ex)[0] is not None]
+    labs = Counter(ex.lab for ex in defined)
+    return [ex for ex in defined if labs[ex.lab] >= 2]
+
+
+_LAB_IDS = sorted({ex.lab for ex in EXERCISES.values()})  # the labs that have exercises: "00", "01", ...
 
 
 def _known_lab_of_name(name: str) -> str | None:
     """The lab a file name gives (``notebook.lab_of_name``), None where it gives none or one with no exercises."""
     named = notebook.lab_of_name(name)
-    return named if named in {ex.lab for ex in EXERCISES.values()} else None
+    return named if named in _LAB_IDS else None
 
 
 def _unplaced(path: Path) -> str:
@@ -96,8 +104,7 @@ def _unplaced(path: Path) -> str:
     except ValueError as error:
         return f"its lab cannot be told, so it was not graded: {error}"
     named = notebook.lab_of_name(path.name)
-    labs = sorted({ex.lab for ex in EXERCISES.values()})
-    name = (f"its name's {named}_ is no lab's (the labs: {', '.join(labs)})" if named else "no NN_ prefix in its name")
+    name = (f"its name's {named}_ is no lab's (the labs: {', '.join(_LAB_IDS)})" if named else "no NN_ prefix in its name")
     bare = path.name[len(named) + 1:] if named else path.name
     return (f"its lab cannot be told ({name}, and no cell tagged as an exercise or defining an exercise's "
             f"function), so it was not graded: rename it with its lab's NN_ prefix (as 03_{bare} for lab 03) or "
@@ -342,8 +349,8 @@ def grade_this(name: str) -> None:
     path = this_notebook(name)
     if not path.is_file():
         print(f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no notebook "
-              f"with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the folder it runs in, or grade it "
-              "from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
+              f"with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the folder it runs "
+              "in, or grade it from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
         return
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
     print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "

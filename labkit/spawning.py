@@ -27,10 +27,11 @@ def check_importable(fn: Any) -> None:
 
 def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     """The fork server's context where the system has one, else spawn's. The server is one for the whole
-    process, started at its first use with torch and ``modules`` imported (the first caller's ``modules``
-    hold; what it lacks, a process imports when it needs it). With a GPU, labkit's modules are left out:
-    importing labkit asks torch whether a GPU exists, which starts the CUDA driver, and a process forked
-    from one that has started it cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
+    process, started at its first use with torch and the ``modules`` of the last call before then (what it
+    lacks, a process imports when it needs it). Its processes start with the server's environment: pass
+    them yours. With a GPU, labkit's modules are left out: importing labkit asks torch whether a GPU
+    exists, which starts the CUDA driver, and a process forked from one that has started it cannot use
+    CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     import torch

@@ -63,3 +63,8 @@ def exit_on_rank_one(rank: Rank, pid_folder: str) -> int:
 def sleep_forever(rank: Rank, pid_folder: str) -> None:
     _write_pid(rank, pid_folder)
     time.sleep(600)
+
+
+def environment_variable(rank: Rank, name: str) -> str | None:
+    """What the rank's environment holds under ``name``."""
+    return os.environ.get(name)

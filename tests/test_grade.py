@@ -271,6 +271,11 @@ def test_a_notebook_of_no_nn_name_whose_exercise_cells_lost_their_tags_is_placed
     assert "cannot be told" not in capsys.readouterr().err
     results = grade([tmp_path / "fay"], timeout_s=30)["fay"]
     assert sorted(results) == ["ex00.1", "ex00.2"] and {r.status for r in results.values()} == {"passed"}, results
+    scratch = {**NO_LAB, "cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                                    "source": "def advance(tokens, positions, finished, eos_id):\n    pass\n"}]}
+    (tmp_path / "gus").mkdir()
+    notebook.write(scratch, tmp_path / "gus" / "scratch.ipynb")  # one function of a common name: no lab's notebook
+    assert [(s.student, s.lab) for s in find_submissions([tmp_path / "gus"])] == [("gus", "")]
 
 
 def test_an_exercise_cell_that_lost_its_tags_is_found_by_the_function_it_defines(root, tmp_path):

@@ -102,6 +102,14 @@ def test_ranks_end_when_their_starter_is_killed(tmp_path):
         starter.kill()
 
 
+def test_a_rank_runs_with_its_starters_environment_as_it_is_at_the_launch(monkeypatch):
+    """Ranks fork from a server started at the first launch: a variable set after it still reaches them."""
+    launch(parallel_ranks.environment_variable, 2, ("LABKIT_RANK_TEST",), timeout_s=60)  # the server runs now
+    monkeypatch.setenv("LABKIT_RANK_TEST", "set after the first launch")
+    assert launch(parallel_ranks.environment_variable, 2, ("LABKIT_RANK_TEST",), timeout_s=60) == \
+        "set after the first launch"
+
+
 def test_functions_that_cannot_reach_another_process_are_refused():
     with pytest.raises(ValueError, match="importable module"):
         launch(lambda rank: 0, 2)

@@ -20,6 +20,7 @@ def _preloaded() -> list[str]:
 @needs_fork_server
 def test_the_fork_server_preloads_torch_and_leaves_labkit_out_where_a_gpu_is(monkeypatch):
     """Importing labkit in the server would start CUDA's driver there, and its forks could not use CUDA."""
+    saved = _preloaded()
     try:
         assert fork_server("IPython.core.interactiveshell", "labkit.grade").get_start_method() == "forkserver"
         assert _preloaded() == ["torch", "IPython.core.interactiveshell", "labkit.grade"] or torch.cuda.is_available()
@@ -27,8 +28,7 @@ def test_the_fork_server_preloads_torch_and_leaves_labkit_out_where_a_gpu_is(mon
         fork_server("IPython.core.interactiveshell", "labkit", "labkit.parallel.launch")
         assert _preloaded() == ["torch", "IPython.core.interactiveshell"]
     finally:
-        monkeypatch.undo()
-        fork_server("labkit.parallel.launch")  # as launch leaves it, should this process start the server later
+        multiprocessing.get_context("forkserver").set_forkserver_preload(saved)  # as it was
 
 
 def test_without_a_fork_server_processes_are_spawned(monkeypatch):

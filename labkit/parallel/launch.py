@@ -2,13 +2,16 @@
 
     result = launch(fn, world_size=2, args=(...))     # rank 0's return value
 
-Each rank is a new Python process that joins one process group, meeting the others through a file in a temporary folder: gloo on a CPU (its
-messages over 127.0.0.1), NCCL when there is a CUDA GPU per rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back what
-``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
+Each rank is a new Python process that joins one process group, meeting the others through a file
+in a temporary folder: gloo on a CPU (its messages over 127.0.0.1), NCCL when there is a CUDA GPU
+per rank. It runs ``fn(rank, *args)``, where ``rank`` says who it is (``Rank``), and sends back
+what ``fn`` returned. ``fn`` must be importable (a module's function, not a notebook cell's): each
 process imports it by name. A rank is never a fork of its starter (a notebook's kernel, with its
-threads): it forks from multiprocessing's fork server (``labkit.spawning.fork_server``), a process
-started once that has imported torch, so that a rank starts in a fraction of a second where a fresh
-interpreter (``spawn``, where there is no fork server, as on Windows) takes seconds to import it.
+threads): on Linux and macOS it forks from multiprocessing's fork server
+(``labkit.spawning.fork_server``), a process started once that has imported torch, so that a rank
+starts in a fraction of a second where a fresh interpreter (``spawn``, as on Windows) takes seconds
+to import it. Each rank runs with its starter's environment variables as they are at the launch
+(``NCCL_DEBUG`` set in a notebook reaches the ranks), not the fork server's.
 
 The caller waits for every rank and returns rank 0's result. If a rank raises, the others are
 stopped and ``RankError`` shows the rank's traceback; a rank that dies without a word, or a run
@@ -83,7 +86,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
     procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
                              args=(fn, Rank(r, world_size, devices[r], backend), args, f"file://{store}/store",
-                                   threads, timeout_s, os.getpid(), results))
+                                   threads, timeout_s, os.getpid(), dict(os.environ), results))
              for r in range(world_size)]
     finished = False
     try:
@@ -165,8 +168,10 @@ def _exists(pid: int) -> bool:
 
 
 def _run_rank(fn: Callable[..., Any], rank: Rank, args: tuple, address: str, threads: int, timeout_s: float,
-              parent: int, results) -> None:
+              parent: int, environment: dict[str, str], results) -> None:
     _die_with_parent(parent)
+    os.environ.clear()  # the starter's, not the fork server's of when it started
+    os.environ.update(environment)
     torch.set_num_threads(threads)
     try:
         if rank.device.type == "cuda":
