@@ -3,7 +3,8 @@
 
 ``fork_server(*modules)`` is multiprocessing's fork server (spawn where there is none): its processes
 fork from one that imported torch and ``modules`` once, and start in milliseconds where a fresh
-interpreter takes seconds to import torch.
+interpreter takes seconds to import torch. They start with the server's environment variables, as
+they were when it started: ``in_environment`` runs a process's target in its starter's.
 
 A spawned process is a fresh interpreter that imports by name what it must run, and re-imports
 the starter's main module first. ``check_importable`` refuses, by name, a function the new process
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def check_importable(fn: Any) -> None:
@@ -28,8 +30,8 @@ def check_importable(fn: Any) -> None:
 def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     """The fork server's context where the system has one, else spawn's. The server is one for the whole
     process, started at its first use with torch and the ``modules`` of the last call before then (what it
-    lacks, a process imports when it needs it). Its processes start with the server's environment: pass
-    them yours. With a GPU, labkit's modules are left out: importing labkit asks torch whether a GPU
+    lacks, a process imports when it needs it). Its processes start with the server's environment: start
+    them through ``in_environment``. With a GPU, labkit's modules are left out: importing labkit asks torch whether a GPU
     exists, which starts the CUDA driver, and a process forked from one that has started it cannot use
     CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -40,6 +42,14 @@ def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", *(m for m in modules if not (gpu and m.split(".")[0] == "labkit"))])
     return context
+
+
+def in_environment(environment: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
+    """A process's target: ``target(*args)`` with ``environment`` (the starter's ``dict(os.environ)`` when
+    it starts the process) as this process's environment variables, not the fork server's."""
+    os.environ.clear()
+    os.environ.update(environment)
+    target(*args)
 
 
 @contextlib.contextmanager

@@ -68,3 +68,8 @@ def sleep_forever(rank: Rank, pid_folder: str) -> None:
 def environment_variable(rank: Rank, name: str) -> str | None:
     """What the rank's environment holds under ``name``."""
     return os.environ.get(name)
+
+
+def environment_to_file(path: str, name: str) -> None:
+    """Write what this process's environment holds under ``name`` (or "-") to ``path``."""
+    Path(path).write_text(os.environ.get(name, "-"))

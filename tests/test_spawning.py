@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 
 import pytest
 import torch
 
-from labkit.spawning import fork_server
+from labkit.spawning import fork_server, in_environment
 
 needs_fork_server = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
                                        reason="this system has no fork server (spawn is used)")
@@ -34,3 +35,17 @@ def test_the_fork_server_preloads_torch_and_leaves_labkit_out_where_a_gpu_is(mon
 def test_without_a_fork_server_processes_are_spawned(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     assert fork_server("labkit").get_start_method() == "spawn"
+
+
+def test_a_process_runs_in_the_environment_it_is_given_not_the_fork_servers(tmp_path, monkeypatch):
+    """The grader and the ranks pass their environment as it is now: a fork server's is as it was when it started."""
+    import parallel_ranks
+
+    context = fork_server()
+    for value in ("first", "set after the server started"):
+        monkeypatch.setenv("LABKIT_SPAWN_TEST", value)
+        process = context.Process(target=in_environment, args=(dict(os.environ), parallel_ranks.environment_to_file,
+                                                               str(tmp_path / "seen"), "LABKIT_SPAWN_TEST"))
+        process.start()
+        process.join(60)
+        assert (tmp_path / "seen").read_text() == value

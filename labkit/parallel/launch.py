@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from labkit.spawning import check_importable, fork_server, main_not_rerun
+from labkit.spawning import check_importable, fork_server, in_environment, main_not_rerun
 
 
 class RankError(RuntimeError):
@@ -84,9 +84,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     context = fork_server("labkit.parallel.launch")
     results = context.Queue()
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
-    procs = [context.Process(target=_run_rank, daemon=True, name=f"labkit-rank-{r}",
-                             args=(fn, Rank(r, world_size, devices[r], backend), args, f"file://{store}/store",
-                                   threads, timeout_s, os.getpid(), dict(os.environ), results))
+    procs = [context.Process(target=in_environment, daemon=True, name=f"labkit-rank-{r}",
+                             args=(dict(os.environ), _run_rank, fn, Rank(r, world_size, devices[r], backend), args,
+                                   f"file://{store}/store", threads, timeout_s, os.getpid(), results))
              for r in range(world_size)]
     finished = False
     try:
@@ -168,10 +168,8 @@ def _exists(pid: int) -> bool:
 
 
 def _run_rank(fn: Callable[..., Any], rank: Rank, args: tuple, address: str, threads: int, timeout_s: float,
-              parent: int, environment: dict[str, str], results) -> None:
+              parent: int, results) -> None:
     _die_with_parent(parent)
-    os.environ.clear()  # the starter's, not the fork server's of when it started
-    os.environ.update(environment)
     torch.set_num_threads(threads)
     try:
         if rank.device.type == "cuda":
