@@ -11,12 +11,10 @@ LAB_ARGS ?=
 # jupyter refuses to run as root unless told; containers often run as root
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 PYTEST_ARGS ?=
-# nbval: per-cell time limit in seconds (a CPU notebook runs in under 90 s in total)
-CELL_TIMEOUT ?= 300
-NBVAL := --nbval-lax --nbval-cell-timeout=$(CELL_TIMEOUT)
-# Tests and notebooks run in WORKERS processes (pytest-xdist), a whole test file or notebook to each
-# (loadfile: a notebook's cells share one kernel, in order), each process with THREADS torch threads,
-# so that the workers share the cores instead of fighting over them. WORKERS=1 runs them one by one.
+# Tests and notebooks run in WORKERS processes (pytest-xdist), a whole test file or a whole lab's two
+# notebooks to each (loadfile, as tests/conftest.py splits it: a file's fixtures are built once), each
+# process with THREADS torch threads, so that the workers share the cores instead of fighting over them.
+# WORKERS=1 runs them one by one.
 WORKERS ?= 2
 THREADS ?= 1
 PARALLEL := $(if $(filter-out 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
@@ -48,23 +46,24 @@ SERVE_ARGS ?=
 serve: $(STAMP)
 	$(BIN)/python -m labkit.serve --model $(or $(MODEL),target) $(SERVE_ARGS)
 
-test: test-unit test-notebooks test-browser
+# The unit tests and the notebooks in one run, the notebooks handed out first and the test files around
+# them (tests/conftest.py), so that neither waits for the other's last file; then the browser tests.
+test: $(TEST_STAMP)
+	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser" $(PARALLEL) --durations=20 $(PYTEST_ARGS)
+	$(MAKE) test-browser
 
 test-unit: $(TEST_STAMP)
-	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
+	$(SHARE_CORES) $(BIN)/python -m pytest tests -m "not browser and not notebook" $(PARALLEL) --durations=10 $(PYTEST_ARGS)
+
+# One kernel per lab (tests/test_notebooks.py): solutions/ whole with LABKIT_STRICT=1, so a failing
+# inline check fails the run, then notebooks/ from its first exercise on, every exercise still a stub
+# (its cells before that are the solution's).
+test-notebooks: $(TEST_STAMP)
+	$(SHARE_CORES) $(BIN)/python -m pytest tests -m notebook $(PARALLEL) --durations=13 $(PYTEST_ARGS)
 
 # the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, last
 test-browser: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
-
-# Solutions run with LABKIT_STRICT=1, so a failing inline check fails the run;
-# the student copies must run top to bottom with every exercise still a stub. The student
-# copy of 02 is left to tests/test_browser.py, which runs all of it in JupyterLab and fails
-# on any error output (CI always runs it), so it is not run twice.
-test-notebooks: $(TEST_STAMP)
-	$(SHARE_CORES) LABKIT_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions $(PARALLEL) $(PYTEST_ARGS)
-	$(SHARE_CORES) LABKIT_STRICT=0 $(BIN)/python -m pytest $(NBVAL) notebooks --ignore=notebooks/02_kv_memory.ipynb \
-		$(PARALLEL) $(PYTEST_ARGS)
 
 release: $(STAMP)
 	$(BIN)/python -m labkit.release

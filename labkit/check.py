@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
 from labkit.exercises import Exercise, get
-from labkit.exercises.spec import Case, Scenario, WrongType
+from labkit.exercises.spec import Case, ChangedInPlace, Scenario, WrongType
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
@@ -113,7 +113,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
                     else _name_item(_describe_error(error), exercise))
             if first_case is None:
                 first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
-                first_needs_hint = not stub and not isinstance(error, (WrongType, BorrowedAnswer))  # they say what to do
+                first_needs_hint = not stub and not isinstance(error, (WrongType, ChangedInPlace, BorrowedAnswer))  # they say what to do
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub

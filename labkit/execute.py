@@ -1,13 +1,13 @@
 """Run a notebook top to bottom in a fresh Jupyter kernel, as "Restart and run all" does, and keep its outputs.
 
-The cells go to the kernel through jupyter_client's blocking client, as nbval sends them, not
-through nbclient's asyncio client. That one sometimes misses a reply that has already arrived and
-reads it only when the cell's whole timeout has passed (pyzmq's asyncio poll misses the socket's
-wake-up, then polls once more at the timeout), and the run goes on as if nothing had happened, its
-time and the cell's wrong. The blocking client polls the socket itself and did not stall
-(``benchmarks/kernel_client_stalls.py``; BENCHMARKS.md, "Running a notebook"). Used by
-``benchmarks/notebooks_under_load.py``, ``benchmarks/gpu_session.sh`` and the tests that run a
-notebook under their own settings.
+The cells go to the kernel through jupyter_client's blocking client, not through nbclient's asyncio
+client. That one sometimes misses a reply that has already arrived and reads it only when the
+cell's whole timeout has passed (pyzmq's asyncio poll misses the socket's wake-up, then polls once
+more at the timeout), and the run goes on as if nothing had happened, its time and the cell's wrong.
+The blocking client polls the socket itself and did not stall (``benchmarks/kernel_client_stalls.py``;
+BENCHMARKS.md, "Running a notebook"). Used by
+``benchmarks/notebooks_under_load.py``, ``benchmarks/gpu_session.sh``, CI's run of every notebook
+(``tests/test_notebooks.py``) and the tests that run a notebook under their own settings.
 """
 from __future__ import annotations
 

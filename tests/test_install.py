@@ -55,7 +55,7 @@ def test_make_lab_installs_the_lab_and_make_test_every_extra(root):
     assert f'-e ".[{extras}]"' in makefile.split("$(TEST_STAMP): $(STAMP)")[1], f"make test must install .[{extras}]"
     lab = makefile.split("$(STAMP): pyproject.toml")[1].split("touch $@")[0]
     assert '-e ".[lab,serve]"' in lab, "make lab must install the lab and the server, without the test tools"
-    for target in ("test-unit", "test-notebooks", "test-browser"):
+    for target in ("test", "test-unit", "test-notebooks", "test-browser"):
         assert f"{target}: $(TEST_STAMP)" in makefile
 
 

@@ -189,7 +189,8 @@ def _row_partials(cls: Any, parts: Sequence[Tensor], weight: Tensor, world: int)
                 "rows does not fit x_part")
         got = _judged_share(f"row_parallel(x_part, weight, rank={rank}, world={world})",
                             lambda: _call(cls.row_parallel, x_part, weight, rank, world),
-                            x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world), hint)
+                            x_part @ weight[:, cols.start:cols.stop].T, _row_mistakes(x_part, weight, rank, world),
+                            hint)
         partials.append(got)
     return partials
 

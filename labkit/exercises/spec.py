@@ -54,9 +54,9 @@ class Case:
         for where, given, now in [*((names[i], a, b) for i, (a, b) in enumerate(zip(self.args, args))),
                                   *((k, self.kwargs[k], kwargs[k]) for k in self.kwargs)]:
             if _changed(given, now):
-                raise AssertionError(f"the result is right, but the call changed its argument {where} in place (an in-place "
-                                     "operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the inputs "
-                                     "as they were, and compute into new tensors")
+                raise ChangedInPlace(f"the result is right, but the call changed its argument {where} in place (an "
+                                     "in-place operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the "
+                                     "inputs as they were, and compute into new tensors")
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,11 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
         for i, (got_item, expected_item) in enumerate(zip(got, expected)):
             _at(f"at index {i}", got_item, expected_item, rtol, atol)
+
+
+class ChangedInPlace(AssertionError):
+    """The right result, got by changing an argument in place: the message says what to change, and
+    the case's hint, which is about the result, would mislead."""
 
 
 class WrongType(AssertionError):
