@@ -59,7 +59,7 @@ test-unit: $(TEST_STAMP)
 # inline check fails the run, then notebooks/ from its first exercise on, every exercise still a stub
 # (its cells before that are the solution's).
 test-notebooks: $(TEST_STAMP)
-	$(SHARE_CORES) $(BIN)/python -m pytest tests -m notebook $(PARALLEL) --durations=13 $(PYTEST_ARGS)
+	$(SHARE_CORES) $(BIN)/python -m pytest tests/test_notebooks.py -m notebook $(PARALLEL) --durations=13 $(PYTEST_ARGS)
 
 # the browser tests drive JupyterLab, which starts kernels of its own: they run on their own, last
 test-browser: $(TEST_STAMP)

@@ -113,7 +113,8 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
                     else _name_item(_describe_error(error), exercise))
             if first_case is None:
                 first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
-                first_needs_hint = not stub and not isinstance(error, (WrongType, ChangedInPlace, BorrowedAnswer))  # they say what to do
+                says_what_to_do = isinstance(error, (WrongType, ChangedInPlace, BorrowedAnswer))
+                first_needs_hint = not stub and not says_what_to_do
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub

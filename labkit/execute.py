@@ -32,10 +32,11 @@ def run(nb: nbformat.NotebookNode, cwd: Path, timeout_s: float, kernel_name: str
     there even when the run is interrupted); return each code cell's seconds. A cell that raises, asks
     for input or kills the kernel stops the run with ``CellError``; with ``keep_going`` a cell's error
     stays as its output and the run goes on. A cell silent for ``timeout_s`` stops it with
-    ``TimeoutError``. The kernel is the notebook's own (its kernelspec) unless ``kernel_name`` says, and
-    is shut down however the run ends: asked first, as Jupyter's restart asks, so that what the notebook
-    started is stopped by its exit handlers (a server of ``labkit.background``), then killed if it
-    has not gone within jupyter_client's wait."""
+    ``TimeoutError``. Either error carries the cell's index in ``nb.cells`` as ``cell_index``. The
+    kernel is the notebook's own (its kernelspec) unless ``kernel_name`` says, and is shut down however
+    the run ends: asked first, as Jupyter's restart asks, so that what the notebook started is stopped
+    by its exit handlers (a server of ``labkit.background``), then killed if it has not gone within
+    jupyter_client's wait."""
     name = kernel_name or nb.metadata.get("kernelspec", {}).get("name", "python3")
     manager = KernelManager(kernel_name=name)
     manager.start_kernel(cwd=str(cwd))
@@ -43,8 +44,15 @@ def run(nb: nbformat.NotebookNode, cwd: Path, timeout_s: float, kernel_name: str
     try:
         client.start_channels()
         client.wait_for_ready(timeout=60)
-        return [_run_cell(client, manager, cell, index, timeout_s, keep_going)
-                for index, cell in enumerate(nb.cells) if cell.cell_type == "code"]
+        seconds = []
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                try:
+                    seconds.append(_run_cell(client, manager, cell, index, timeout_s, keep_going))
+                except (CellError, TimeoutError) as error:
+                    error.cell_index = index
+                    raise
+        return seconds
     finally:
         client.stop_channels()
         manager.shutdown_kernel()

@@ -28,8 +28,9 @@ def test_cells_run_in_order_in_the_folder_given_and_keep_their_outputs(tmp_path)
 
 
 def test_an_error_stops_the_run_naming_its_cell_unless_told_to_keep_going(tmp_path):
-    with pytest.raises(execute.CellError, match=r"cell 2 \(.*\) raised ZeroDivisionError"):
+    with pytest.raises(execute.CellError, match=r"cell 2 \(.*\) raised ZeroDivisionError") as raised:
         execute.run(notebook("print('ran')", "1 / 0", "print('never')"), tmp_path, timeout_s=60, kernel_name="python3")
+    assert raised.value.cell_index == 2  # in nb.cells, the markdown cell counted
     nb = notebook("1 / 0", "print('after')")
     execute.run(nb, tmp_path, timeout_s=60, kernel_name="python3", keep_going=True)
     assert nb.cells[1].outputs[0]["ename"] == "ZeroDivisionError" and execute.printed(nb) == "after\n"
@@ -37,8 +38,9 @@ def test_an_error_stops_the_run_naming_its_cell_unless_told_to_keep_going(tmp_pa
 
 def test_a_silent_cell_times_out(tmp_path):
     started = time.perf_counter()
-    with pytest.raises(TimeoutError, match=r"cell 1 .*nothing from the kernel for 1 s"):
+    with pytest.raises(TimeoutError, match=r"cell 1 .*nothing from the kernel for 1 s") as raised:
         execute.run(notebook("import time\ntime.sleep(30)"), tmp_path, timeout_s=1, kernel_name="python3")
+    assert raised.value.cell_index == 1
     assert time.perf_counter() - started < 20
 
 

@@ -184,6 +184,14 @@ def test_lab10_tensor_parallel_mistakes_fail(root, right, wrong, case, hint):
         assert "raise ValueError when world does not divide" in result.message
 
 
+def test_a_tensor_changed_in_place_is_said_without_the_cases_hint(root):
+    """The result is right (x doubled, the product halved): the message says what to change; the case's hint,
+    about the weight's split, would mislead."""
+    in_place = mistake(root, "ex10.1", COLUMN_SLICE, "x.mul_(2) @ weight[rank * size:(rank + 1) * size].T / 2")
+    result = fails("ex10.1", in_place, "column-parallel", "changed a tensor it was given in place")
+    assert "hint:" not in result.message, result.message
+
+
 QUERY = "query_heads = list(range(rank * per_rank, (rank + 1) * per_rank))"
 KV_SHARE = "kv_heads = list(range(rank * kv_per_rank, (rank + 1) * kv_per_rank))"
 KV_ONE = "kv_heads = [query_heads[0] // (n_heads // n_kv_heads)]"

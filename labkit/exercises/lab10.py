@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit import memory
-from labkit.exercises.spec import Case, Exercise, JudgedCase, Scenario, _short, int_list, items_of, number_of
+from labkit.exercises.spec import (Case, ChangedInPlace, Exercise, JudgedCase, Scenario, _short, int_list, items_of,
+                                   number_of)
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.parallel.pipeline import even_split
 from labkit.parallel.tensor import shard_heads
@@ -65,11 +66,11 @@ def share(n: int, rank: int, world: int) -> range:
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; an AssertionError if it changed a tensor it was given."""
+    """``fn(*args)``; ChangedInPlace if it changed a tensor it was given."""
     given = copy.deepcopy(args)
     got = fn(*given)
     if any(isinstance(a, Tensor) and not torch.equal(a, b) for a, b in zip(args, given)):
-        raise AssertionError(f"{getattr(fn, '__name__', 'the call')} changed a tensor it was given in place: leave "
+        raise ChangedInPlace(f"{getattr(fn, '__name__', 'the call')} changed a tensor it was given in place: leave "
                              "x and weight as they were, and compute into new tensors")
     return got
 
