@@ -32,7 +32,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class LabFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)  # the file
-            return nodeid if scope.endswith(NOTEBOOK_TESTS) else scope
+            return nodeid if Path(scope).name == NOTEBOOK_TESTS else scope
 
     config.option.loadscopereorder = False
     return LabFileScheduling(config, log)

@@ -28,12 +28,11 @@ LABS = sorted(path.name for path in (ROOT / "solutions").glob("*.ipynb"))
 # (pyproject.toml), several times the longest lab's time beside another lab
 CELL_TIMEOUT_S = 300
 KEEP = "_names_at_the_first_exercise = dict(globals())"
+# in a lambda, so that it binds no name of its own; IPython's hidden names (_, In, Out, ...) left to IPython
 TURN = """\
-_names = globals().pop("_names_at_the_first_exercise")
-for _name in [name for name in globals() if name not in _names and name != "_names"]:
-    del globals()[_name]
-globals().update(_names)
-globals().pop("_names"), globals().pop("_name", None)
+(lambda names, kept, hidden: ([names.pop(name) for name in [n for n in names if n not in kept and n not in hidden]],
+                              names.update({{name: value for name, value in kept.items() if name not in hidden}})))(
+    globals(), globals().pop("_names_at_the_first_exercise"), get_ipython().user_ns_hidden)
 __import__("os").chdir({folder!r})
 __import__("os").environ["LABKIT_STRICT"] = "0"
 """
