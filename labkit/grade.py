@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Iterator
 from labkit import notebook
 from labkit.check import NOT_ATTEMPTED, PASSED, Result, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
-from labkit.spawning import fork_server, in_environment
+from labkit.spawning import fork_server, process
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -176,8 +176,7 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
     """Run one exercise in a fresh process; return its result, whatever the process did."""
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
-        proc = _context().Process(target=in_environment, args=(dict(os.environ), _worker, spec, str(cwd),
-                                                               str(result_path)), daemon=True)
+        proc = process(_context(), _worker, (spec, str(cwd), str(result_path)), daemon=True)
         proc.start()
         proc.join(timeout_s)
         timed_out = proc.is_alive()

@@ -3,8 +3,8 @@
 
 ``fork_server(*modules)`` is multiprocessing's fork server (spawn where there is none): its processes
 fork from one that imported torch and ``modules`` once, and start in milliseconds where a fresh
-interpreter takes seconds to import torch. They start with the server's environment variables, as
-they were when it started: ``in_environment`` runs a process's target in its starter's.
+interpreter takes seconds to import torch. They would start with the server's environment variables,
+as they were when it started: ``process`` makes one that runs in its starter's.
 
 A spawned process is a fresh interpreter that imports by name what it must run, and re-imports
 the starter's main module first. ``check_importable`` refuses, by name, a function the new process
@@ -30,8 +30,8 @@ def check_importable(fn: Any) -> None:
 def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     """The fork server's context where the system has one, else spawn's. The server is one for the whole
     process, started at its first use with torch and the ``modules`` of the last call before then (what it
-    lacks, a process imports when it needs it). Its processes start with the server's environment: start
-    them through ``in_environment``. With a GPU, labkit's modules are left out: importing labkit asks torch whether a GPU
+    lacks, a process imports when it needs it). Its processes start with the server's environment: make
+    them with ``process``. With a GPU, labkit's modules are left out: importing labkit asks torch whether a GPU
     exists, which starts the CUDA driver, and a process forked from one that has started it cannot use
     CUDA ("Cannot re-initialize CUDA in forked subprocess")."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -44,9 +44,14 @@ def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     return context
 
 
-def in_environment(environment: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
-    """A process's target: ``target(*args)`` with ``environment`` (the starter's ``dict(os.environ)`` when
-    it starts the process) as this process's environment variables, not the fork server's."""
+def process(context: multiprocessing.context.BaseContext, target: Callable[..., Any], args: tuple = (),
+            **kwargs: Any) -> multiprocessing.process.BaseProcess:
+    """``context.Process(target=target, args=args, **kwargs)``, run with this process's environment
+    variables as they are now, not a fork server's of when it started."""
+    return context.Process(target=_in_environment, args=(dict(os.environ), target, *args), **kwargs)
+
+
+def _in_environment(environment: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
     os.environ.clear()
     os.environ.update(environment)
     target(*args)

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 
 import pytest
 import torch
 
-from labkit.spawning import fork_server, in_environment
+from labkit.spawning import fork_server, process
 
 needs_fork_server = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
                                        reason="this system has no fork server (spawn is used)")
@@ -44,8 +43,7 @@ def test_a_process_runs_in_the_environment_it_is_given_not_the_fork_servers(tmp_
     context = fork_server()
     for value in ("first", "set after the server started"):
         monkeypatch.setenv("LABKIT_SPAWN_TEST", value)
-        process = context.Process(target=in_environment, args=(dict(os.environ), parallel_ranks.environment_to_file,
-                                                               str(tmp_path / "seen"), "LABKIT_SPAWN_TEST"))
-        process.start()
-        process.join(60)
+        started = process(context, parallel_ranks.environment_to_file, (str(tmp_path / "seen"), "LABKIT_SPAWN_TEST"))
+        started.start()
+        started.join(60)
         assert (tmp_path / "seen").read_text() == value

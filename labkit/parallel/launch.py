@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from labkit.spawning import check_importable, fork_server, in_environment, main_not_rerun
+from labkit.spawning import check_importable, fork_server, main_not_rerun, process
 
 
 class RankError(RuntimeError):
@@ -84,9 +84,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
     context = fork_server("labkit.parallel.launch")
     results = context.Queue()
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
-    procs = [context.Process(target=in_environment, daemon=True, name=f"labkit-rank-{r}",
-                             args=(dict(os.environ), _run_rank, fn, Rank(r, world_size, devices[r], backend), args,
-                                   f"file://{store}/store", threads, timeout_s, os.getpid(), results))
+    procs = [process(context, _run_rank, (fn, Rank(r, world_size, devices[r], backend), args, f"file://{store}/store",
+                                          threads, timeout_s, os.getpid(), results),
+                     daemon=True, name=f"labkit-rank-{r}")
              for r in range(world_size)]
     finished = False
     try:
