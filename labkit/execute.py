@@ -5,9 +5,9 @@ client. That one sometimes misses a reply that has already arrived and reads it 
 cell's whole timeout has passed (pyzmq's asyncio poll misses the socket's wake-up, then polls once
 more at the timeout), and the run goes on as if nothing had happened, its time and the cell's wrong.
 The blocking client polls the socket itself and did not stall (``benchmarks/kernel_client_stalls.py``;
-BENCHMARKS.md, "Running a notebook"). Used by
-``benchmarks/notebooks_under_load.py``, ``benchmarks/gpu_session.sh``, CI's run of every notebook
-(``tests/test_notebooks.py``) and the tests that run a notebook under their own settings.
+BENCHMARKS.md, "Running a notebook"). Used by ``benchmarks/notebooks_under_load.py``,
+``benchmarks/gpu_session.sh``, CI's run of every notebook (``tests/test_notebooks.py``) and the tests
+that run a notebook under their own settings.
 """
 from __future__ import annotations
 
