@@ -44,14 +44,15 @@ class BorrowedAnswer(AssertionError):
     """The student's code called labkit's answer to the exercise being checked."""
 
 
-def answer_to(exercise_id: str) -> Callable[[F], F]:
-    """Mark a function or method as labkit's answer to ``exercise_id``."""
+def answer_to(*exercise_ids: str) -> Callable[[F], F]:
+    """Mark a function or method as labkit's answer to each of ``exercise_ids`` (a later exercise may
+    ask again for what an earlier one built, inside something larger)."""
     def mark(fn: F) -> F:
         @functools.wraps(fn)
         def refusing(*args: Any, **kwargs: Any) -> Any:
-            if _checking == exercise_id and _called_by_the_student(sys._getframe(1)):
+            if _checking in exercise_ids and _called_by_the_student(sys._getframe(1)):
                 raise BorrowedAnswer(f"your code calls labkit's {fn.__module__}.{fn.__qualname__}, which is labkit's "
-                                     f"answer to {exercise_id}: write the exercise yourself, without it")
+                                     f"answer to {_checking}: write the exercise yourself, without it")
             return fn(*args, **kwargs)
         del refusing.__wrapped__  # functools.wraps leaves the unguarded answer there, one attribute away
         refusing.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]  # what help() shows

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from labkit import notebook
-from labkit.check import NOT_ATTEMPTED, PASSED, Result, run_cases, time_limit
+from labkit.check import NOT_ATTEMPTED, PASSED, ExerciseFailed, Result, run_cases, strict, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import fork_server, process
 
@@ -345,17 +345,26 @@ def _vscode_notebook() -> str:
 def grade_this(name: str) -> None:
     """The grade cell of notebook ``name``: find the file this kernel runs, say which file that is
     and when it was saved (the grader reads the file, not the cells on screen), grade it and print
-    the table."""
+    the table. Under ``LABKIT_STRICT=1`` (CI's run of the solutions) anything short of full points
+    raises, as a check does."""
     path = this_notebook(name)
     if not path.is_file():
-        print(f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no notebook "
-              f"with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the folder it runs "
-              "in, or grade it from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
+        nothing = (f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no "
+                   f"notebook with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the "
+                   "folder it runs in, or grade it from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
+        if strict():
+            raise ExerciseFailed(nothing)
+        print(nothing)
         return
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
     print(f"grading {path.resolve()}, saved at {saved} (the file on disk: save first, Ctrl+S; after Save As, restart "
           "the kernel, or Jupyter still names the old file)")
-    print(table(grade([path], per_file=True)))  # named after the file, not the folder it is in
+    book = grade([path], per_file=True)  # named after the file, not the folder it is in
+    print(table(book))
+    short = sorted(ex_id for results in book.values() for ex_id, r in results.items() if r.status != PASSED)
+    if strict() and short:
+        raise ExerciseFailed(f"LABKIT_STRICT=1: the grader did not pass {', '.join(short)} of {path.name} "
+                             "(the table above says why)")
 
 
 @contextmanager

@@ -109,7 +109,7 @@ def quantize(weight: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scale.half(), zero.half()
 
 
-@answer_to("ex06.3")
+@answer_to("ex06.3", "ex06b.1")  # ex06b.1 dequantizes too, inside its dot product
 def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """w_hat = (code - zero) * scale, each group's scale and zero repeated over its columns."""
     out_features, in_features = codes.shape
@@ -134,7 +134,7 @@ def pack_int4(codes: Tensor) -> Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-@answer_to("ex06.2")
+@answer_to("ex06.2", "ex06b.1")  # ex06b.1 unpacks too
 def unpack_int4(packed: Tensor) -> Tensor:
     """The inverse of ``pack_int4``: ``[..., n]`` bytes to ``[..., 2n]`` codes."""
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from labkit import notebook
+from labkit.check import ExerciseFailed
 from labkit.exercises import EXERCISES, for_lab, get
 from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, table, this_notebook,
                           write_reports)
@@ -58,18 +59,43 @@ def _submit(folder, student, template, ex1_source=None, drop_ex1=False, name="00
     notebook.write(nb, folder / student / name)
 
 
-def test_solutions_score_full_points_and_stubs_zero(root):
-    # Every lab's solutions go through the grader (setup cells, a fresh process, the time limit).
-    # Of the stubs, lab 00's do: a stub's setup cells are its solution's (labkit.release changes
-    # only the solution regions), and tests/test_exercises.py checks that every released stub,
-    # of every lab, scores nothing.
-    book = grade([root / "solutions", root / "notebooks" / "00_welcome.ipynb"])
-    assert set(book["solutions"]) == set(book["notebooks"]) == set(EXERCISES)
+def test_a_solution_scores_full_points_and_its_stubs_zero(root):
+    # Every lab's solutions go through the grader in CI: each solution's grade cell runs under
+    # LABKIT_STRICT=1 in tests/test_notebooks.py, where anything short of full points raises (the
+    # test below). Here lab 00's solution and stubs, graded together: a stub's setup cells are its
+    # solution's (labkit.release changes only the solution regions), and tests/test_exercises.py
+    # checks that every released stub, of every lab, scores nothing.
+    book = grade([root / "solutions" / "00_welcome.ipynb", root / "notebooks" / "00_welcome.ipynb"])
+    ours = {ex.id for ex in for_lab("00")}
+    assert set(book["solutions"]) == set(book["notebooks"]) == ours and len(ours) >= 2
     assert {r.status for r in book["solutions"].values()} == {"passed"}
-    stubs = {ex_id: r for ex_id, r in book["notebooks"].items() if get(ex_id).lab == "00"}
-    assert len(stubs) == len(for_lab("00")) >= 2 and {r.status for r in stubs.values()} == {"not attempted"}
-    assert sum(r.points for r in book["solutions"].values()) == sum(ex.points for ex in EXERCISES.values())
-    assert sum(r.points for r in stubs.values()) == 0
+    assert {r.status for r in book["notebooks"].values()} == {"not attempted"}
+    assert sum(r.points for r in book["solutions"].values()) == sum(get(ex_id).points for ex_id in ours)
+    assert sum(r.points for r in book["notebooks"].values()) == 0
+
+
+def test_every_lab_has_a_solution_whose_grade_cell_ci_runs(root):
+    """What makes the strict grade cells of tests/test_notebooks.py cover every exercise."""
+    labs = {ex.lab for ex in EXERCISES.values()}
+    for lab in labs:
+        (solution,) = (root / "solutions").glob(f"{lab}_*.ipynb")
+        cells = [notebook.source(c) for c in notebook.read(solution)["cells"] if c.get("cell_type") == "code"]
+        assert any(f'grade.grade_this("{solution.name}")' in source for source in cells), solution
+
+
+def test_the_grade_cell_under_strict_raises_short_of_full_points(root, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setenv("LABKIT_STRICT", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ExerciseFailed, match="Nothing to grade"):
+        grade_this("00_welcome.ipynb")
+    stubs = tmp_path / "00_welcome.ipynb"
+    stubs.write_text((root / "notebooks" / "00_welcome.ipynb").read_text())
+    with pytest.raises(ExerciseFailed, match=r"did not pass ex00\.1, ex00\.2 of 00_welcome\.ipynb"):
+        grade_this("00_welcome.ipynb")
+    assert "not attempted" in capsys.readouterr().out  # the table is printed first
+    monkeypatch.setenv("LABKIT_STRICT", "0")
+    grade_this("00_welcome.ipynb")  # a student's run: the table, no error
 
 
 def test_grading_from_a_notebook_where_triton_left_a_main_file(root, tmp_path):

@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import Tensor
 
+from labkit.answers import answer_to
 from labkit.kernels.int4_matmul_cpu import MAX_ROWS, build
 from labkit.kernels.runtime import MISSING
 from labkit.validate import check_int4_matmul
@@ -62,6 +63,7 @@ def why_not_int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor
     return None
 
 
+@answer_to("ex06b.1")  # the fused kernel whose inner loop ex06b.1 writes
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                 check: bool = True) -> Tensor:
     """``x @ W.T`` for the INT4 weight W = (code - zero) * scale (``quant.dequantize``), never built:
