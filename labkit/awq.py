@@ -67,11 +67,17 @@ def input_statistics(model: Transformer, calibration: Tensor, batch_size: int = 
     return {name: (abs_sum / rows, h / rows) for name, (abs_sum, h, rows) in sums.items()}
 
 
-def output_error(weight: Tensor, w_hat: Tensor, h: Tensor) -> float:
-    """||X W_hat^T - X W^T|| / ||X W^T||, from the inputs' Hessian H = 2 X^T X / n alone."""
+def output_error(weight: Tensor, w_hat: Tensor, h: Tensor, reference: Tensor | None = None) -> float:
+    """||X W_hat^T - X W^T|| / ||X W^T||, from the inputs' Hessian H = 2 X^T X / n alone. ``reference``:
+    ``squared_output(weight, h)``, for a caller that sets many ``w_hat`` against one weight."""
     weight = weight.float()
-    d = w_hat.float() - weight
-    return (((d @ h) * d).sum() / ((weight @ h) * weight).sum()).sqrt().item()
+    reference = squared_output(weight, h) if reference is None else reference
+    return (squared_output(w_hat.float() - weight, h) / reference).sqrt().item()
+
+
+def squared_output(weight: Tensor, h: Tensor) -> Tensor:
+    """||X W^T||^2 (times 2 / n) from H = 2 X^T X / n: the sum of W H W^T's diagonal."""
+    return ((weight @ h) * weight).sum()
 
 
 def rtn_scaled(weight: Tensor, s: Tensor, scheme: Scheme) -> Tensor:
@@ -92,10 +98,10 @@ def search_scales(weight: Tensor, mean_abs: Tensor, h: Tensor, scheme: Scheme, g
     """AWQ's search for one layer ``[out, in]``: over alpha = 0, 1/grid, ..., 1, the scales
     ``awq_scales(mean_abs, alpha)`` whose rounded weight has the least output error on the inputs
     of Hessian ``h``. Returns the scales, their alpha and their relative output error."""
-    best = None
+    best, reference = None, squared_output(weight.float(), h)
     for alpha in torch.linspace(0, 1, grid + 1).tolist():
         s = awq_scales(mean_abs, alpha)
-        error = output_error(weight, rtn_scaled(weight, s, scheme), h)
+        error = output_error(weight, rtn_scaled(weight, s, scheme), h, reference)
         if best is None or error < best[2]:
             best = (s, alpha, error)
     return best

@@ -90,9 +90,14 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens), without building them."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def to_compute(self) -> int:
         """Tokens not yet in the cache: the prompt's rest while prefilling, 1 while decoding."""
-        return len(self.prompt) + len(self.output) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def max_tokens(self) -> int:
@@ -228,7 +233,7 @@ class Scheduler:
     def _reserve(self, request: Request, batch: ScheduledBatch) -> bool:
         """Slots for the request's newest token(s), preempting the newest running requests until
         they fit; False if the request itself had to go."""
-        new = len(request.tokens) - self.allocator.length(request.request_id)
+        new = request.num_tokens - self.allocator.length(request.request_id)
         while True:
             try:
                 batch.copies += self.allocator.append(request.request_id, new)
@@ -261,9 +266,11 @@ class Scheduler:
         blocks named for the prefix cache); those sampled get their new token at ``now``, and finish
         at EOS or at their length. Returns the requests that finished."""
         assert len(tokens) == len(batch.sampled), f"{len(tokens)} tokens for {len(batch.sampled)} sampled requests"
+        size = self.allocator.block_size
         for request, n in batch.scheduled:
             request.num_computed += n
-            self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
+            if request.num_computed // size > (request.num_computed - n) // size:  # a block filled: name it
+                self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
         finished = []
         for i, token in zip(batch.sampled, tokens):
             request = batch.scheduled[i][0]
