@@ -7,7 +7,8 @@ import re
 import pytest
 
 import labkit
-from labkit.generate import SamplingParams, generate
+from labkit.engine import Engine, Request
+from labkit.generate import SamplingParams, eos_id_of
 from labkit.load import CHECKPOINTS
 
 PRESETS = ("target", "draft", "mha", "gqa", "mqa")
@@ -66,7 +67,11 @@ def test_target_writes_python_looking_code():
     """Over eight method openings: indentation in steps of four everywhere, and most continuations
     define functions that return, on attributes of self (one prompt alone may fall into a loop)."""
     model, tokenizer = labkit.load("target", device="cpu")
-    texts = [generate(model, tokenizer, p, SamplingParams(max_new_tokens=160)) for p in _CLASS_OPENINGS]
+    # in one batch: the engine gives each request the tokens generate() would (tests/test_engine.py)
+    requests = [Request(i, tokenizer.encode(p).ids, SamplingParams(max_new_tokens=160))
+                for i, p in enumerate(_CLASS_OPENINGS)]
+    Engine(model, num_blocks=128, eos_id=eos_id_of(tokenizer)).run(requests)
+    texts = [tokenizer.decode(r.output) for r in requests]
     shown = "\n-----\n".join(texts)
     lines = [line for text in texts for line in text.splitlines() if line.strip()]
     assert len(lines) >= 4 * len(texts), f"too little code:\n{shown}"
