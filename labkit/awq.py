@@ -69,7 +69,7 @@ def input_statistics(model: Transformer, calibration: Tensor, batch_size: int = 
 
 def output_error(weight: Tensor, w_hat: Tensor, h: Tensor, reference: Tensor | None = None) -> float:
     """||X W_hat^T - X W^T|| / ||X W^T||, from the inputs' Hessian H = 2 X^T X / n alone. ``reference``:
-    ``squared_output(weight, h)``, for a caller that sets many ``w_hat`` against one weight."""
+    ``squared_output(weight.float(), h)``, for a caller that sets many ``w_hat`` against one weight."""
     weight = weight.float()
     reference = squared_output(weight, h) if reference is None else reference
     return (squared_output(w_hat.float() - weight, h) / reference).sqrt().item()

@@ -5,9 +5,9 @@ the first failure and that case's hint; when the same case fails again in a late
 exercise's recipe too. ``run_cases`` returns the same verdict as a ``Result``. Points
 are all or nothing: every case must pass. An exercise is "not attempted" while every case
 stops at a stub (a ``raise NotImplementedError`` line), which the verdict names. With
-``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises ``ExerciseFailed``;
-otherwise the notebook carries on, so a student copy with unsolved stubs still runs top to
-bottom.
+``LABKIT_STRICT=1`` (how CI runs the solutions) anything but a pass raises ``ExerciseFailed``, here
+and in the notebook's grade cell (``labkit.grade.grade_this``); otherwise the notebook carries on, so
+a student copy with unsolved stubs still runs top to bottom.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
 
 
 class ExerciseFailed(AssertionError):
-    """Raised by ``check`` under ``LABKIT_STRICT=1`` when an exercise does not pass."""
+    """Raised under ``LABKIT_STRICT=1`` by ``check`` when an exercise does not pass, and by the grade
+    cell when the grader finds anything short of full points (``fail_if_strict``)."""
 
 
 @dataclass
@@ -195,6 +196,12 @@ def strict() -> bool:
     return os.environ.get("LABKIT_STRICT", "0").strip().lower() in ("1", "true", "yes")
 
 
+def fail_if_strict(failure: str | None) -> None:
+    """Under ``LABKIT_STRICT=1``, raise ``ExerciseFailed(failure)`` if there is a failure; else nothing."""
+    if failure is not None and strict():
+        raise ExerciseFailed(failure)
+
+
 class Overtime(BaseException):
     """Raised by ``time_limit`` into the code it stops: not an Exception, so that neither a
     student's ``except Exception`` nor ``run_cases`` takes it for one more failed case."""
@@ -237,5 +244,4 @@ def check(exercise_id: str, fn: Callable[..., Any]) -> None:
     if result.failed_case:
         failed[result.failed_case] += 1
     print(f"{exercise.title} -- {result.verdict()}")
-    if strict() and result.status != PASSED:
-        raise ExerciseFailed(result.verdict())
+    fail_if_strict(result.verdict() if result.status != PASSED else None)

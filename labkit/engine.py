@@ -269,7 +269,10 @@ class Scheduler:
         size = self.allocator.block_size
         for request, n in batch.scheduled:
             request.num_computed += n
-            if request.num_computed // size > (request.num_computed - n) // size:  # a block filled: name it
+            # only a step that fills a block has one to name: the blocks before it were named as they filled
+            # (add_sequence names a cached prefix, adopt() and fork() their tokens, and a preempted request
+            # starts again at 0), so that each request has num_computed // block_size names after every step
+            if request.num_computed // size > (request.num_computed - n) // size:
                 self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
         finished = []
         for i, token in zip(batch.sampled, tokens):

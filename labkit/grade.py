@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from labkit import notebook
-from labkit.check import NOT_ATTEMPTED, PASSED, ExerciseFailed, Result, run_cases, strict, time_limit
+from labkit.check import NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import fork_server, process
 
@@ -352,8 +352,7 @@ def grade_this(name: str) -> None:
         nothing = (f"Nothing to grade: Jupyter did not say which notebook is running, and {Path.cwd()} holds no "
                    f"notebook with lab {notebook.lab_of_name(name)}'s exercises. Save this notebook (Ctrl+S) in the "
                    "folder it runs in, or grade it from a terminal: python -m labkit.grade PATH/TO/IT.ipynb")
-        if strict():
-            raise ExerciseFailed(nothing)
+        fail_if_strict(nothing)
         print(nothing)
         return
     saved = time.strftime("%H:%M:%S", time.localtime(path.stat().st_mtime))
@@ -362,9 +361,8 @@ def grade_this(name: str) -> None:
     book = grade([path], per_file=True)  # named after the file, not the folder it is in
     print(table(book))
     short = sorted(ex_id for results in book.values() for ex_id, r in results.items() if r.status != PASSED)
-    if strict() and short:
-        raise ExerciseFailed(f"LABKIT_STRICT=1: the grader did not pass {', '.join(short)} of {path.name} "
-                             "(the table above says why)")
+    fail_if_strict(f"LABKIT_STRICT=1: the grader did not pass {', '.join(short)} of {path.name} (the table above "
+                   "says why)" if short else None)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import random
 import statistics
 from collections import Counter, deque
 
@@ -624,6 +625,31 @@ def test_the_simulator_reuses_a_cached_prefix():  # its scheduler and allocator 
     requests = [Request(i, system + [i], params(3)) for i in range(2)]
     SimulatedEngine(cost, 100, 16, SchedulerConfig(max_num_seqs=1)).run(requests)
     assert requests[1].cached_tokens == 192
+
+
+@pytest.mark.parametrize("chunked_prefill", [False, True])
+def test_after_every_step_each_running_request_has_its_full_blocks_named(chunked_prefill):
+    """What lets the engine name blocks only in a step that fills one: shared prefixes (cached at
+    admission), chunked prefill and preemption in a pool too small for every request at once."""
+    cost = CostModel(presets.model("Llama-3.1-8B"), presets.gpu("H100-SXM"))
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 1000) for _ in range(40)]
+    requests = [Request(i, shared[:rng.randrange(0, 40)] + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 30))],
+                        params(rng.randrange(1, 40))) for i in range(24)]
+    # unchunked, a budget that takes any request whole (prompt and output, recomputed after a preemption)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32 if chunked_prefill else 128,
+                             chunked_prefill=chunked_prefill)
+    engine = SimulatedEngine(cost, num_blocks=24, block_size=4, config=config)
+    for request in requests:
+        engine.add(request)
+    steps = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        steps += 1
+        for request in engine.scheduler.running:
+            assert len(engine.allocator.names[request.request_id]) == request.num_computed // 4, request.request_id
+    assert sum(r.preemptions for r in requests) and sum(r.cached_tokens for r in requests), "cases not met"
+    assert steps == len(engine.log) and all(r.finish_time is not None for r in requests)
 
 
 # ---------------------------------------------------------------- validation

@@ -256,7 +256,10 @@ def test_labkit_own_code_handed_in_scores_nothing():
 
 
 def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_through():
+    import torch
+
     from labkit import awq, cost, cuda_graphs, paged_attention, quant, tree
+    from labkit.kernels.int4_linear import int4_linear
     from labkit.model import ModelConfig
     from labkit.paged import BlockPool
     from labkit.static_cache import StaticKVCache
@@ -283,6 +286,15 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
             ("ex08.1", static_plan, "labkit.static_cache.StaticKVCache.plan"),
             ("ex08.3", lambda tokens, positions, sizes: cuda_graphs.pad_to_bucket(
                 tokens, positions, cuda_graphs.bucket_for(tokens.shape[0], sizes)), "labkit.cuda_graphs.bucket_for"),
+            ("ex06b.1", lambda packed, scales, zeros, x, group: float(quant.dequantize(
+                quant.unpack_int4(packed)[None], scales[None], _zero_points(scales, zeros)[None])[0].double() @ x.double()),
+             "labkit.quant.unpack_int4"),
+            ("ex06b.1", lambda packed, scales, zeros, x, group: float(quant.dequantize(
+                torch.stack([packed & 15, packed >> 4], -1).flatten()[None], scales[None],
+                _zero_points(scales, zeros)[None])[0].double() @ x.double()), "labkit.quant.dequantize"),
+            ("ex06b.1", lambda packed, scales, zeros, x, group: float(int4_linear(
+                x.float()[None], packed[None], scales[None], None if zeros is None else zeros[None], group)[0, 0]),
+             "labkit.kernels.int4_linear.int4_linear"),
             ("ex06b.2", lambda weight, x, scheme, grid=20: awq.search_scales(
                 weight, x.reshape(-1, x.shape[-1]).abs().mean(0), quant.hessian(x), scheme, grid)[:2],
              "labkit.awq.search_scales"),
@@ -293,6 +305,11 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
         assert result.message.endswith(f"your code calls labkit's {called}, which is labkit's answer to {ex_id}: write "
                                        "the exercise yourself, without it"), result.message  # and no hint after it
     assert cost.tokens_processed(3, 4) == (18, 6)  # outside a check, anyone may call it
+
+
+def _zero_points(scales, zeros):
+    """ex06b.1's zero points: 8 for a symmetric grid (``zeros`` None)."""
+    return scales.new_full(scales.shape, 8) if zeros is None else zeros
 
 
 def test_labkit_s_own_answer_wrapped_by_partial_or_a_callable_object_scores_nothing():

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from labkit.awq import awq_scales, output_error, rtn_scaled, search_scales
+from labkit.awq import awq_scales, output_error, rtn_scaled, search_scales, squared_output
 from labkit.exercises.spec import Case, Exercise, JudgedCase, _short
 from labkit.quant import (Scheme, dequantize, gptq, group_params, hessian, inverse_hessian_factor, pack_int4, quantize,
                           unpack_int4)
@@ -125,7 +125,9 @@ def _planted(weight: Tensor, x: Tensor, scheme: Scheme, grid: int, channel: int,
     """Judge an answer on a layer whose input ``channel`` is salient by what that implies."""
     in_features = weight.shape[1]
     m, h = x.abs().mean(0), hessian(x)
-    errors = [output_error(weight, rtn_scaled(weight, awq_scales(m, k / grid), scheme), h) for k in range(grid + 1)]
+    reference = squared_output(weight.float(), h)
+    errors = [output_error(weight, rtn_scaled(weight, awq_scales(m, k / grid), scheme), h, reference)
+              for k in range(grid + 1)]
     best = min(range(grid + 1), key=errors.__getitem__)
 
     def judge(got: Any) -> None:
