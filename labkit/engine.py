@@ -253,10 +253,10 @@ class Scheduler:
         the others' keys and values into its blocks), or None, with nothing changed, while there is
         no room or preempted requests wait to be readmitted (they come first): try after a step."""
         self.check_id(request)
-        if self.waiting or not admit(deque([request]), self.running, self.allocator, len(request.tokens),
+        if self.waiting or not admit(deque([request]), self.running, self.allocator, request.num_tokens,
                                      self.config.max_num_seqs, headroom=self.config.headroom):
             return None
-        request.num_computed = len(request.tokens) - 1
+        request.num_computed = request.num_tokens - 1
         self.allocator.mark_computed(request.request_id, request.tokens[:request.num_computed])
         return request.cached_tokens
 
@@ -568,7 +568,7 @@ class Engine(EngineCore):
         check_prefilled(request, self.eos_id)
         check_fits(request, self.runner.vocab_size, self.runner.max_seq_len, new=False)
         config = self.model.config
-        expected = (2, config.n_layers, len(request.tokens) - 1, config.n_kv_heads, config.head_dim)
+        expected = (2, config.n_layers, request.num_tokens - 1, config.n_kv_heads, config.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"request {request.request_id!r}: kv has shape {tuple(kv.shape)}, expected {expected} "
                              "(K and V, layers, its tokens but the newest, KV heads, head_dim)")

@@ -80,4 +80,4 @@ def _run_batch(model: Transformer, batch: list[Request], eos_id: int | None, now
         positions = torch.tensor([[len(r.prompt) + step if r in active else -1] for r in batch], device=model.device)
     end = now()
     for request in batch:
-        request.status, request.finish_time, request.num_computed = FINISHED, end, len(request.tokens) - 1
+        request.status, request.finish_time, request.num_computed = FINISHED, end, request.num_tokens - 1

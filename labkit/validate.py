@@ -12,8 +12,8 @@ from torch import Tensor
 
 def is_int(value: object) -> bool:
     """An int, or an integer scalar of numpy's; not a bool, though Python counts it as one."""
-    # a plain int first: the check of Integral, an abstract class, takes a microsecond, and the engine's
-    # every step checks every new token
+    # a plain int first: the check of Integral, an abstract class, takes a microsecond, and the engine
+    # checks a count for every running request at every step, and every token of a block it names
     return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 

@@ -170,4 +170,3 @@ def test_gptq_columns_slips_in_the_error_get_a_hint_that_names_them(root):
           correlated, "the clamped code")
     fails("ex06b.3", mistake(root, "ex06b.3", "torch.round(w[:, i] / scale)", "torch.round(weight[:, i] / scale)"),
           correlated, "rounded from the caller's weight")
-

@@ -23,7 +23,7 @@ def _running(allocator: BlockAllocator, *requests: Request) -> list[Request]:
     for request in requests:
         allocator.add_sequence(request.request_id, request.tokens)
         allocator.mark_computed(request.request_id, request.tokens[:-1])
-        request.num_computed, request.status = len(request.tokens) - 1, "running"
+        request.num_computed, request.status = request.num_tokens - 1, "running"
     return list(requests)
 
 
