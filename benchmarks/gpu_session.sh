@@ -2,7 +2,7 @@
 # The GPU figures that the open issues still wait for, in one call on a lent GPU machine, most wanted first
 # (session 33's run, BENCHMARKS.md, says what the last one found):
 #   issue 35: the Triton INT4 kernel at its new defaults against fp16 F.linear at batch 1 (goal >= 2.5x), then
-#             the launch sweep, its untimed split walks first;
+#             the launch sweep, its untimed pipelined loops (num_stages 3, 2, 4) and split walks first;
 #   issue 32: notebooks 05 and 04 whole on the GPU (each stopped by too short a limit last time), the
 #             Llama-3.2-1B shape's naive loop (cached against naive at 1,024 tokens, goal >= 10x), then the
 #             notebooks that have never run on one (07, 00, 02, 03) and the other INT4 sweeps.

@@ -1,6 +1,6 @@
 """The Triton INT4 kernel's two forms (``gemv`` on the ordinary cores, ``dot`` on the tensor cores)
-and launch parameters (features per program, groups per step, warps, programs per feature tile) on a
-CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x; ``--dtype bf16``
+and launch parameters (features per program, groups per step, warps, programs per feature tile,
+stages of the loop's copy pipeline) on a CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x; ``--dtype bf16``
 sets bf16 activations against bf16 F.linear), each configuration timed as 50 calls in one CUDA
 graph. Prints the best configurations of each layer shape with their bandwidth, and where each
 form's defaults stand. Each configuration compiles first (a second or two), so the sweep stops at
@@ -44,28 +44,33 @@ CALLS = 50
 GROUP = 64
 H100 = ISSUE_RATES["H100-SXM"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# each form's defaults on a GPU (form, block_n, groups, split_k, warps; split_k None: int4_matmul's
-# default_split_k), the library's GPU_FORM first
+# each form's defaults on a GPU (form, block_n, groups, split_k, warps, stages; split_k None:
+# int4_matmul's default_split_k), the library's GPU_FORM first
 DEFAULTS = sorted((launch_parameters(GROUP, form, on_gpu=True) for form in KERNELS),
                   key=lambda config: config[0] != GPU_FORM)
 # every configuration: the defaults first, then the untimed that may feed memory better (the best
-# gemv tiles of session 33's sweep with their walk over the inputs split among programs), then those
-# with fewer instructions per code (BENCHMARKS.md), then the rest, so that a sweep cut short by its
-# budget has timed the likeliest
-LIKELY = ([("gemv", bn, groups, split, warps) for split in (2, 4) for bn, groups, warps in
-           ((16, 8, 4), (8, 8, 1), (16, 16, 4), (8, 8, 2))]
-          + [("dot", bn, groups, None, warps) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
-          + [("gemv", bn, groups, 1, warps) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
-ALL = ([("dot", bn, groups, split, warps) for split in (None, 1, 2, 4, 8) for bn in (64, 128, 256, 32)
-        for groups in (1, 2, 4, 8) for warps in (4, 8)]
-       + [("gemv", bn, groups, split, warps) for split in (1, 2, 4) for bn in (16, 8, 4, 2)
-          for groups in (16, 8, 4) for warps in (2, 4, 1, 8)])
+# gemv tiles of session 33's sweep with their loads pipelined, which Triton had not done, then with
+# their walk over the inputs split among programs; the tensor-core form at other depths than the 3
+# it was timed at), then those with fewer instructions per code (BENCHMARKS.md), then the rest, so
+# that a sweep cut short by its budget has timed the likeliest
+BEST_GEMV = ((16, 8, 4), (8, 8, 1), (16, 16, 4), (8, 8, 2))
+LIKELY = ([("gemv", bn, groups, split, warps, stages) for stages in (3, 2, 4) for split in (1, 2)
+           for bn, groups, warps in BEST_GEMV]
+          + [("gemv", bn, groups, split, warps, 1) for split in (2, 4) for bn, groups, warps in BEST_GEMV]
+          + [("dot", bn, groups, None, warps, stages) for stages in (4, 2) for bn in (128, 64) for groups in (2, 4)
+             for warps in (4, 8)]
+          + [("dot", bn, groups, None, warps, 3) for bn in (128, 256, 64) for groups in (2, 4) for warps in (4, 8)]
+          + [("gemv", bn, groups, 1, warps, 1) for bn in (16, 8, 4) for groups in (16, 8, 4) for warps in (2, 4)])
+ALL = ([("dot", bn, groups, split, warps, stages) for stages in (3, 1) for split in (None, 1, 2, 4, 8)
+        for bn in (64, 128, 256, 32) for groups in (1, 2, 4, 8) for warps in (4, 8)]
+       + [("gemv", bn, groups, split, warps, stages) for stages in (1, 3) for split in (1, 2, 4)
+          for bn in (16, 8, 4, 2) for groups in (16, 8, 4) for warps in (2, 4, 1, 8)])
 
 
 def with_split(config, in_f, out_f, device):
     """``config`` with the split that ``int4_matmul`` would take for it on this layer where it is None."""
-    form, bn, groups, split, warps = config
-    return form, bn, groups, split or default_split_k(out_f, in_f, GROUP, bn, groups, device), warps
+    form, bn, groups, split, warps, stages = config
+    return form, bn, groups, split or default_split_k(out_f, in_f, GROUP, bn, groups, device), warps, stages
 
 
 def sweep(in_f, out_f, budget_s, device, name):
@@ -91,7 +96,7 @@ def sweep(in_f, out_f, budget_s, device, name):
             t = alternate({"full": full, "int4": repeated(call, CALLS, device)}, warmup=3, repeats=15, device=device)
             ratio = t["full"].median_s / t["int4"].median_s
             rows.append((ratio, config, t["int4"].median_s / CALLS * 1e6, t["full"].median_s / CALLS * 1e6, err))
-        except Exception as exc:  # a config Triton cannot compile (registers, shared memory)
+        except Exception as exc:  # a config Triton cannot compile or launch (registers, shared memory)
             print(f"  {label(config)}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     rows.sort(key=lambda r: r[0], reverse=True)
     nbytes = layer.nbytes  # codes, scales and zero points
@@ -109,8 +114,8 @@ def sweep(in_f, out_f, budget_s, device, name):
 
 def label(config):
     """A configuration in words."""
-    form, bn, groups, split, warps = config
-    return f"{form:4} BN {bn:3} groups {groups:2} warps {warps} split {split}"
+    form, bn, groups, split, warps, stages = config
+    return f"{form:4} BN {bn:3} groups {groups:2} warps {warps} split {split} stages {stages}"
 
 
 def instructions(shapes):
@@ -127,21 +132,24 @@ def instructions(shapes):
         print(f"  {name}: INT4 g{GROUP} {int4_bytes / 1e6:.1f} MB, read at the datasheet's {bandwidth / 1e12:.2f} TB/s "
               f"in {int4_bytes / bandwidth * 1e6:.1f} us; fp16 {fp16_bytes / 1e6:.1f} MB in "
               f"{fp16_bytes / bandwidth * 1e6:.1f} us")
-    print("  form   BN groups warps  instr  per code  loads  barriers   "
+    print("  (async: loads copied to shared memory by cp.async, LDGSTS, which a pipelined loop issues)")
+    print("  form   BN groups warps stages  instr  per code  loads  async  barriers   "
           + "   ".join(f"floor, {name} ({n / 1e6:.0f}M codes)" for n, (name, _) in codes.items()))
-    configs = ([("gemv", *c) for c in itertools.product((2, 4, 8, 16), (4, 8, 16), (2, 4, 8))]
-               + [("dot", *c) for c in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (4, 8))])
-    for form, bn, groups, warps in configs:
+    configs = ([("gemv", *c) for c in itertools.product((2, 4, 8, 16), (4, 8, 16), (2, 4, 8), (1, 3))]
+               + [("dot", *c) for c in itertools.product((32, 64, 128, 256), (1, 2, 4, 8), (4, 8), (1, 3))])
+    for form, bn, groups, warps, stages in configs:
         try:
-            counts, each = int4_loop(form, bn, groups, warps, GROUP)
+            counts, each = int4_loop(form, bn, groups, warps, stages, GROUP)
         except Exception as exc:  # a configuration Triton cannot compile: say so, and go on
-            print(f"  {form:4} {bn:4} {groups:6} {warps:5}   {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            print(f"  {form:4} {bn:4} {groups:6} {warps:5} {stages:6}   {type(exc).__name__}: {str(exc)[:120]}",
+                  flush=True)
             continue
         loads = sum(n for op, n in counts.items() if op.startswith("LDG") and op != "LDGDEPBAR")
+        copies = sum(n for op, n in counts.items() if op.startswith("LDGSTS"))
         barriers = sum(n for op, n in counts.items() if op.startswith("BAR"))
         floors = [f"{H100.floor_s(n * each) * 1e6:26.1f} us" for n in codes]
-        print(f"  {form:4} {bn:4} {groups:6} {warps:5} {sum(counts.values()):6} {each:9.2f} {loads:6} {barriers:9}   "
-              + "   ".join(floors), flush=True)
+        print(f"  {form:4} {bn:4} {groups:6} {warps:5} {stages:6} {sum(counts.values()):6} {each:9.2f} {loads:6} "
+              f"{copies:6} {barriers:9}   " + "   ".join(floors), flush=True)
 
 
 def main(argv=None):

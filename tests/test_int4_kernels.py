@@ -96,8 +96,10 @@ def test_the_cpu_kernel_reads_what_quantlinear_keeps_and_gives_the_same_bits_on_
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features,in_features,group_size,symmetric,rows,blocks", [
     (37, 128, 64, False, 1, {}),  # decode: one row; outputs not a multiple of the tile
-    (20, 96, 32, True, 3, dict(block_n=32, groups=4)),  # symmetric; groups not a multiple of a step's
-    (9, 144, 24, False, 8, dict(groups=4, split_k=2)),  # a group of 24 (a padded tile); two programs a tile
+    (20, 96, 32, True, 3, dict(block_n=32, groups=4, num_stages=3)),  # symmetric; groups not a multiple of a
+    # step's; on a GPU, the loop's loads pipelined three deep
+    (9, 144, 24, False, 8, dict(groups=4, split_k=2, num_stages=2)),  # a group of 24 (a padded tile); two programs
+    # a tile
     (6, 64, 32, False, 2, dict(groups=1, split_k=4)),  # more programs than steps: two of four sum nothing
 ])
 def test_triton_kernel_matches_the_dequantized_reference(dtype, out_features, in_features, group_size, symmetric,
@@ -180,8 +182,8 @@ cases = [(form, 64, capability, dtype, rows, split) for form in KERNELS
          for capability, dtype, rows, split in ((90, "fp16", 1, 1), (80, "bf16", 8, 2))]
 cases += [("dot", 64, 90, "bf16", 1, 1), ("dot", 64, 90, "fp32", 1, 1), ("dot", 128, 90, "fp16", 1, 1)]
 for form, group, capability, dtype, rows, split in cases:
-    _, block_n, groups, _, warps = launch_parameters(group, form, on_gpu=True)
-    constexprs = kernel_constants(form, rows, group, block_n, groups, split_k=split, has_zeros=True)
+    _, block_n, groups, _, warps, stages = launch_parameters(group, form, on_gpu=True)
+    constexprs = kernel_constants(form, rows, group, block_n, groups, split_k=split, has_zeros=True, num_stages=stages)
     compiled = compile_for_gpu(KERNELS[form], kernel_types(dtype, split), constexprs, capability, num_warps=warps)
     print(form, group, capability, dtype, "cubin" in compiled.asm)
 """
@@ -222,6 +224,8 @@ def test_zero_points_need_not_be_whole_numbers(form, dtype, tolerance):
     (dict(num_warps=2.0), r"num_warps=2.0 must be a positive integer"),
     (dict(num_warps=3), r"num_warps=3 must be a power of two"),
     (dict(split_k=1.5), r"split_k=1.5 must be a positive integer"),
+    (dict(num_stages=0), r"num_stages=0 must be a positive integer"),
+    (dict(num_stages=2.5), r"num_stages=2.5 must be a positive integer"),
     (dict(form="dot", block_n=8), r"block_n=8: tl.dot multiplies tiles of at least 16 features"),
     (dict(form="fused"), r"form='fused': the INT4 kernel comes as 'gemv' or 'dot'"),
 ])
@@ -286,12 +290,20 @@ def test_the_gpu_kernel_issues_few_instructions_per_code(form, least, most):
     under 12 instructions per code in the matrix-vector form (the form timed on an H100, 4a84ebf, took
     26), under 6 in the tensor-core form, which multiplies on the tensor cores (HGMMA), dequantizes
     fp16 weights two at a time (at most one HADD2 or HFMA2 per code) and has no fp32 add, multiply
-    or fused multiply-add."""
+    or fused multiply-add. With ``num_stages=1`` each step loads its own codes; with 3 the loop copies
+    later steps' codes into shared memory (LDGSTS) for at most 15% more instructions a code. The
+    defaults are each form's loop as timed on an H100: the matrix-vector form's unpipelined, the
+    tensor-core form's pipelined 3 deep (as Triton did by itself before the depth was a parameter)."""
     from labkit.kernels.int4_matmul import launch_parameters
-    from labkit.kernels.issue import int4_loop
+    from labkit.kernels.issue import int4_loop, int4_loops
     from labkit.presets import ISSUE_RATES
-    counts, per_code = int4_loop(form)
-    _, block_n, groups, _, warps = launch_parameters(64, form, on_gpu=True)
+    (counts, per_code), (flat, flat_per_code), (staged, staged_per_code) = int4_loops(
+        [dict(form=form), dict(form=form, num_stages=1), dict(form=form, num_stages=3)])
+    assert not any(op.startswith("LDGSTS") for op in flat), flat
+    assert any(op.startswith("LDGSTS") for op in staged), staged
+    assert least < staged_per_code < 1.15 * flat_per_code, (flat, staged)
+    assert counts == {"gemv": flat, "dot": staged}[form]
+    _, block_n, groups, _, warps, _ = launch_parameters(64, form, on_gpu=True)
     codes = block_n * groups * 64 / (32 * warps)  # a step's codes over its threads
     assert not any(op.startswith("I2F") for op in counts), counts
     assert least < per_code < most, counts

@@ -36,12 +36,22 @@ fp32 partial sum that ``int4_matmul`` adds up, so that a layer with few outputs 
 multiprocessor to work. By default the ``dot`` form, whose programs are few and large, takes
 enough for two programs per multiprocessor, and ``gemv`` one a tile.
 
+``STAGES`` is the depth of the loop's copy pipeline. At 1, a step loads its codes, scales and zero
+points when it starts, and its warps wait for memory before they compute. At 2 or more, Triton's
+software pipeliner copies the next ``STAGES - 1`` steps' codes, scales and zero points into shared
+memory asynchronously (``cp.async``: ``LDGSTS`` in the machine code) while the present step
+computes, so that more bytes are on their way from memory at once, for a few more instructions a
+code and ``STAGES`` steps' bytes of shared memory. Left to itself, Triton pipelines the loads that
+feed ``tl.dot`` (the ``dot`` form's) and not the ``gemv`` form's; the loop asks for its depth
+explicitly (``tl.range``), and ``DEFAULT_STAGES`` keeps each form as it was timed.
+
 On this lab's CPUs it runs in Triton's interpreter (tests only); on a CPU, labkit uses the C++
 operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` chooses between them.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -65,7 +75,7 @@ def _code_values(codes, SHIFT: tl.constexpr, MATH: tl.constexpr):
 @triton.jit
 def int4_gemv_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_features,
                      HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
+                     PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
     # every tensor is contiguous: rows of in_features (x), in_features / 2 (packed), groups (scales,
     # zeros) and out_features (Out: [SPLIT_K, rows, out_features], fp32 partial sums if SPLIT_K > 1);
     # PADDED: a group's bytes rounded up to a power of two, as a tile's sides must be
@@ -77,7 +87,7 @@ def int4_gemv_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featu
     n_groups = in_features // GROUP
     weight_rows = features.to(tl.int64)  # int64: out * in / 2 can pass 2^31
     acc = tl.zeros([ROWS, BLOCK_N, GROUPS], tl.float32)
-    for first in range(tl.program_id(1) * GROUPS, n_groups, GROUPS * SPLIT_K):
+    for first in tl.range(tl.program_id(1) * GROUPS, n_groups, GROUPS * SPLIT_K, num_stages=STAGES):
         group = first + tl.arange(0, GROUPS)
         group_ok = group < n_groups
         byte = group[:, None] * HALF + in_group[None, :]  # [GROUPS, PADDED]: byte j holds columns 2j and 2j + 1
@@ -103,7 +113,7 @@ def int4_gemv_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featu
 @triton.jit
 def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_features,
                     HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                    PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
+                    PADDED: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, STAGES: tl.constexpr):
     # every tensor is contiguous: rows of in_features (x), in_features / 2 (packed), groups (scales,
     # zeros) and out_features (Out: [SPLIT_K, rows, out_features], fp32 partial sums if SPLIT_K > 1);
     # PADDED: a group's bytes rounded up to a power of two, as a tile's sides must be; ROWS >= 16
@@ -123,7 +133,7 @@ def int4_dot_kernel(X, Packed, Scales, Zeros, Out, rows, out_features, in_featur
     weight_rows = tl.minimum(features, out_features - 1).to(tl.int64)  # int64: out * in / 2 can pass 2^31
     in_group = tl.arange(0, PADDED) if PADDED == HALF else tl.minimum(tl.arange(0, PADDED), HALF - 1)
     acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
-    for first in range(tl.program_id(1) * GROUPS, n_groups, GROUPS * SPLIT_K):
+    for first in tl.range(tl.program_id(1) * GROUPS, n_groups, GROUPS * SPLIT_K, num_stages=STAGES):
         group = first + tl.arange(0, GROUPS)
         at = tl.minimum(group, n_groups - 1)
         byte = at[:, None] * HALF + in_group[None, :]  # [GROUPS, PADDED]: byte j holds columns 2j and 2j + 1
@@ -153,7 +163,13 @@ KERNELS = {"gemv": int4_gemv_kernel, "dot": int4_dot_kernel}
 # 1.14x there; none of its 12 likeliest configurations reached the sweep's best 8). In the
 # interpreter, where every program costs time, few large programs.
 GPU_FORM = "gemv"
-GPU_DEFAULTS = {"gemv": (16, 512, 4), "dot": (128, 128, 4)}  # features per program, inputs per step, warps
+# features per program, inputs per step, warps
+GPU_DEFAULTS = {"gemv": (16, 512, 4), "dot": (128, 128, 4)}
+# stages of the loop's copy pipeline (the interpreter ignores them), each form's as timed on an H100
+# (session 33): the matrix-vector form's loads feed no tl.dot, and Triton's default of 3 stages left
+# its loop unpipelined; the tensor-core form's it pipelined 3 deep. Other depths are untimed:
+# benchmarks/int4_gpu_sweep.py times them first.
+DEFAULT_STAGES = {"gemv": 1, "dot": 3}
 INTERPRETER_BLOCK_N, INTERPRETER_GROUPS = 16, 2
 DOT_MIN = 16  # tl.dot's smallest tile side: features per program, and bytes per step
 DOT_MAX_BYTES = 128  # bytes of codes per thread and step the tensor-core form holds in registers: more spill
@@ -163,10 +179,22 @@ class DotTileTooLarge(ValueError):
     """A step too large for the tensor-core form, which holds its dequantized weights in registers."""
 
 
+class Launch(NamedTuple):
+    """How the kernel runs: its form, output features per program, groups per step, programs per
+    feature tile (None: ``default_split_k`` at the call), warps per program, and stages of its loop's
+    copy pipeline."""
+    form: str
+    block_n: int
+    groups: int
+    split_k: int | None
+    num_warps: int
+    num_stages: int
+
+
 def launch_parameters(group_size: int, form: str | None = None, block_n: int | None = None,
                       groups: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-                      on_gpu: bool | None = None) -> tuple[str, int, int, int | None, int]:
-    """``(form, block_n, groups, split_k, num_warps)`` for a layer of ``group_size``: the given ones
+                      num_stages: int | None = None, on_gpu: bool | None = None) -> Launch:
+    """The ``Launch`` for a layer of ``group_size``: the given parameters
     checked (ValueError naming the first that is not a form, not a positive integer, not a power of
     two where the kernel needs one, or outside what the tensor-core form takes), the others filled
     in with the defaults for a GPU (``on_gpu``; by default, unless Triton interprets) or for the
@@ -175,12 +203,12 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
     on a GPU if not given: ``default_split_k`` sets it from the layer and the GPU."""
     if form is None:
         try:
-            return launch_parameters(group_size, GPU_FORM, block_n, groups, split_k, num_warps, on_gpu)
+            return launch_parameters(group_size, GPU_FORM, block_n, groups, split_k, num_warps, num_stages, on_gpu)
         except DotTileTooLarge:
             form = "gemv"
     if form not in KERNELS:
         raise ValueError(f"form={form!r}: the INT4 kernel comes as {' or '.join(map(repr, KERNELS))}")
-    _check_integers(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps)
+    _check_integers(block_n=block_n, groups=groups, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     on_gpu = not interpreted() if on_gpu is None else on_gpu
     gpu_block_n, gpu_inputs, gpu_warps = GPU_DEFAULTS[form]
     padded = padded_group_bytes(group_size)
@@ -193,7 +221,7 @@ def launch_parameters(group_size: int, form: str | None = None, block_n: int | N
     if form == "dot":
         _check_dot(block_n, groups * padded, num_warps)
     split_k = int(split_k) if split_k else (None if on_gpu and form == "dot" else 1)
-    return form, block_n, groups, split_k, num_warps
+    return Launch(form, block_n, groups, split_k, num_warps, int(num_stages or DEFAULT_STAGES[form]))
 
 
 def padded_group_bytes(group_size: int) -> int:
@@ -203,13 +231,13 @@ def padded_group_bytes(group_size: int) -> int:
 
 def _check_integers(**values: int | None) -> None:
     """ValueError naming the first of ``values`` given that is not a positive integer, or (all but
-    split_k) not a power of two."""
+    split_k and num_stages) not a power of two."""
     for name, value in values.items():
         if value is None:
             continue  # a default
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
-        if name != "split_k" and value & (value - 1):
+        if name not in ("split_k", "num_stages") and value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two (Triton's tile sides and warp counts are)")
 
 
@@ -242,13 +270,13 @@ def default_split_k(out_features: int, in_features: int, group_size: int, block_
 
 
 def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups: int, split_k: int,
-                     has_zeros: bool) -> dict:
+                     has_zeros: bool, num_stages: int) -> dict:
     """The compile-time arguments of ``form``'s kernel for ``rows`` rows of activations and these
     launch parameters: the rows padded to a power of two, and to 16 for tl.dot."""
     padded_rows = triton.next_power_of_2(rows)
     return dict(HAS_ZEROS=has_zeros, ROWS=max(DOT_MIN, padded_rows) if form == "dot" else padded_rows,
                 BLOCK_N=block_n, GROUP=group_size, PADDED=padded_group_bytes(group_size), GROUPS=groups,
-                SPLIT_K=split_k)
+                SPLIT_K=split_k, STAGES=num_stages)
 
 
 def kernel_types(dtype: str, split_k: int = 1) -> dict[str, str]:
@@ -261,12 +289,13 @@ def kernel_types(dtype: str, split_k: int = 1) -> dict[str, str]:
 
 def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                 form: str | None = None, block_n: int | None = None, groups: int | None = None,
-                split_k: int | None = None, num_warps: int | None = None) -> Tensor:
+                split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """``x`` ``[..., in]`` (1 to 8 rows in all) times the INT4 weight held as ``packed`` codes
     ``[out, in / 2]`` and fp16 ``scales`` and ``zeros`` ``[out, in / group_size]`` (``zeros`` None: a
     symmetric grid, zero point 8), transposed: ``[..., out]`` in x's dtype. ``form``: "gemv" or
     "dot" (the module's docstring); ``block_n`` output features per program and ``groups`` groups
-    per step (powers of two); ``split_k`` programs per feature tile; ``num_warps`` per program.
+    per step (powers of two); ``split_k`` programs per feature tile; ``num_warps`` per program;
+    ``num_stages`` of the loop's copy pipeline (``DEFAULT_STAGES``: 1, none, in the "gemv" form; 3 in "dot").
     Defaults (``launch_parameters``): on a GPU, ``GPU_FORM`` ("gemv" where a "dot" step would not
     fit in registers) at its ``GPU_DEFAULTS`` (inputs per step over the group size, rounded up to a
     power of two, are the groups), with one program a tile in the "gemv" form and
@@ -274,8 +303,8 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     form at least 16 bytes of them), one program a tile and 1 warp."""
     check_int4_matmul(x, packed, scales, zeros, group_size, max_rows=MAX_ROWS)
     check_device(*(t for t in (x, packed, scales, zeros) if t is not None))
-    form, block_n, groups, split_k, num_warps = launch_parameters(group_size, form, block_n, groups, split_k,
-                                                                  num_warps)
+    form, block_n, groups, split_k, num_warps, num_stages = launch_parameters(group_size, form, block_n, groups,
+                                                                              split_k, num_warps, num_stages)
     (out_features, _), in_features = packed.shape, x.shape[-1]
     split_k = split_k or default_split_k(out_features, in_features, group_size, block_n, groups, x.device)
     rows = x.view(-1, in_features)
@@ -283,7 +312,7 @@ def int4_matmul(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
                       device=x.device)
     KERNELS[form][(triton.cdiv(out_features, block_n), split_k)](
         rows, packed, scales, scales if zeros is None else zeros, out, len(rows), out_features, in_features,
-        **kernel_constants(form, len(rows), group_size, block_n, groups, split_k, zeros is not None),
+        **kernel_constants(form, len(rows), group_size, block_n, groups, split_k, zeros is not None, num_stages),
         num_warps=num_warps)
     summed = out[0] if split_k == 1 else out.sum(0).to(x.dtype)
     return summed.view(*x.shape[:-1], out_features)

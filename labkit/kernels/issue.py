@@ -23,11 +23,14 @@ is bound by its instructions, not its bytes.
 
 Where Triton runs in its interpreter (on a CPU: ``triton.jit`` then makes interpreted functions,
 which do not compile), ``int4_loop`` counts in a subprocess:
-``python -m labkit.kernels.issue '[[FORM, BLOCK_N, GROUPS, WARPS, GROUP, DTYPE], ...]'`` prints the
+``python -m labkit.kernels.issue '[[FORM, BLOCK_N, GROUPS, WARPS, STAGES, GROUP, DTYPE], ...]'`` prints the
 counts as JSON (``int4_loops`` counts several configurations in one such process).
 
 The count is the loop's body once. A loop that the compiler unrolls holds several steps' work in
-one body; the lab's INT4 loop has a step count known only at run time, and is not unrolled.
+one body; the lab's INT4 loop has a step count known only at run time, and is not unrolled. A
+pipelined loop (``num_stages`` of 2 or more) is counted by its steady state: the loop that starts
+one step's copies and computes another's, without the steps before and after it that fill and drain
+the pipeline.
 """
 from __future__ import annotations
 
@@ -100,16 +103,16 @@ def loop_instructions(kernel, constexprs: dict, types: dict[str, str], num_warps
 
 
 def int4_loop(form: str | None = None, block_n: int | None = None, groups: int | None = None,
-              num_warps: int | None = None, group_size: int = 64, dtype: str = "fp16",
-              timeout_s: float = 120) -> tuple[collections.Counter, float]:
+              num_warps: int | None = None, num_stages: int | None = None, group_size: int = 64,
+              dtype: str = "fp16", timeout_s: float = 120) -> tuple[collections.Counter, float]:
     """The loop of the lab's INT4 kernel in ``form`` ("gemv" or "dot") compiled for an H100 at these
     launch parameters (the GPU defaults of ``int4_matmul.launch_parameters`` where None), for one
     row of ``dtype`` activations with zero points: its instructions by opcode, and per 4-bit code
     (a step's instructions over the real codes each thread handles in it, padding left out). In this
     process if Triton compiles here, else in a subprocess. ValueError for a group size the kernel
     does not take."""
-    return int4_loops([dict(form=form, block_n=block_n, groups=groups, num_warps=num_warps, group_size=group_size,
-                            dtype=dtype)], timeout_s)[0]
+    return int4_loops([dict(form=form, block_n=block_n, groups=groups, num_warps=num_warps, num_stages=num_stages,
+                            group_size=group_size, dtype=dtype)], timeout_s)[0]
 
 
 def int4_loops(configs: list[dict], timeout_s: float = 120) -> list[tuple[collections.Counter, float]]:
@@ -120,24 +123,25 @@ def int4_loops(configs: list[dict], timeout_s: float = 120) -> list[tuple[collec
         counts = _count_in_subprocess(resolved, timeout_s)
     else:
         from labkit.kernels.int4_matmul import KERNELS, kernel_constants, kernel_types
-        counts = [loop_instructions(KERNELS[form], kernel_constants(form, 1, group, block_n, groups, 1, True),
+        counts = [loop_instructions(KERNELS[form], kernel_constants(form, 1, group, block_n, groups, 1, True, stages),
                                     kernel_types(dtype), warps)
-                  for form, block_n, groups, warps, group, dtype in resolved]
+                  for form, block_n, groups, warps, stages, group, dtype in resolved]
     return [(c, sum(c.values()) / (block_n * groups * group / (32 * warps)))
-            for c, (_, block_n, groups, warps, group, _) in zip(counts, resolved)]
+            for c, (_, block_n, groups, warps, _, group, _) in zip(counts, resolved)]
 
 
 def _launch(form: str | None = None, block_n: int | None = None, groups: int | None = None,
-            num_warps: int | None = None, group_size: int = 64, dtype: str = "fp16") -> list:
-    """``[form, block_n, groups, num_warps, group_size, dtype]`` checked, with the GPU defaults filled in."""
+            num_warps: int | None = None, num_stages: int | None = None, group_size: int = 64,
+            dtype: str = "fp16") -> list:
+    """``[form, block_n, groups, num_warps, num_stages, group_size, dtype]`` checked, with the GPU
+    defaults filled in."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: the kernel takes {', '.join(DTYPES)}")
     if not is_int(group_size) or group_size < 8 or group_size % 8:
         raise ValueError(f"group_size={group_size!r} must be a positive multiple of 8")
     from labkit.kernels.int4_matmul import launch_parameters
-    form, block_n, groups, _, num_warps = launch_parameters(group_size, form, block_n, groups, 1, num_warps,
-                                                            on_gpu=True)
-    return [form, block_n, groups, num_warps, int(group_size), dtype]
+    launch = launch_parameters(group_size, form, block_n, groups, 1, num_warps, num_stages, on_gpu=True)
+    return [launch.form, launch.block_n, launch.groups, launch.num_warps, launch.num_stages, int(group_size), dtype]
 
 
 def _count_in_subprocess(configs: list[list], timeout_s: float) -> list[collections.Counter]:
@@ -161,6 +165,6 @@ def _count_in_subprocess(configs: list[list], timeout_s: float) -> list[collecti
 
 
 if __name__ == "__main__":
-    keys = ("form", "block_n", "groups", "num_warps", "group_size", "dtype")
+    keys = ("form", "block_n", "groups", "num_warps", "num_stages", "group_size", "dtype")
     loops = int4_loops([dict(zip(keys, config)) for config in json.loads(sys.argv[1])])
     print(json.dumps([counts for counts, _ in loops]))
