@@ -36,10 +36,13 @@ steps, rotary positions and attention included, against the eager step.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -141,7 +144,8 @@ def _export_and_compile(module: DecodeModule, path: Path) -> None:
 def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
     """The package at ``path``, reading and writing ``module``'s own tensors; every constant the
     library needs must be one of them."""
-    runner = torch._inductor.aoti_load_package(str(path))
+    with _unpacked_in_a_folder_of_ours():
+        runner = torch._inductor.aoti_load_package(str(path))
     state = module.state()
     missing = [name for name in runner.get_constant_fqns() if name not in state]
     if missing:
@@ -149,6 +153,25 @@ def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
     handed = {name: state[name] for name in runner.get_constant_fqns()}
     runner.load_constants(handed, check_full_update=True, user_managed=True)
     return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()])
+
+
+@contextlib.contextmanager
+def _unpacked_in_a_folder_of_ours():
+    """torch's loader unpacks a package into a new folder under ``TMPDIR`` (``aotinductor_*``) and
+    removes it only when its runner is destroyed, which a process that ends holding one may never
+    do (every build left 1.6 MB behind): point ``TMPDIR`` at a folder of ours while it loads, and
+    remove that once the library is loaded (a loaded library needs its file no more)."""
+    folder = tempfile.mkdtemp(prefix="labkit_aot_")  # before TMPDIR changes: Python's own stays where it was
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = folder
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def agrees_with_eager(step: AOTStep) -> bool:

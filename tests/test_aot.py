@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +85,31 @@ def test_a_build_leaves_a_filled_cache_as_it_was_and_decodes_after_an_eager_pref
         torch.testing.assert_close(logits, eager(tokens, positions), rtol=1e-5, atol=1e-5)
         tokens = logits[:, -1:].argmax(-1)
     assert model.rope is built[0].rope and model.rope.dtype == torch.float32  # put back after the export
+
+
+_KILLED_AFTER_LOADING = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from labkit import aot
+from test_aot import _cache, _model
+step = aot.aot_step(_model(0), _cache(), {folder!r})
+assert step.from_disk, "built again"
+print(sorted(os.listdir(os.environ["TMPDIR"])), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as a notebook's kernel is stopped: no destructor runs
+"""
+
+
+def test_loading_leaves_no_unpacked_package_behind_even_in_a_process_killed_after(built, folder, tmp_path):
+    """torch's loader unpacks a package into a temporary folder that it removes only with its runner;
+    a process killed while holding a step (a notebook's kernel, stopped) used to leave it, 1.6 MB a
+    load."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    code = _KILLED_AFTER_LOADING.format(tests=os.path.dirname(__file__), folder=str(folder))
+    ran = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(temporary)},
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == -9 and ran.stdout == "[]\n", ran.stderr[-2000:]
+    assert os.listdir(temporary) == []
 
 
 def test_tied_embeddings_are_read_under_both_names(folder):
