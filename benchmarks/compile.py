@@ -9,7 +9,8 @@
    notebook times), the same step eager on the static cache, the static step compiled
    (``labkit.compile``; on CUDA ``mode="reduce-overhead"``), on a CPU compiled ahead of time
    (``labkit.aot``: no guard check and no Python wrapper left) and, on CUDA, recorded by hand as
-   a CUDA graph (``labkit.cuda_graphs``). Each step's bytes (weights, KV read and written:
+   a CUDA graph (``labkit.cuda_graphs``), eager and compiled (``compile.graphed_compiled_step``:
+   Inductor's fused kernels with neither guards nor wrapper). Each step's bytes (weights, KV read and written:
    ``cost.forward_bytes``) over its median time, against a copy of that many bytes (on a CPU the
    last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
 2. Compile time: in this process, and in two fresh processes sharing an empty inductor cache
@@ -41,14 +42,15 @@ import labkit
 from labkit import cost
 from labkit.aot import AOTStep
 from labkit.bench import alternate, format_seconds
-from labkit.compile import cache_dir, compiler_problem, eager_step, inductor_start_up, static_decoder
+from labkit.compile import (cache_dir, compiler_problem, eager_step, failure_line, graphed_compiled_step,
+                            inductor_start_up, static_decoder)
 from labkit.device import device_name, get_device, synchronize
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
 from labkit.model import Transformer, forward_tokens
 from labkit.presets import GPU_PRESETS
 from labkit.shapes import DTYPE_NAMES
-from labkit.static_cache import StaticKVCache
+from labkit.static_cache import StaticKVCache, static_length
 
 def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     """The eager, compiled, (on a CPU) compiled ahead of time and (``graphs``) graphed decode
@@ -69,6 +71,12 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     if graphs:
         _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
+        try:  # untimed on a GPU until session 36's change was: a failure names itself and the rest still runs
+            both = graphed_compiled_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype,
+                                                              model.device))
+            steps["compiled + graph"] = lambda: both(tokens, positions)
+        except Exception as error:
+            print(f"compiled + graph: could not be built ({failure_line(error)})", flush=True)
     return {"steps": steps, **built}
 
 
@@ -148,19 +156,42 @@ def same_output(model: Transformer, prompt: list[int]) -> str:
         runs["ahead of time"] = lambda: ahead_of_time_greedy(model, prompt, params.max_new_tokens)
     if model.device.type == "cuda":
         runs["graphed"] = lambda: list(stream(model, prompt, params, use_cuda_graphs=True))
+        runs["compiled + graph"] = lambda: graphed_compiled_greedy(model, prompt, params.max_new_tokens)
     eager = list(stream(model, prompt, params))
-    return ", ".join(f"{k} {'identical' if run() == eager else 'DIFFERENT'}" for k, run in runs.items())
+    return ", ".join(f"{k} {_agreement(run, eager)}" for k, run in runs.items())
+
+
+def _agreement(run, eager: list[int]) -> str:
+    """Whether ``run()`` gives the ``eager`` tokens, or why it gave none."""
+    try:
+        return "identical" if run() == eager else "DIFFERENT"
+    except Exception as error:  # a step that cannot be built on this machine: the others still compare
+        return f"failed ({failure_line(error)})"
 
 
 def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens: the prompt prefilled eagerly into a static cache, then decode steps compiled
-    ahead of time (``labkit.aot``), as ``stream(compiled=True)`` does with ``labkit.compile``
-    (``stream`` does not offer this step: each build keeps its cache for the life of the process)."""
-    cache, step = static_decoder(model, len(prompt) + new_tokens, ahead_of_time=True)
+    """Greedy tokens with decode steps compiled ahead of time (``labkit.aot``), as
+    ``stream(compiled=True)`` does with ``labkit.compile`` (``stream`` does not offer this step:
+    each build keeps its cache for the life of the process)."""
+    return greedy_with(model, prompt, new_tokens, *static_decoder(model, len(prompt) + new_tokens,
+                                                                  ahead_of_time=True))
+
+
+def graphed_compiled_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens with decode steps compiled and recorded as a CUDA graph (``stream`` does not
+    offer this step)."""
+    cache = StaticKVCache(model.config, 1, static_length(model.config, len(prompt) + new_tokens), model.dtype,
+                          model.device)
+    return greedy_with(model, prompt, new_tokens, cache, graphed_compiled_step(model, cache))
+
+
+def greedy_with(model: Transformer, prompt: list[int], new_tokens: int, cache: StaticKVCache, step) -> list[int]:
+    """Greedy tokens: the prompt prefilled eagerly into the static ``cache``, then ``step`` on it."""
     logits, tokens = forward_tokens(model, prompt, 0, cache), []
     for position in range(len(prompt), len(prompt) + new_tokens):
         tokens.append(int(logits[-1].argmax()))
-        logits = step(torch.tensor([[tokens[-1]]]), torch.tensor([[position]]))[0]
+        logits = step(torch.tensor([[tokens[-1]]], device=model.device),
+                      torch.tensor([[position]], device=model.device))[0]
     return tokens
 
 

@@ -4,8 +4,9 @@
 #   issue 35: the Triton INT4 kernel at its new defaults against fp16 F.linear at batch 1 (goal >= 2.5x), then
 #             the launch sweep, its untimed pipelined loops (num_stages 3, 2, 4) and split walks first;
 #   issue 32: notebooks 05 and 04 whole on the GPU (each stopped by too short a limit last time), the
-#             Llama-3.2-1B shape's naive loop (cached against naive at 1,024 tokens, goal >= 10x), then the
-#             notebooks that have never run on one (07, 00, 02, 03) and the other INT4 sweeps.
+#             Llama-3.2-1B shape's "compiled + graph" row (untimed) and naive loop (cached against naive at
+#             1,024 tokens, goal >= 10x), then the notebooks that have never run on one (07, 00, 02, 03) and
+#             the other INT4 sweeps.
 # Each step has a time limit (what it took on an H100 with a margin, where it has run there) and its own log; a
 # step that would not fit in what is left of TOTAL seconds is skipped and says so, and the steps after it still
 # run. On the machine (the device tool's run, carrying .whl), TOTAL a little under the call's limit, which is

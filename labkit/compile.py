@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from labkit.cuda_graphs import GraphedStep
+from labkit.cuda_graphs import GraphedStep, require_cuda
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache, static_length
 
@@ -61,8 +61,7 @@ def fresh_decode() -> Callable:
 _compiled: dict[tuple, Callable] = {}
 
 
-def _compiled_decode(model: Transformer, cache: StaticKVCache) -> Callable:
-    mode = mode_for(model.device)
+def _compiled_decode(model: Transformer, cache: StaticKVCache, mode: str | None) -> Callable:
     # the config's repr, not the config: a Llama-3 config holds a dict (rope_scaling), which does not hash
     key = (mode, repr(model.config), model.dtype, str(model.device), cache.batch_size, cache.max_len)
     if key not in _compiled:
@@ -156,13 +155,24 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
             torch._dynamo.mark_static_address(tensor)
     from torch._dynamo.exc import TorchDynamoException  # here: importing TorchDynamo imports triton, which
     # must come after labkit.kernels has chosen Triton's interpreter on a machine without a GPU
-    step = CompiledStep(model, cache, _compiled_decode(model, cache))
+    step = CompiledStep(model, cache, _compiled_decode(model, cache, mode_for(model.device)))
     try:
         step.warm_up(tokens)
     except (TorchDynamoException, RuntimeError, OSError) as error:
         warnings.warn(f"torch.compile failed, so the step runs eagerly: {failure_line(error)}", stacklevel=2)
         return eager_step(model, cache)
     return step
+
+
+def graphed_compiled_step(model: Transformer, cache: StaticKVCache) -> GraphedStep:
+    """The decode step compiled, then recorded by hand as one CUDA graph (a GPU only): compiled in
+    the default mode, which records no graph of its own, so that the recording holds Inductor's
+    fused kernels, and replaying it runs neither TorchDynamo's guard check nor Inductor's Python
+    wrapper, which ``mode="reduce-overhead"`` still runs at every call. Compile, then record: what
+    vLLM does. The recording's warm-up calls compile it (errors from the compiler propagate)."""
+    require_cuda(model.device)
+    model.rotary(torch.zeros(cache.batch_size, 1, dtype=torch.long, device=model.device))  # the table, on the device
+    return GraphedStep(model, cache, decode=_compiled_decode(model, cache, mode=None))
 
 
 def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = False, ahead_of_time: bool = False

@@ -93,22 +93,30 @@ def repeated(call: Callable[[], object], calls: int, device: torch.device) -> Ca
     return record(lambda: [call() for _ in range(calls)], device)[0].replay
 
 
+Decode = Callable[[Transformer, StaticKVCache, Tensor, Tensor], Tensor]
+
+
 class GraphedStep:
     """One decode step of ``model`` on ``cache`` recorded as a CUDA graph for its batch size.
 
     ``step(tokens, positions)``, each ``[B, 1]`` (positions in 0..max_len - 1, or -1 for padding:
     the cache trusts them), copies the inputs into the static buffers, replays, and returns the
-    static output buffer ``[B, 1, vocab]``, which the next replay overwrites."""
+    static output buffer ``[B, 1, vocab]``, which the next replay overwrites. ``decode(model, cache,
+    tokens, positions)``, if given, is the step to record in place of the eager forward pass: a
+    compiled one (``labkit.compile.graphed_compiled_step``) records Inductor's fused kernels."""
 
-    def __init__(self, model: Transformer, cache: StaticKVCache, pool: tuple | None = None) -> None:
+    def __init__(self, model: Transformer, cache: StaticKVCache, pool: tuple | None = None,
+                 decode: Decode | None = None) -> None:
         require_cuda(model.device)
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.decode = model, cache, decode
         shape = (cache.batch_size, 1)
         self.tokens = torch.zeros(shape, dtype=torch.long, device=model.device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=model.device)  # padding until used
         self.graph, self.logits = record(self._forward, model.device, pool)
 
     def _forward(self) -> Tensor:
+        if self.decode is not None:
+            return self.decode(self.model, self.cache, self.tokens, self.positions)
         return self.model(self.tokens, plan=self.cache.plan(self.positions))
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ def test_each_set_of_shapes_gets_a_compiled_function_of_its_own(model):
     """TorchDynamo's recompile limit counts per function, and with fullgraph=True reaching it raises:
     shapes must not share one function."""
     def function_for(batch, length):
-        return compiling._compiled_decode(model, StaticKVCache(CONFIG, batch, length))
+        return compiling._compiled_decode(model, StaticKVCache(CONFIG, batch, length), None)
     assert function_for(1, 256) is function_for(1, 256)
     assert len({id(function_for(b, n)) for b in (1, 2) for n in (256, 512)}) == 4
 
@@ -56,8 +56,8 @@ def test_a_llama3_config_with_rope_scaling_gets_its_compiled_function():
     config = dataclasses.replace(CONFIG, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                        "original_max_position_embeddings": 128})
     llama3 = Transformer(config).eval()
-    function = compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256))
-    assert function is compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256))
+    function = compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256), None)
+    assert function is compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256), None)
 
 
 def test_compiled_generation_is_the_eager_generation(model):
@@ -96,6 +96,8 @@ def test_cuda_graphs_on_a_cpu_say_they_need_cuda(model):
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
         GraphedStep(model, StaticKVCache(CONFIG, 1, 8))
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
+        compiling.graphed_compiled_step(model, StaticKVCache(CONFIG, 1, 8))
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
         list(stream(model, [1, 2], SamplingParams(max_new_tokens=2), use_cuda_graphs=True))
 
 
@@ -119,6 +121,16 @@ def test_repeated_replays_every_call():
 def test_a_graphed_step_replays_the_eager_step():
     model = _model("cuda")
     graphed = GraphedStep(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
+    eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
+    for p in range(5):
+        tokens, positions = torch.tensor([[p + 1], [p + 2]], device="cuda"), torch.tensor([[p], [p]], device="cuda")
+        torch.testing.assert_close(graphed(tokens, positions).clone(), eager(tokens, positions), rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_a_compiled_step_recorded_by_hand_replays_the_eager_step():
+    model = _model("cuda")
+    graphed = compiling.graphed_compiled_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
     eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
     for p in range(5):
         tokens, positions = torch.tensor([[p + 1], [p + 2]], device="cuda"), torch.tensor([[p], [p]], device="cuda")
