@@ -28,10 +28,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # constraints.txt pins torch so a CPU machine never pulls the CUDA build.
-# pip would compile every installed module to bytecode one file at a time (74 s of a 124 s install on
-# 2 cores); COMPILE does it on every core (47 s there). It skips what is not this Python's syntax
-# (torch ships a test file for 3.12), as pip does, and says nothing: it fails only if Python cannot run.
-COMPILE = $(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || $(BIN)/python -c pass
+# pip would compile every installed module to bytecode one file at a time, most of an install's time;
+# COMPILE does it on every core (BENCHMARKS.md, "CI time again ... (session 36)"). Like pip, it skips
+# what is not this Python's syntax (torch ships a test file for 3.12) and keeps its warnings to itself.
+COMPILE = $(BIN)/python -W ignore -m compileall -q -j 0 $(VENV)/lib > /dev/null || $(BIN)/python -c pass
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install --no-compile -c constraints.txt -e ".[lab,serve]"

@@ -43,24 +43,24 @@ from labkit import cost
 from labkit.aot import AOTStep
 from labkit.bench import alternate, format_seconds
 from labkit.compile import (cache_dir, compiler_problem, eager_step, failure_line, graphed_compiled_step,
-                            inductor_start_up, static_decoder)
+                            inductor_start_up, one_row_cache, static_decoder)
 from labkit.device import device_name, get_device, synchronize
 from labkit.generate import SamplingParams, decode_step, stream
 from labkit.hardware import measure_bandwidth
 from labkit.model import Transformer, forward_tokens
 from labkit.presets import GPU_PRESETS
 from labkit.shapes import DTYPE_NAMES
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache
 
 def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     """The eager, compiled, (on a CPU) compiled ahead of time and (``graphs``) graphed decode
-    steps at ``context`` on static caches, each a no-argument callable for ``alternate``, plus the
-    compile times."""
+    steps, eager and compiled, at ``context`` on static caches, each a no-argument callable for
+    ``alternate``, plus the compile times."""
     tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     positions = torch.full((1, 1), context, device=model.device)
 
     compiled_cache, compiled = static_decoder(model, context + 1)
-    eager = eager_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype, model.device))
+    eager = eager_step(model, one_row_cache(model, context + 1))
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
     built = {"compile_s": getattr(compiled, "compile_s", float("nan"))}
     if model.device.type == "cpu":
@@ -71,9 +71,8 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     if graphs:
         _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
-        try:  # untimed on a GPU until session 36's change was: a failure names itself and the rest still runs
-            both = graphed_compiled_step(model, StaticKVCache(model.config, 1, compiled_cache.max_len, model.dtype,
-                                                              model.device))
+        try:  # not yet timed on a GPU (session 36): a failure names itself, and the other rows still run
+            both = graphed_compiled_step(model, one_row_cache(model, context + 1))
             steps["compiled + graph"] = lambda: both(tokens, positions)
         except Exception as error:
             print(f"compiled + graph: could not be built ({failure_line(error)})", flush=True)
@@ -180,8 +179,7 @@ def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int)
 def graphed_compiled_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens with decode steps compiled and recorded as a CUDA graph (``stream`` does not
     offer this step)."""
-    cache = StaticKVCache(model.config, 1, static_length(model.config, len(prompt) + new_tokens), model.dtype,
-                          model.device)
+    cache = one_row_cache(model, len(prompt) + new_tokens)
     return greedy_with(model, prompt, new_tokens, cache, graphed_compiled_step(model, cache))
 
 

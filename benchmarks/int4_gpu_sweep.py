@@ -1,8 +1,8 @@
 """The Triton INT4 kernel's two forms (``gemv`` on the ordinary cores, ``dot`` on the tensor cores)
 and launch parameters (features per program, groups per step, warps, programs per feature tile,
-stages of the loop's copy pipeline) on a CUDA GPU, swept against fp16 F.linear at batch 1 (issue 35's goal: at least 2.5x; ``--dtype bf16``
-sets bf16 activations against bf16 F.linear), each configuration timed as 50 calls in one CUDA
-graph. Prints the best configurations of each layer shape with their bandwidth, and where each
+stages of the loop's copy pipeline) on a CUDA GPU, swept against fp16 F.linear at batch 1 (issue
+35's goal: at least 2.5x; ``--dtype bf16`` sets bf16 activations against bf16 F.linear), each
+configuration timed as 50 calls in one CUDA graph. Prints the best configurations of each layer shape with their bandwidth, and where each
 form's defaults stand. Each configuration compiles first (a second or two), so the sweep stops at
 --budget seconds per shape.
 

@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from labkit.static_cache import StaticKVCache
 SOURCES = (model_code, static_cache_code, compile_code, quant_code, int4_code, validate_code, sys.modules[__name__])
 KEEP = 16  # packages kept in a folder, the ones used last
 CHECKED_POSITIONS = 2  # steps the build's check runs: position 0, then 1 (rotation, and attention over two slots)
+_LOADING = threading.Lock()  # held while TMPDIR points at a load's own folder: one load at a time
 
 
 class DecodeModule(nn.Module):
@@ -158,20 +160,23 @@ def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
 @contextlib.contextmanager
 def _unpacked_in_a_folder_of_ours():
     """torch's loader unpacks a package into a new folder under ``TMPDIR`` (``aotinductor_*``) and
-    removes it only when its runner is destroyed, which a process that ends holding one may never
-    do (every build left 1.6 MB behind): point ``TMPDIR`` at a folder of ours while it loads, and
-    remove that once the library is loaded (a loaded library needs its file no more)."""
-    folder = tempfile.mkdtemp(prefix="labkit_aot_")  # before TMPDIR changes: Python's own stays where it was
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = folder
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = before
-        shutil.rmtree(folder, ignore_errors=True)
+    removes it only when its runner is destroyed, which a process killed while holding one never
+    does: point ``TMPDIR`` at a folder of ours while it loads, and remove that once the library is
+    loaded (on a CPU, the only device this module compiles for, a loaded library needs its files
+    no more). ``TMPDIR`` is the whole process's: loads take turns, and a subprocess started by
+    another thread meanwhile would inherit the folder."""
+    with _LOADING:
+        folder = tempfile.mkdtemp(prefix="labkit_aot_")  # before TMPDIR changes: Python's own stays where it was
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def agrees_with_eager(step: AOTStep) -> bool:

@@ -167,12 +167,19 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
 def graphed_compiled_step(model: Transformer, cache: StaticKVCache) -> GraphedStep:
     """The decode step compiled, then recorded by hand as one CUDA graph (a GPU only): compiled in
     the default mode, which records no graph of its own, so that the recording holds Inductor's
-    fused kernels, and replaying it runs neither TorchDynamo's guard check nor Inductor's Python
-    wrapper, which ``mode="reduce-overhead"`` still runs at every call. Compile, then record: what
-    vLLM does. The recording's warm-up calls compile it (errors from the compiler propagate)."""
+    fused kernels, and a replay runs no Python at all, where ``mode="reduce-overhead"`` still runs
+    TorchDynamo's guard check and its graph trees' bookkeeping at every call. Compile, then
+    record: what vLLM does. The recording's warm-up calls compile it (errors from the compiler
+    propagate)."""
     require_cuda(model.device)
     model.rotary(torch.zeros(cache.batch_size, 1, dtype=torch.long, device=model.device))  # the table, on the device
     return GraphedStep(model, cache, decode=_compiled_decode(model, cache, mode=None))
+
+
+def one_row_cache(model: Transformer, tokens: int) -> StaticKVCache:
+    """A static cache of one row, on the model's device and in its dtype, for a sequence of
+    ``tokens`` tokens (its length rounded up by ``static_length``)."""
+    return StaticKVCache(model.config, 1, static_length(model.config, tokens), model.dtype, model.device)
 
 
 def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = False, ahead_of_time: bool = False
@@ -185,7 +192,7 @@ def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = Fals
     life of the process, so that one is made once and reused."""
     if use_cuda_graphs and ahead_of_time:
         raise ValueError("a decode step is recorded as a CUDA graph or compiled ahead of time, not both")
-    cache = StaticKVCache(model.config, 1, static_length(model.config, tokens), model.dtype, model.device)
+    cache = one_row_cache(model, tokens)
     if ahead_of_time:
         from labkit.aot import aot_step  # here: labkit.aot builds on this module
         return cache, aot_step(model, cache)

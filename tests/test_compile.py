@@ -129,11 +129,17 @@ def test_a_graphed_step_replays_the_eager_step():
 
 @needs_cuda
 def test_a_compiled_step_recorded_by_hand_replays_the_eager_step():
+    """It records what TorchDynamo compiled (a graph more), and replays the eager logits, a padding
+    row (position -1) among them."""
+    from torch._dynamo.utils import counters
     model = _model("cuda")
+    before = counters["stats"]["unique_graphs"]
     graphed = compiling.graphed_compiled_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
+    assert counters["stats"]["unique_graphs"] == before + 1
     eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32, device="cuda"))
     for p in range(5):
-        tokens, positions = torch.tensor([[p + 1], [p + 2]], device="cuda"), torch.tensor([[p], [p]], device="cuda")
+        tokens = torch.tensor([[p + 1], [p + 2]], device="cuda")
+        positions = torch.tensor([[p], [p if p < 3 else -1]], device="cuda")
         torch.testing.assert_close(graphed(tokens, positions).clone(), eager(tokens, positions), rtol=1e-4, atol=1e-4)
 
 

@@ -41,7 +41,7 @@ points when it starts, and its warps wait for memory before they compute. At 2 o
 software pipeliner copies the next ``STAGES - 1`` steps' codes, scales and zero points into shared
 memory asynchronously (``cp.async``: ``LDGSTS`` in the machine code) while the present step
 computes, so that more bytes are on their way from memory at once, for a few more instructions a
-code and ``STAGES`` steps' bytes of shared memory. Left to itself, Triton pipelines the loads that
+code and about ``STAGES - 1`` more steps' bytes of shared memory. Left to itself, Triton pipelines the loads that
 feed ``tl.dot`` (the ``dot`` form's) and not the ``gemv`` form's; the loop asks for its depth
 explicitly (``tl.range``), and ``DEFAULT_STAGES`` keeps each form as it was timed.
 
@@ -270,13 +270,14 @@ def default_split_k(out_features: int, in_features: int, group_size: int, block_
 
 
 def kernel_constants(form: str, rows: int, group_size: int, block_n: int, groups: int, split_k: int,
-                     has_zeros: bool, num_stages: int) -> dict:
+                     has_zeros: bool, num_stages: int | None = None) -> dict:
     """The compile-time arguments of ``form``'s kernel for ``rows`` rows of activations and these
-    launch parameters: the rows padded to a power of two, and to 16 for tl.dot."""
+    launch parameters: the rows padded to a power of two, and to 16 for tl.dot; ``num_stages`` by
+    default the form's ``DEFAULT_STAGES``."""
     padded_rows = triton.next_power_of_2(rows)
     return dict(HAS_ZEROS=has_zeros, ROWS=max(DOT_MIN, padded_rows) if form == "dot" else padded_rows,
                 BLOCK_N=block_n, GROUP=group_size, PADDED=padded_group_bytes(group_size), GROUPS=groups,
-                SPLIT_K=split_k, STAGES=num_stages)
+                SPLIT_K=split_k, STAGES=num_stages or DEFAULT_STAGES[form])
 
 
 def kernel_types(dtype: str, split_k: int = 1) -> dict[str, str]:
