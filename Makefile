@@ -29,7 +29,7 @@ $(BIN)/python:
 
 # constraints.txt pins torch so a CPU machine never pulls the CUDA build.
 # pip would compile every installed module to bytecode one file at a time, most of an install's time;
-# COMPILE does it on every core (BENCHMARKS.md, "CI time again ... (session 36)"). Like pip, it skips
+# COMPILE does it on every core (BENCHMARKS.md, "CI time on a slower day, and the install"). Like pip, it skips
 # what is not this Python's syntax (torch ships a test file for 3.12) and keeps its warnings to itself.
 COMPILE = $(BIN)/python -W ignore -m compileall -q -j 0 $(VENV)/lib > /dev/null || $(BIN)/python -c pass
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python

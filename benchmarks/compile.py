@@ -10,9 +10,9 @@
    (``labkit.compile``; on CUDA ``mode="reduce-overhead"``), on a CPU compiled ahead of time
    (``labkit.aot``: no guard check and no Python wrapper left) and, on CUDA, recorded by hand as
    a CUDA graph (``labkit.cuda_graphs``), eager and compiled (``compile.graphed_compiled_step``:
-   Inductor's fused kernels with neither guards nor wrapper). Each step's bytes (weights, KV read and written:
-   ``cost.forward_bytes``) over its median time, against a copy of that many bytes (on a CPU the
-   last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
+   Inductor's fused kernels with neither guards nor wrapper). Each step's bytes (weights, KV read
+   and written: ``cost.forward_bytes``) over its median time, against a copy of that many bytes
+   (on a CPU the last-level cache holds the lab's models) or, on a GPU, the datasheet bandwidth.
 2. Compile time: in this process, and in two fresh processes sharing an empty inductor cache
    folder: the first compiles from nothing, the second finds the first one's code on disk (on a
    CPU, the same for the step compiled ahead of time, whose second build loads a package).

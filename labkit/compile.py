@@ -39,14 +39,9 @@ from torch import Tensor
 
 from labkit.cuda_graphs import GraphedStep, require_cuda
 from labkit.model import Transformer
-from labkit.static_cache import StaticKVCache, static_length
+from labkit.static_cache import StaticKVCache, decode_static, static_length
 
 Step = Callable[[Tensor, Tensor], Tensor]
-
-
-def decode_static(model: Transformer, cache: StaticKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
-    """One step through the static cache: logits ``[B, T, vocab]``."""
-    return model(tokens, plan=cache.plan(positions))
 
 
 def fresh_decode() -> Callable:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from labkit.answers import answer_to
 from labkit.model import Transformer
-from labkit.static_cache import StaticKVCache
+from labkit.static_cache import StaticKVCache, decode_static
 
 
 def require_cuda(device: torch.device | str) -> None:
@@ -102,11 +102,11 @@ class GraphedStep:
     ``step(tokens, positions)``, each ``[B, 1]`` (positions in 0..max_len - 1, or -1 for padding:
     the cache trusts them), copies the inputs into the static buffers, replays, and returns the
     static output buffer ``[B, 1, vocab]``, which the next replay overwrites. ``decode(model, cache,
-    tokens, positions)``, if given, is the step to record in place of the eager forward pass: a
+    tokens, positions)`` is the step recorded: by default the eager one (``decode_static``); a
     compiled one (``labkit.compile.graphed_compiled_step``) records Inductor's fused kernels."""
 
     def __init__(self, model: Transformer, cache: StaticKVCache, pool: tuple | None = None,
-                 decode: Decode | None = None) -> None:
+                 decode: Decode = decode_static) -> None:
         require_cuda(model.device)
         self.model, self.cache, self.decode = model, cache, decode
         shape = (cache.batch_size, 1)
@@ -115,9 +115,7 @@ class GraphedStep:
         self.graph, self.logits = record(self._forward, model.device, pool)
 
     def _forward(self) -> Tensor:
-        if self.decode is not None:
-            return self.decode(self.model, self.cache, self.tokens, self.positions)
-        return self.model(self.tokens, plan=self.cache.plan(self.positions))
+        return self.decode(self.model, self.cache, self.tokens, self.positions)
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         if tokens.shape != self.tokens.shape or positions.shape != self.positions.shape:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from labkit.answers import answer_to
-from labkit.model import AttentionPlan, ModelConfig, attention, cache_length
+from labkit.model import AttentionPlan, ModelConfig, Transformer, attention, cache_length
 from labkit.validate import check_positions
 
 
@@ -40,6 +40,12 @@ def static_length(config: ModelConfig, tokens: int) -> int:
     ``LENGTH_STEP`` (at most the model's context), so that generations of similar lengths share
     one compiled step instead of compiling one each."""
     return min(config.max_seq_len, -(-tokens // LENGTH_STEP) * LENGTH_STEP)
+
+
+def decode_static(model: Transformer, cache: StaticKVCache, tokens: Tensor, positions: Tensor) -> Tensor:
+    """One step through the static cache: logits ``[B, T, vocab]``. The step that
+    ``labkit.compile`` compiles and ``labkit.cuda_graphs`` records."""
+    return model(tokens, plan=cache.plan(positions))
 
 
 @dataclass(frozen=True, eq=False)

@@ -41,9 +41,9 @@ points when it starts, and its warps wait for memory before they compute. At 2 o
 software pipeliner copies the next ``STAGES - 1`` steps' codes, scales and zero points into shared
 memory asynchronously (``cp.async``: ``LDGSTS`` in the machine code) while the present step
 computes, so that more bytes are on their way from memory at once, for a few more instructions a
-code and about ``STAGES - 1`` more steps' bytes of shared memory. Left to itself, Triton pipelines the loads that
-feed ``tl.dot`` (the ``dot`` form's) and not the ``gemv`` form's; the loop asks for its depth
-explicitly (``tl.range``), and ``DEFAULT_STAGES`` keeps each form as it was timed.
+code and about ``STAGES - 1`` more steps' bytes of shared memory. Left to itself, Triton pipelines
+the loads that feed ``tl.dot`` (the ``dot`` form's) and not the ``gemv`` form's; the loop asks for
+its depth explicitly (``tl.range``), and ``DEFAULT_STAGES`` keeps each form as it was timed.
 
 On this lab's CPUs it runs in Triton's interpreter (tests only); on a CPU, labkit uses the C++
 operator ``labkit.kernels.int4_matmul_cpu``. ``labkit.kernels.int4_linear`` chooses between them.
