@@ -57,16 +57,20 @@ def synchronize(device: torch.device | str) -> None:
         torch.mps.synchronize()
 
 
-def device_name(device: torch.device | str) -> str:
-    """A readable name: ``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu (Intel Xeon ..., 2 threads)``."""
+def device_name(device: torch.device | str, threads: bool = True) -> str:
+    """A readable name: ``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu (Intel Xeon ..., 2 threads)``, the
+    threads this process's torch runs on (``threads=False``: ``cpu (Intel Xeon ...)``, for work that
+    runs in other processes)."""
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     if device.type == "mps":
         return f"mps ({platform.machine()} {platform.system()})"
-    threads = torch.get_num_threads()
-    return f"cpu ({_cpu_model()}, {threads} thread{'s' * (threads != 1)})"
+    if not threads:
+        return f"cpu ({_cpu_model()})"
+    count = torch.get_num_threads()
+    return f"cpu ({_cpu_model()}, {count} thread{'s' * (count != 1)})"
 
 
 @lru_cache(maxsize=1)

@@ -32,11 +32,13 @@ Rolling back costs nothing: the next round starts at the position after the last
 and each of its steps writes its slot, in every layer it reads, before reading it. A rejected
 draft's keys and values are overwritten before anything can see them.
 
-If a draft step costs c of a full decode step (c ~ L'/L, plus the head) and each draft token is
-accepted with probability a, the speedup is about E / (k c + 1), E = (1 - a^(k+1)) / (1 - a)
-(``labkit.speculative.speculation_gain``): the early exit trades acceptance (deeper exits agree
-with the target more often) against cost (deeper exits cost more). ``exit_agreement`` and
-``draft_step_cost`` measure the two by exit layer, ``best_exit`` picks the exit and k.
+If a draft step costs c of a full decode step (c ~ L'/L, plus the head), the verification call v
+decode steps (one where k + 1 tokens cost as much as one, as on a GPU; more on a CPU, less for a
+deeper exit) and each draft token is accepted with probability a, the speedup is about
+E / (k c + v), E = (1 - a^(k+1)) / (1 - a) (``labkit.speculative.speculation_gain``): the early
+exit trades acceptance (deeper exits agree with the target more often) against cost (deeper
+exits cost more to draft, less to verify). ``exit_agreement`` measures a by exit layer,
+``round_costs`` c and v, and ``best_exit`` picks the exit and k.
 
 ``exit_layer`` runs from 1 to L; at L the draft is the whole target (every greedy draft is
 accepted: a check of the machinery, not a speedup). The shipped adapters (``load_adapters``, one
@@ -46,8 +48,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -181,29 +184,68 @@ def exit_agreement(target: Transformer, exit_layers: Sequence[int], batches: Ite
     return {layer: agree[layer] / total for layer in layers}
 
 
+def _cache_after(target: Transformer, context: int, slots: int) -> ContiguousKVCache:
+    """A cache of ``slots`` slots holding ``context`` cached tokens (zeros), for timing a step after them."""
+    cache = ContiguousKVCache(target.config, 1, slots, target.dtype, target.device)
+    if context:
+        forward_tokens(target, [0] * context, 0, cache)
+    return cache
+
+
 def draft_step(target: Transformer, exit_layer: int, context: int,
                adapter: Adapter | None = None) -> Callable[[], tuple[list[int], list[Tensor]]]:
     """One draft step (one token through blocks [0, exit_layer) and the exit head) after ``context``
     cached tokens, as a callable to time: ``generate.decode_step``'s counterpart."""
-    cache = ContiguousKVCache(target.config, 1, context + 1, target.dtype, target.device)
-    if context:
-        forward_tokens(target, [0] * context, 0, cache)
+    cache = _cache_after(target, context, context + 1)
     return lambda: _draft(target, exit_layer, adapter, 0, context, 1, cache)
 
 
-def draft_step_cost(target: Transformer, exit_layers: Sequence[int], context: int = 128, repeats: int = 20,
-                    adapters: Mapping[int, Adapter] | None = None) -> dict[int, float]:
-    """Per exit layer: the median time of a draft step over that of a full decode step (the c of
-    E / (k c + 1)), all timed in turn after ``context`` cached tokens."""
+@torch.inference_mode()
+def verify_step(target: Transformer, exit_layer: int, k: int, context: int) -> Callable[[], Tensor]:
+    """The verification call of a round of ``k`` drafts after ``context`` cached tokens (the last
+    draft through blocks [0, exit_layer), then all k + 1 tokens through the rest and the head), as
+    a callable to time."""
+    cache = _cache_after(target, context, context + k + 1)
+    streams = [_early(target, exit_layer, 0, context + i, cache) for i in range(k)]
+    return lambda: _verify(target, exit_layer, 0, streams, context, cache)
+
+
+class RoundCosts(NamedTuple):
+    """A round's passes in full decode steps: ``draft[L']``, one draft step through exit L' (c), and
+    ``verify[L', k]``, the verification call of k drafts from exit L' (v), for the k timed."""
+    draft: dict[int, float]
+    verify: dict[tuple[int, int], float]
+
+    def v(self, exit_layer: int, k: int) -> float:
+        """The verification of ``k`` drafts from ``exit_layer``: as timed, or on the straight line
+        between the two k timed around it (past the last, the last's)."""
+        timed = sorted(j for layer, j in self.verify if layer == exit_layer)
+        return float(np.interp(k, timed, [self.verify[exit_layer, j] for j in timed]))
+
+
+def round_costs(target: Transformer, exit_layers: Sequence[int], ks: Sequence[int] = (1, 2, 4, 8),
+                context: int = 128, repeats: int = 20, adapters: Mapping[int, Adapter] | None = None,
+                warmup: int = 2) -> RoundCosts:
+    """Per exit layer, the median time of a draft step, and per exit layer and k in ``ks``, that of a
+    verification call, each over that of a full decode step, all timed in turn after ``context``
+    cached tokens: the c and v of E / (k c + v) (``RoundCosts.v`` reads v between the k timed)."""
     steps = {"full": decode_step(target, context)}
-    steps |= {f"exit {layer}": draft_step(target, layer, context, (adapters or {}).get(layer)) for layer in exit_layers}
-    timings = alternate(steps, warmup=3, repeats=repeats, device=target.device)
-    return {layer: timings[f"exit {layer}"].median_s / timings["full"].median_s for layer in exit_layers}
+    steps |= {f"draft {layer}": draft_step(target, layer, context, (adapters or {}).get(layer))
+              for layer in exit_layers}
+    steps |= {f"verify {layer} {k}": verify_step(target, layer, k, context) for layer in exit_layers for k in ks}
+    timings = alternate(steps, warmup=warmup, repeats=repeats, device=target.device)
+    full = timings["full"].median_s
+    return RoundCosts({layer: timings[f"draft {layer}"].median_s / full for layer in exit_layers},
+                      {(layer, k): timings[f"verify {layer} {k}"].median_s / full for layer in exit_layers for k in ks})
 
 
-def best_exit(agreement: Mapping[int, float], cost: Mapping[int, float],
+def best_exit(agreement: Mapping[int, float], costs: RoundCosts | Mapping[int, float],
               ks: Sequence[int] = range(1, 9)) -> tuple[int, int, float]:
-    """The exit layer and k with the highest expected speedup E / (k c + 1) (``speculation_gain``),
-    from measured ``agreement`` (a) and ``cost`` (c) by exit layer: (exit_layer, k, speedup)."""
-    return max(((layer, k, speculation_gain(agreement[layer], k, cost[layer])[1]) for layer in cost for k in ks),
-               key=lambda choice: choice[2])
+    """The exit layer and k with the highest expected speedup E / (k c + v) (``speculation_gain``),
+    from measured ``agreement`` (a) by exit layer and ``costs``: ``round_costs``' c and v, or c
+    alone by exit layer (then v = 1, a verification as dear as one decode step): (exit_layer, k,
+    speedup)."""
+    if not isinstance(costs, RoundCosts):
+        costs = RoundCosts(dict(costs), {(layer, 1): 1.0 for layer in costs})
+    return max(((layer, k, speculation_gain(agreement[layer], k, costs.draft[layer], costs.v(layer, k))[1])
+                for layer in costs.draft for k in ks), key=lambda choice: choice[2])

@@ -35,7 +35,13 @@ def test_cuda_without_gpu_is_refused(monkeypatch):
 
 
 def test_names_and_report():
-    assert device_name("cpu").startswith("cpu (")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert device_name("cpu").startswith("cpu (") and device_name("cpu").endswith(", 1 thread)")
+        assert "thread" not in device_name("cpu", threads=False)  # work in other processes: their own threads
+    finally:
+        torch.set_num_threads(threads)
     synchronize("cpu")
     info = describe()
     assert info["torch"] == torch.__version__
