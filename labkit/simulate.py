@@ -17,7 +17,8 @@ projection: an all-reduce of every token's d_model activations over the ``link``
 (``labkit.interconnect``'s ring formula). In this simple model the GPUs wait for it: communication
 does not overlap compute. Without a link communication is free, so predictions for several GPUs
 are optimistic. Left out: the KV heads a GPU repeats when W exceeds them, and the collectives of a
-vocabulary-parallel embedding or LM head (one per step, not per layer).
+vocabulary-parallel embedding or LM head (one per step, not per layer); or, where every GPU keeps
+the embedding, the LM head and the norms whole (as ``labkit.parallel`` does), their bytes on each.
 Every parameter counts for every token, though the engine computes logits only at each
 request's last token and the embedding is a lookup: a prefill's FLOPs come out a little high.
 The KV pool is whatever memory the weights leave, in blocks. Tokens are not computed: every
