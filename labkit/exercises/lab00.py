@@ -32,6 +32,9 @@ def _roofline_cases() -> list[Case]:
     compute = "far above the ridge the bytes arrive faster than the FLOPs can be done: the limit is the peak"
     points = [
         ("H100, decode (I = 1)", (1.0, h100.peak_flops, h100.bandwidth), memory),
+        ("H100, I = 4", (4.0, h100.peak_flops, h100.bandwidth),
+         memory + ": the roof rises with I, as I x bandwidth (at I = 1 that is also bandwidth / I, which is why "
+         "the case before passed)"),
         ("H100, at the ridge point", (h100.ridge_intensity, h100.peak_flops, h100.bandwidth),
          "at the ridge both limits are equal: the answer is the peak, reached exactly there"),
         ("H100, large matmul (I = 1365)", (1365.0, h100.peak_flops, h100.bandwidth), compute),
