@@ -33,8 +33,8 @@ and each of its steps writes its slot, in every layer it reads, before reading i
 draft's keys and values are overwritten before anything can see them.
 
 If a draft step costs c of a full decode step (c ~ L'/L, plus the head), the verification call v
-decode steps (one where k + 1 tokens cost as much as one, as on a GPU; more on a CPU, less for a
-deeper exit) and each draft token is accepted with probability a, the speedup is about
+decode steps (one where k + 1 tokens cost as much as one, as on a GPU; more on a CPU, and there
+less from a deep exit than from a shallow one at the same k) and each draft token is accepted with probability a, the speedup is about
 E / (k c + v), E = (1 - a^(k+1)) / (1 - a) (``labkit.speculative.speculation_gain``): the early
 exit trades acceptance (deeper exits agree with the target more often) against cost (deeper
 exits cost more to draft, less to verify). ``exit_agreement`` measures a by exit layer,
@@ -218,8 +218,12 @@ class RoundCosts(NamedTuple):
 
     def v(self, exit_layer: int, k: int) -> float:
         """The verification of ``k`` drafts from ``exit_layer``: as timed, or on the straight line
-        between the two k timed around it (past the last, the last's)."""
+        between the two k timed around it. ValueError for a k outside the timed range, or an exit
+        with none timed."""
         timed = sorted(j for layer, j in self.verify if layer == exit_layer)
+        if not timed or not timed[0] <= k <= timed[-1]:
+            raise ValueError(f"k={k} from exit {exit_layer}: its verification was timed at k in {timed or 'none'}; "
+                             f"time the k wanted (round_costs' ks)")
         return float(np.interp(k, timed, [self.verify[exit_layer, j] for j in timed]))
 
 
@@ -246,6 +250,6 @@ def best_exit(agreement: Mapping[int, float], costs: RoundCosts | Mapping[int, f
     alone by exit layer (then v = 1, a verification as dear as one decode step): (exit_layer, k,
     speedup)."""
     if not isinstance(costs, RoundCosts):
-        costs = RoundCosts(dict(costs), {(layer, 1): 1.0 for layer in costs})
+        costs = RoundCosts(dict(costs), {(layer, k): 1.0 for layer in costs for k in ks})
     return max(((layer, k, speculation_gain(agreement[layer], k, costs.draft[layer], costs.v(layer, k))[1])
                 for layer in costs.draft for k in ks), key=lambda choice: choice[2])

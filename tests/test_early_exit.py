@@ -12,7 +12,7 @@ import torch
 
 import labkit
 from labkit.early_exit import (RoundCosts, _rounds, best_exit, exit_agreement, exit_logits, round_costs,
-                               self_speculative_stream)
+                               self_speculative_stream, verify_step)
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, sampling_probs, stream
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
@@ -197,20 +197,36 @@ def test_exit_agreement_with_an_exact_adapter_is_one():
     assert exit_agreement(target, [1], [batch], {1: last_block_mlp(target)}) == {1: 1.0}
 
 
+@pytest.mark.parametrize("exit_layer, k", [(1, 1), (3, 4)])
+def test_the_timed_verification_is_a_full_pass_over_k_plus_one_tokens(exit_layer, k):
+    target = layered_model(4)
+    with torch.inference_mode():
+        logits = verify_step(target, exit_layer, k, 16)()
+        assert logits.shape == (k + 1, target.config.vocab_size)
+        # the last k + 1 tokens (all 0) after 16 cached zeros, through the whole model at once
+        full = target(torch.zeros(1, 16 + k + 1, dtype=torch.long))[0, 16:]
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
 def test_round_costs_and_best_exit():
     target = layered_model(4)
     costs = round_costs(target, [1, 3], ks=[1, 4], context=16, repeats=3)
     assert list(costs.draft) == [1, 3] and all(0 < c for c in costs.draft.values())
     assert sorted(costs.verify) == [(1, 1), (1, 4), (3, 1), (3, 4)] and all(0 < v for v in costs.verify.values())
+    for k in (0, 5):  # outside the k timed: no guess
+        with pytest.raises(ValueError, match=f"k={k} from exit 1: its verification was timed at k in \\[1, 4\\]"):
+            costs.v(1, k)
+    with pytest.raises(ValueError, match="exit 2: its verification was timed at k in none"):
+        costs.v(2, 1)
     layer, k, speedup = best_exit({1: 0.5, 2: 0.9, 3: 0.95}, {1: 0.3, 2: 0.5, 3: 0.75}, ks=range(1, 5))
     assert (layer, k) == (2, 3)  # v = 1: E = 1 + .9 + .81 + .729 = 3.439 over 3 c + 1 = 2.5
     assert speedup == pytest.approx(3.439 / 2.5)
     # a verification three steps dear from exit 2 hands the choice to exit 1: E = 1.5 over .3 + 1
     dear = RoundCosts({1: 0.3, 2: 0.5}, {(1, 1): 1.0, (1, 4): 1.0, (2, 1): 3.0, (2, 4): 3.0})
     assert best_exit({1: 0.5, 2: 0.9}, dear, ks=range(1, 5)) == (1, 1, pytest.approx(1.5 / 1.3))
-    # between the k timed, v is read off a straight line; past them, the nearest
+    # between the k timed, v is read off a straight line
     line = RoundCosts({1: 0.3}, {(1, 1): 1.0, (1, 4): 2.5})
-    assert [line.v(1, k) for k in (1, 2, 4, 8)] == pytest.approx([1.0, 1.5, 2.5, 2.5])
+    assert [line.v(1, k) for k in (1, 2, 3, 4)] == pytest.approx([1.0, 1.5, 2.0, 2.5])
 
 
 # --- bad arguments --------------------------------------------------------------------------------
