@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
 from labkit.exercises import Exercise, get
-from labkit.exercises.spec import Case, ChangedInPlace, Scenario, WrongType
+from labkit.exercises.spec import Case, Scenario, SaysWhatToDo
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
@@ -114,7 +114,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
                     else _name_item(_describe_error(error), exercise))
             if first_case is None:
                 first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
-                says_what_to_do = isinstance(error, (WrongType, ChangedInPlace, BorrowedAnswer))
+                says_what_to_do = isinstance(error, (SaysWhatToDo, BorrowedAnswer))
                 first_needs_hint = not stub and not says_what_to_do
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from labkit import memory
-from labkit.exercises.spec import Case, Exercise
+from labkit.exercises.spec import Case, Exercise, SaysWhatToDo
 from labkit.presets import GPU_PRESETS, MODEL_PRESETS
 
 
@@ -102,7 +102,7 @@ class _ViewsCase(Case):
         super().run(watched)  # first the result: a wrong one is reported as such
         copy = next((watch.copy for watch in watches if watch.copy), None)
         if copy:
-            raise AssertionError(f"the result is right, but {copy}: the text asks for views: expand (or a size-1 "
+            raise SaysWhatToDo(f"the result is right, but {copy}: the text asks for views: expand (or a size-1 "
                                  "axis, k[:, :, None]) shares k's memory; repeat_interleave, repeat, cat, or "
                                  "reshaping an expanded k to n_heads heads copies each KV head once per query "
                                  "head, the very memory GQA saves. Keep the group an axis of its own and let "

@@ -193,14 +193,18 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             _at(f"at index {i}", got_item, expected_item, rtol, atol)
 
 
-class ChangedInPlace(AssertionError):
-    """The right result, got by changing an argument in place: the message says what to change, and
-    the case's hint, which is about the result, would mislead."""
+class SaysWhatToDo(AssertionError):
+    """A failure whose message says what to change: the case's hint, which is about the result,
+    would mislead, and the check leaves it out."""
 
 
-class WrongType(AssertionError):
+class ChangedInPlace(SaysWhatToDo):
+    """The right result, got by changing an argument in place."""
+
+
+class WrongType(SaysWhatToDo):
     """The right value in the wrong type (a float where the spec says int, a 0-d tensor where it
-    says a number): the message says what to change, and no hint is needed."""
+    says a number)."""
 
 
 def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) -> None:
