@@ -34,9 +34,9 @@ draft's keys and values are overwritten before anything can see them.
 
 If a draft step costs c of a full decode step (c ~ L'/L, plus the head), the verification call v
 decode steps (one where k + 1 tokens cost as much as one, as on a GPU; more on a CPU, and there
-less from a deep exit than from a shallow one at the same k) and each draft token is accepted with probability a, the speedup is about
-E / (k c + v), E = (1 - a^(k+1)) / (1 - a) (``labkit.speculative.speculation_gain``): the early
-exit trades acceptance (deeper exits agree with the target more often) against cost (deeper
+less from a deep exit than from a shallow one at the same k) and each draft token is accepted
+with probability a, the speedup is about E / (k c + v), E = (1 - a^(k+1)) / (1 - a)
+(``labkit.speculative.speculation_gain``): the early exit trades acceptance (deeper exits agree with the target more often) against cost (deeper
 exits cost more to draft, less to verify). ``exit_agreement`` measures a by exit layer,
 ``round_costs`` c and v, and ``best_exit`` picks the exit and k.
 
@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from labkit.bench import alternate
-from labkit.generate import SamplingParams, decode_step, seeded_generator, sequence_length
+from labkit.generate import SamplingParams, cache_after, decode_step, seeded_generator, sequence_length
 from labkit.heads import EARLY_EXIT, load_exit_adapters, streams_at
 from labkit.model import ContiguousKVCache, Transformer, forward_tokens
 from labkit.speculative import Round, SpeculationStats, speculation_gain, timed
@@ -184,19 +184,11 @@ def exit_agreement(target: Transformer, exit_layers: Sequence[int], batches: Ite
     return {layer: agree[layer] / total for layer in layers}
 
 
-def _cache_after(target: Transformer, context: int, slots: int) -> ContiguousKVCache:
-    """A cache of ``slots`` slots holding ``context`` cached tokens (zeros), for timing a step after them."""
-    cache = ContiguousKVCache(target.config, 1, slots, target.dtype, target.device)
-    if context:
-        forward_tokens(target, [0] * context, 0, cache)
-    return cache
-
-
 def draft_step(target: Transformer, exit_layer: int, context: int,
                adapter: Adapter | None = None) -> Callable[[], tuple[list[int], list[Tensor]]]:
     """One draft step (one token through blocks [0, exit_layer) and the exit head) after ``context``
     cached tokens, as a callable to time: ``generate.decode_step``'s counterpart."""
-    cache = _cache_after(target, context, context + 1)
+    cache = cache_after(target, context, context + 1)
     return lambda: _draft(target, exit_layer, adapter, 0, context, 1, cache)
 
 
@@ -205,7 +197,7 @@ def verify_step(target: Transformer, exit_layer: int, k: int, context: int) -> C
     """The verification call of a round of ``k`` drafts after ``context`` cached tokens (the last
     draft through blocks [0, exit_layer), then all k + 1 tokens through the rest and the head), as
     a callable to time."""
-    cache = _cache_after(target, context, context + k + 1)
+    cache = cache_after(target, context, context + k + 1)
     streams = [_early(target, exit_layer, 0, context + i, cache) for i in range(k)]
     return lambda: _verify(target, exit_layer, 0, streams, context, cache)
 
@@ -225,6 +217,11 @@ class RoundCosts(NamedTuple):
             raise ValueError(f"k={k} from exit {exit_layer}: its verification was timed at k in {timed or 'none'}; "
                              f"time the k wanted (round_costs' ks)")
         return float(np.interp(k, timed, [self.verify[exit_layer, j] for j in timed]))
+
+    def gain(self, a: float, exit_layer: int, k: int) -> tuple[float, float]:
+        """``speculation_gain`` at ``exit_layer`` with ``k`` drafts and acceptance ``a``: expected
+        tokens per target call, and the speedup E / (k c + v) with this exit's c and v."""
+        return speculation_gain(a, k, self.draft[exit_layer], self.v(exit_layer, k))
 
 
 def round_costs(target: Transformer, exit_layers: Sequence[int], ks: Sequence[int] = (1, 2, 4, 8),
@@ -251,5 +248,5 @@ def best_exit(agreement: Mapping[int, float], costs: RoundCosts | Mapping[int, f
     speedup)."""
     if not isinstance(costs, RoundCosts):
         costs = RoundCosts(dict(costs), {(layer, k): 1.0 for layer in costs for k in ks})
-    return max(((layer, k, speculation_gain(agreement[layer], k, costs.draft[layer], costs.v(layer, k))[1])
-                for layer in costs.draft for k in ks), key=lambda choice: choice[2])
+    return max(((layer, k, costs.gain(agreement[layer], layer, k)[1]) for layer in costs.draft for k in ks),
+               key=lambda choice: choice[2])

@@ -179,14 +179,21 @@ def _static_decoder(model: Transformer, total: int, cache: RowCache | None, use_
     return static_decoder(model, total, use_cuda_graphs)  # a graph on a CPU: GraphedStep says it needs CUDA
 
 
+def cache_after(model: Transformer, context: int, slots: int) -> ContiguousKVCache:
+    """A one-row cache of ``slots`` slots holding ``context`` cached tokens (zeros): where a step
+    to time runs after them."""
+    cache = ContiguousKVCache(model.config, 1, slots, model.dtype, model.device)
+    if context:
+        forward_tokens(model, [0] * context, 0, cache)
+    return cache
+
+
 def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[], Tensor]:
     """One cached forward call of ``tokens`` new tokens (1: a decode step; more: what speculative
     decoding's verification runs) after ``context`` cached ones, as a callable to time that returns
     the logits ``[1, tokens, vocab]``: every call writes the same slots, so every call does the
     same work, planning the step included."""
-    cache = ContiguousKVCache(model.config, 1, context + tokens, model.dtype, model.device)
-    if context:
-        forward_tokens(model, [0] * context, 0, cache)
+    cache = cache_after(model, context, context + tokens)
     fed = torch.zeros(1, tokens, dtype=torch.long, device=model.device)
     positions = torch.arange(context, context + tokens, device=model.device)[None]
 

@@ -103,10 +103,10 @@ class _ViewsCase(Case):
         copy = next((watch.copy for watch in watches if watch.copy), None)
         if copy:
             raise SaysWhatToDo(f"the result is right, but {copy}: the text asks for views: expand (or a size-1 "
-                                 "axis, k[:, :, None]) shares k's memory; repeat_interleave, repeat, cat, or "
-                                 "reshaping an expanded k to n_heads heads copies each KV head once per query "
-                                 "head, the very memory GQA saves. Keep the group an axis of its own and let "
-                                 "broadcasting pair it with q's")
+                               "axis, k[:, :, None]) shares k's memory; repeat_interleave, repeat, cat, or "
+                               "reshaping an expanded k to n_heads heads copies each KV head once per query "
+                               "head, the very memory GQA saves. Keep the group an axis of its own and let "
+                               "broadcasting pair it with q's")
 
 
 def _gqa_cases() -> list[Case]:
