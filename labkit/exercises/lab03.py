@@ -174,6 +174,8 @@ def _play_fixed(allocations: list[tuple[str, int]], num_blocks: int) -> Callable
 
 def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
     what = f"fork({parent!r}, {child!r})"
+    parent_blocks = list(pool.tables[parent])
+    counts_before = [pool.ref_count[block] for block in parent_blocks]
     pool.fork(parent, child)
     reference.fork(parent, child)
     if pool.tables[child] is pool.tables[parent]:
@@ -182,6 +184,12 @@ def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
     if pool.tables[child] != pool.tables[parent]:
         raise AssertionError(f"after {what}: the child's table {pool.tables[child]} must be the parent's "
                              f"{pool.tables[parent]} (shared blocks, nothing copied)")
+    for block, before in zip(parent_blocks, counts_before):
+        if pool.ref_count[block] != before + 1:
+            raise AssertionError(
+                f"after {what}: block {block} {'still ' * (pool.ref_count[block] == before)}has ref_count "
+                f"{pool.ref_count[block]}, expected {before + 1}: a fork gives each of the parent's blocks one more "
+                f"owner, the child, so fork must raise each one's ref_count by one")
     _compare(pool, reference, what)
 
 
