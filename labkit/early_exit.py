@@ -36,9 +36,10 @@ If a draft step costs c of a full decode step (c ~ L'/L, plus the head), the ver
 decode steps (one where k + 1 tokens cost as much as one, as on a GPU; more on a CPU, and there
 less from a deep exit than from a shallow one at the same k) and each draft token is accepted
 with probability a, the speedup is about E / (k c + v), E = (1 - a^(k+1)) / (1 - a)
-(``labkit.speculative.speculation_gain``): the early exit trades acceptance (deeper exits agree with the target more often) against cost (deeper
-exits cost more to draft, less to verify). ``exit_agreement`` measures a by exit layer,
-``round_costs`` c and v, and ``best_exit`` picks the exit and k.
+(``labkit.speculative.speculation_gain``): the early exit trades acceptance (deeper exits agree
+with the target more often) against cost (deeper exits cost more to draft, less to verify).
+``exit_agreement`` measures a by exit layer, ``round_costs`` c and v, and ``best_exit`` picks the
+exit and k.
 
 ``exit_layer`` runs from 1 to L; at L the draft is the whole target (every greedy draft is
 accepted: a check of the machinery, not a speedup). The shipped adapters (``load_adapters``, one

@@ -134,6 +134,7 @@ def test_each_paged_mistake_fails_at_the_case_that_names_it(root):
 def test_a_fork_that_leaves_the_counts_as_they_were_fails_and_says_so(root):
     """The child's table is right, but the parent's blocks did not gain an owner: the message says
     that the fork must raise the counts, not only that a count and the owners disagree."""
-    uncounted = mistake(root, "ex03.3", "        for block in self.tables[child]:\n            self.ref_count[block] += 1\n", "")
+    counted = "        for block in self.tables[child]:\n            self.ref_count[block] += 1\n"
+    uncounted = mistake(root, "ex03.3", counted, "")
     fails("ex03.3", uncounted, "fork, then both write the last block",
           "block 0 still has ref_count 1, expected 2: a fork gives each of the parent's blocks one more owner")
