@@ -32,17 +32,25 @@ $(BIN)/python:
 # COMPILE does it on every core (BENCHMARKS.md, "CI time on a slower day, and the install"). Like pip, it skips
 # what is not this Python's syntax (torch ships a test file for 3.12) and keeps its warnings to itself.
 COMPILE = $(BIN)/python -W ignore -m compileall -q -j 0 $(VENV)/lib > /dev/null || $(BIN)/python -c pass
-$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+# One pip run a stamp: make test installs the test tools with the lab, not after it, since a second run would
+# resolve every requirement again and COMPILE walk the whole venv again (BENCHMARKS.md, "The install in one pip
+# run"); so its stamp stands for the lab's install too.
+LAB_EXTRAS := lab,serve
+TEST_EXTRAS := lab,serve,test
+define install
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install --no-compile -c constraints.txt -e ".[lab,serve]"
+	$(BIN)/python -m pip install --no-compile -c constraints.txt -e ".[$(1)]"
 	$(COMPILE)
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
+endef
+
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(call install,$(LAB_EXTRAS))
 	touch $@
 
-$(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --no-compile -c constraints.txt -e ".[lab,serve,test]"
-	$(COMPILE)
-	touch $@
+$(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(call install,$(TEST_EXTRAS))
+	touch $(STAMP) $@
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/00_welcome.ipynb $(ROOT_ARGS) $(LAB_ARGS)
