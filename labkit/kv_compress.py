@@ -21,7 +21,7 @@
 
 Both are caches with the model's ``KVCache`` interface (a plan per step, then ``attend``): the
 model does not change.
-``cached_perplexity`` measures what each costs in quality.
+``cached_perplexity`` (one text) and ``cached_perplexities`` (a batch of them) measure what each costs in quality.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.model import (AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention,
-                          causal_mask, forward_tokens)
+                          causal_mask)
 from labkit.validate import check_positions
 
 INT8_MAX = 127
@@ -224,19 +224,33 @@ def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: Row
     """exp(mean negative log-likelihood) of each token given those before it, the sequence fed
     through ``cache`` (fresh, batch size 1) ``chunk`` tokens per forward call at positions 0, 1, ...:
     the model's perplexity when its attention reads only what the cache gives back."""
-    ids = torch.as_tensor(tokens, device=model.device).long()
+    ids = torch.as_tensor(tokens).long()
     if ids.dim() != 1:
         raise ValueError(f"tokens must be one sequence (1-D), got shape {tuple(ids.shape)}")
-    n = len(ids)
+    return float(cached_perplexities(model, ids[None], cache, chunk)[0])
+
+
+def cached_perplexities(model: Transformer, texts: Tensor, cache: RowCache, chunk: int = 32) -> Tensor:
+    """``cached_perplexity`` of each row of ``texts`` ``[batch, T]``, as a tensor ``[batch]``: the
+    rows fed together through ``cache`` (fresh, one row per text), all at the same positions, as a
+    ``SinkCache`` needs. Fewer, larger forward calls than one text at a time, the same perplexities
+    to float rounding."""
+    ids = torch.as_tensor(texts, device=model.device).long()
+    if ids.dim() != 2:
+        raise ValueError(f"texts must be [batch, T], got shape {tuple(ids.shape)}")
+    batch, n = ids.shape
     if n < 2:
         raise ValueError(f"perplexity needs at least 2 tokens (one to read, one to predict), got {n}")
     if n > model.config.max_seq_len:
         raise ValueError(f"{n} tokens do not fit the context limit max_seq_len={model.config.max_seq_len}")
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be at least 1")
-    nll = 0.0
+    nll = torch.zeros(batch, dtype=torch.float64)
     for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
         end = min(start + chunk, n - 1)
-        logits = forward_tokens(model, ids[start:end], start, cache)
-        nll += F.cross_entropy(logits.float(), ids[start + 1:end + 1], reduction="sum").item()
-    return math.exp(nll / (n - 1))
+        positions = torch.arange(start, end, device=ids.device).repeat(batch, 1)
+        with torch.inference_mode():
+            logits = model(ids[:, start:end], plan=cache.plan(positions)).float()
+        losses = F.cross_entropy(logits.flatten(0, 1), ids[:, start + 1:end + 1].flatten(), reduction="none")
+        nll += losses.view(batch, -1).sum(dim=1).double().cpu()
+    return torch.exp(nll / (n - 1))

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, stream
-from labkit.kv_compress import (Int8KVCache, SinkCache, attention_on_first, cached_perplexity, dequantize_int8,
-                                quantize_int8)
+from labkit.kv_compress import (Int8KVCache, SinkCache, attention_on_first, cached_perplexities, cached_perplexity,
+                                dequantize_int8, quantize_int8)
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, attention
 
 
@@ -64,6 +64,20 @@ def test_cached_perplexity_equals_a_plain_forward():
     got = cached_perplexity(model, tokens[0], ContiguousKVCache(model.config, 1), chunk=16)
     assert got == pytest.approx(expected, rel=1e-4)
     assert cached_perplexity(model, tokens[0].tolist(), ContiguousKVCache(model.config, 1)) == pytest.approx(got)
+
+
+@pytest.mark.parametrize("make", [
+    lambda config, batch: ContiguousKVCache(config, batch),
+    lambda config, batch: SinkCache(config, batch_size=batch, sinks=2, window=9),
+    lambda config, batch: Int8KVCache(config, batch),
+], ids=["contiguous", "sinks", "int8"])
+def test_a_batch_of_texts_gets_each_texts_own_perplexity(make):
+    model = random_model(4, 2, seed=3)
+    texts = _tokens(41, batch=3, seed=3)
+    alone = [cached_perplexity(model, text, make(model.config, 1), chunk=6) for text in texts]
+    together = cached_perplexities(model, texts, make(model.config, 3), chunk=6)
+    assert together.shape == (3,) and len(set(alone)) == 3  # three different texts, three different figures
+    assert together.tolist() == pytest.approx(alone, rel=1e-5)
 
 
 @pytest.mark.parametrize("sinks, window", [(4, 16), (0, 8), (2, 1)])
@@ -190,6 +204,10 @@ def test_perplexity_input_errors():
         cached_perplexity(model, _tokens(5, batch=2), ContiguousKVCache(model.config, 2))
     with pytest.raises(ValueError, match="chunk=0 must be at least 1"):
         cached_perplexity(model, [5, 6], ContiguousKVCache(model.config, 1), chunk=0)
+    with pytest.raises(ValueError, match=r"texts must be \[batch, T\], got shape \(5,\)"):
+        cached_perplexities(model, torch.tensor([5] * 5), ContiguousKVCache(model.config, 1))
+    with pytest.raises(ValueError, match="a batch of 2 sequences for a cache of 1"):
+        cached_perplexities(model, _tokens(5, batch=2), ContiguousKVCache(model.config, 1))
 
 
 
