@@ -9,7 +9,7 @@ NOTEBOOK_TESTS = "test_notebooks.py"  # its tests are xdist's units one by one
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
 

@@ -1,6 +1,6 @@
 """Browser smoke tests: `make lab` serves the notebooks on the labkit kernel, and they run.
 
-Each test starts the real `make lab` (which adds --allow-root itself when run as root): LAB_ARGS
+The tests share one real `make lab` (which adds --allow-root itself when run as root): LAB_ARGS
 only pin a loopback port and a random token, keep JupyterLab off the network, and keep its
 settings, layout and checkpoints in a temporary directory. A notebook is opened in Debian's
 chromium, and the test waits until it shows "Python (labkit)" and the kernel is idle.
@@ -158,9 +158,11 @@ def page() -> Iterator[Page]:
             browser.close()
 
 
-@pytest.fixture
-def lab(root: Path, tmp_path: Path) -> Iterator[Lab]:
-    """The real `make lab` on a free loopback port, killed with its whole process group."""
+@pytest.fixture(scope="module")
+def lab(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """The real `make lab` on a free loopback port, killed with its whole process group: one for the
+    tests of this file, each on a notebook of its own (so a kernel of its own)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     if subprocess.run(["make", "-q", "install"], cwd=root).returncode != 0:
         pytest.fail("the install is missing or older than pyproject.toml: run `make install` first")
     port, token = _free_port(), secrets.token_hex(16)
@@ -180,6 +182,12 @@ def lab(root: Path, tmp_path: Path) -> Iterator[Lab]:
         yield lab
     finally:
         _stop(proc)
+
+
+def _workspace_url(notebook: str) -> str:
+    """The notebook alone in a workspace of its own: the tests share a server, whose default workspace
+    would reopen the notebooks of the tests before."""
+    return f"/lab/workspaces/{Path(notebook).stem}/tree/{notebook}"
 
 
 def _wait_for_idle_kernel(page: Page, notebook: str) -> None:
@@ -283,7 +291,7 @@ def test_make_lab_runs_the_welcome_notebook_on_the_labkit_kernel(
     notebook = root / "notebooks" / NOTEBOOK
     before = notebook.read_bytes()
     try:
-        page.goto(lab.url(f"/lab/tree/{NOTEBOOK}"))
+        page.goto(lab.url(_workspace_url(NOTEBOOK)))
         _wait_for_idle_kernel(page, NOTEBOOK)
         _run_first_code_cell(page)
     finally:
@@ -300,7 +308,7 @@ def test_kv_memory_notebook_runs_and_its_context_slider_moves_the_kv_cache_figur
     # Tall enough for the whole Explore UI (controls, summary, both figures) in the screenshot.
     page.set_viewport_size({"width": 1280, "height": 1200})
     try:
-        page.goto(lab.url(f"/lab/tree/{KV_NOTEBOOK}"))
+        page.goto(lab.url(_workspace_url(KV_NOTEBOOK)))
         _wait_for_idle_kernel(page, KV_NOTEBOOK)
         _run_all_cells(page)
         _wait_for_idle_kernel(page, KV_NOTEBOOK)
