@@ -49,9 +49,14 @@ def source_files(split: str) -> list[Path]:
 
 @functools.cache
 def _python_files(root: Path) -> tuple[Path, ...]:
-    """Every .py file under ``root`` outside site-packages, sorted: walked once per process (about
-    a second for the standard library, and every ``token_ids`` call needs the list for its cache key)."""
-    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()))
+    """Every .py file under ``root`` outside site-packages, sorted: walked once per process, since every
+    ``token_ids`` call needs the list for its cache key. site-packages is never entered (where the
+    interpreter has many packages installed, walking it took most of the time)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name != "site-packages"]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return tuple(sorted(p for p in found if p.is_file()))
 
 
 def read_texts(files: list[Path]) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer
 
-from labkit.corpus import EOS, functions, source_files, split_of, stdlib_root
+from labkit.corpus import EOS, _python_files, functions, source_files, split_of, stdlib_root
 from labkit.load import TOKENIZER
 
 
@@ -20,6 +20,24 @@ def test_split_is_by_file_disjoint_and_about_five_percent():
     assert not any("site-packages" in p.parts for p in train)
     with pytest.raises(ValueError, match="choose 'train' or 'validation'"):
         source_files("test")
+
+
+def _globbed(root):
+    """The files as pathlib's glob finds them: the reference for the walk that skips site-packages."""
+    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
+                        and p.is_file()))
+
+
+def test_the_walk_finds_every_python_file_but_site_packages_ones(tmp_path):
+    for name in ("a.py", "pkg/b.py", "pkg/deeper/c.py", "pkg/notes.txt", "site-packages/lib/d.py",
+                 "pkg/site-packages/e.py", "named.py/f.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "linked").symlink_to(tmp_path / "pkg", target_is_directory=True)  # not followed, as glob does not
+    assert _python_files(tmp_path) == _globbed(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in _python_files(tmp_path)] == ["a.py", "pkg/b.py",
+                                                                                      "pkg/deeper/c.py"]
+    assert _python_files(stdlib_root()) == _globbed(stdlib_root())
 
 
 def test_shipped_tokenizer_round_trips_python_exactly():
