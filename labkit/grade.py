@@ -161,8 +161,10 @@ def find_submissions(paths: list[Path], per_file: bool = False) -> list[Submissi
 
 @lru_cache(maxsize=1)
 def _context() -> multiprocessing.context.BaseContext:
-    """Fresh processes that start in milliseconds (``spawning.fork_server``)."""
-    return fork_server("IPython.core.interactiveshell", "labkit", *_grade_module())
+    """Fresh processes that start in milliseconds (``spawning.fork_server``), with what most labs' setup
+    cells import already imported: each exercise runs its lab's setup cells anew."""
+    return fork_server("IPython.core.interactiveshell", "numpy", "matplotlib.pyplot", "ipywidgets", "labkit",
+                       *_grade_module())
 
 
 def _grade_module() -> list[str]:
