@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# installed: the lab (what a student's notebooks and the server need), then what the tests need besides
+# installed: the lab (what a student's notebooks and the server need); or the lab and what the tests need besides
 STAMP := $(VENV)/.labkit-installed
 TEST_STAMP := $(VENV)/.labkit-test-installed
 LAB_ARGS ?=
@@ -36,8 +36,8 @@ COMPILE = $(BIN)/python -W ignore -m compileall -q -j 0 $(VENV)/lib > /dev/null 
 # resolve every requirement again and COMPILE walk the whole venv again (BENCHMARKS.md, "The install in one pip
 # run"); so its stamp stands for the lab's install too.
 LAB_EXTRAS := lab,serve
-TEST_EXTRAS := lab,serve,test
-define install
+TEST_EXTRAS := $(LAB_EXTRAS),test
+define INSTALL
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install --no-compile -c constraints.txt -e ".[$(1)]"
 	$(COMPILE)
@@ -45,11 +45,11 @@ define install
 endef
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(call install,$(LAB_EXTRAS))
+	$(call INSTALL,$(LAB_EXTRAS))
 	touch $@
 
 $(TEST_STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(call install,$(TEST_EXTRAS))
+	$(call INSTALL,$(TEST_EXTRAS))
 	touch $(STAMP) $@
 
 lab: $(STAMP)

@@ -483,6 +483,9 @@ def _isolate(cwd: str, scratch: str) -> None:
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as in Jupyter, a module beside the notebook imports
     os.environ.update(LABKIT_STRICT="0", MPLBACKEND="Agg", IPYTHONDIR=scratch)
+    import matplotlib  # the fork server imported it before MPLBACKEND above could choose its backend
+
+    matplotlib.use("Agg")  # no window, and no notebook's inline backend: plt.show() draws nowhere, at once
     resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):

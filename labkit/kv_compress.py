@@ -231,14 +231,16 @@ def cached_perplexity(model: Transformer, tokens: list[int] | Tensor, cache: Row
 
 
 def cached_perplexities(model: Transformer, texts: Tensor, cache: RowCache, chunk: int = 32) -> Tensor:
-    """``cached_perplexity`` of each row of ``texts`` ``[batch, T]``, as a tensor ``[batch]``: the
-    rows fed together through ``cache`` (fresh, one row per text), all at the same positions, as a
-    ``SinkCache`` needs. Fewer, larger forward calls than one text at a time, the same perplexities
-    to float rounding."""
+    """``cached_perplexity`` of each row of ``texts`` ``[batch, T]``, as a float64 tensor ``[batch]``
+    on the CPU: the rows fed together through ``cache`` (fresh, one row per text), all at the same
+    positions, as a ``SinkCache`` needs. Fewer, larger forward calls than one text at a time, the
+    same perplexities to float rounding."""
     ids = torch.as_tensor(texts, device=model.device).long()
     if ids.dim() != 2:
         raise ValueError(f"texts must be [batch, T], got shape {tuple(ids.shape)}")
     batch, n = ids.shape
+    if batch < 1:
+        raise ValueError("texts has no rows: give at least one text")
     if n < 2:
         raise ValueError(f"perplexity needs at least 2 tokens (one to read, one to predict), got {n}")
     if n > model.config.max_seq_len:
@@ -252,5 +254,5 @@ def cached_perplexities(model: Transformer, texts: Tensor, cache: RowCache, chun
         with torch.inference_mode():
             logits = model(ids[:, start:end], plan=cache.plan(positions)).float()
         losses = F.cross_entropy(logits.flatten(0, 1), ids[:, start + 1:end + 1].flatten(), reduction="none")
-        nll += losses.view(batch, -1).sum(dim=1).double().cpu()
+        nll += losses.view(batch, -1).sum(dim=1).cpu().double()  # float64 on the CPU: MPS has none
     return torch.exp(nll / (n - 1))

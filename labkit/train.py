@@ -98,7 +98,6 @@ def random_batch(ids: torch.Tensor, batch_size: int, seq_len: int, generator: to
 
 
 @torch.no_grad()
-@torch.no_grad()  # no graph to keep for a backward pass: less memory, and faster
 def window_losses(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
                   batch_size: int = 16) -> torch.Tensor:
     """Mean next-token loss of each of ``max_windows`` windows of ``ids``, spread evenly over all

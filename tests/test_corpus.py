@@ -23,9 +23,12 @@ def test_split_is_by_file_disjoint_and_about_five_percent():
 
 
 def _globbed(root):
-    """The files as pathlib's glob finds them: the reference for the walk that skips site-packages."""
-    return tuple(sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
-                        and p.is_file()))
+    """The files as pathlib's glob finds them, site-packages left out: the reference for the walk. Each
+    top-level entry but site-packages is globbed alone (globbing all of root walks site-packages too)."""
+    tops = [p for p in root.iterdir() if p.name != "site-packages"]
+    folders = [top for top in tops if top.is_dir() and not top.is_symlink()]  # glob enters no linked folder
+    found = [top for top in tops if top.suffix == ".py"] + [p for top in folders for p in top.rglob("*.py")]
+    return tuple(sorted(p for p in found if "site-packages" not in p.relative_to(root).parts and p.is_file()))
 
 
 def test_the_walk_finds_every_python_file_but_site_packages_ones(tmp_path):

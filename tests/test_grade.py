@@ -114,6 +114,20 @@ def test_grading_from_a_notebook_where_triton_left_a_main_file(root, tmp_path):
     assert ran.stdout.split() == ["['passed']", str(trap)], ran.stdout + ran.stderr  # and __file__ is back
 
 
+def test_the_workers_draw_with_agg_whatever_backend_the_grader_was_given(root, tmp_path, monkeypatch):
+    """A notebook's grade cell runs with ipykernel's inline backend in MPLBACKEND; the fork server has
+    imported matplotlib by then, so the workers must switch to Agg themselves."""
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    asks = ("import matplotlib\n"
+            "def matmul_intensity(m, n, k, b=2):\n"
+            "    backend = matplotlib.rcParams._get('backend')  # as set, before any plot resolves it\n"
+            "    assert str(backend).lower() == 'agg', f'the backend is {backend}'\n"
+            "    return 2*m*n*k / (b*(m*k + k*n + m*n))\n")
+    _submit(tmp_path, "plots", root / "notebooks/00_welcome.ipynb", asks)
+    result = grade([tmp_path / "plots"], timeout_s=30)["plots"]["ex00.1"]
+    assert result.status == "passed", result.message
+
+
 @pytest.fixture(scope="module")
 def class_folder(tmp_path_factory):
     from tests.conftest import ROOT
