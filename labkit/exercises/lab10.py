@@ -574,6 +574,11 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
                                                   "own keys and values"),
         (2 * elements, "that is a count of elements; times bytes_per_element for bytes"),
         (2 * elements * size * 8, "that is bits; bytes_per_element counts bytes"),
+        (2 * layers * kv_heads * head_dim * (tokens + 1) * size,
+         f"that counts {tokens} + 1 tokens; the prefill worker ships the prompt's {tokens} tokens' keys and values. "
+         "The first sampled token's keys and values are computed on the decode worker, when it feeds that token"),
+        (2 * elements * size / 1e6, "that is in megabytes (10^6 bytes); return bytes"),
+        (2 * elements * size / 2**20, "that is in MiB (2^20 bytes); return bytes"),
     ]
     return lambda got: _judge_number("the bytes shipped", got, want, _first_fit(mistakes), " B")
 

@@ -14,9 +14,10 @@ its own time instead would let one lucky small message set the latency). The res
 ``Link``, which the simulator takes as it takes a datasheet's NVLink or PCIe.
 
 On this lab's CPU the "link" is two processes on one machine passing messages through gloo's
-TCP loopback, copies through the kernel: a send's latency is tens of microseconds and an
-all-reduce's (several messages each way, each waking a process) hundreds or more, at a few GB/s,
-not a GPU interconnect's. The method is the same.
+TCP loopback, copies through the kernel: a send's latency is tens of microseconds to a millisecond
+or more, and an all-reduce's (several messages each way, each waking a process) hundreds of
+microseconds to milliseconds, as the scheduler happens to wake each rank, at a few GB/s: not a GPU
+interconnect's. The method is the same.
 """
 from __future__ import annotations
 
