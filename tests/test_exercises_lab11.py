@@ -161,6 +161,8 @@ def test_lab11_tree_mask_mistakes_fail(root):
         ("torch.zeros(n, n, dtype=torch.bool)", "torch.zeros(n, n)", chain, "the values are right, but the mask"),
         ("torch.tensor(depth)", "torch.tensor(depth, dtype=torch.float)", chain,
          "positions: the values are right, but of torch.float32"),
+        ("while j != -1:", "while j > 0:", chain, "no node sees the root: the root (node 0) is the text's last token"),
+        ("while j != -1:", "while j > 0 or j == i:", chain, "no node but the root itself sees the root"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex11.1", _mistake(root, "ex11.1", right, wrong), case, hint)

@@ -65,6 +65,12 @@ def _mask_mistakes(parents: Sequence[int]) -> list[tuple[Tensor, str]]:
         parent_only[node, parent] = True
     ancestors_only = ("it must see its parent's parent too, and so on up to the root, for its logits must be "
                       "those the text along its whole branch gives")
+    no_root, no_root_but_itself = right.clone(), right.clone()
+    no_root[:, 0] = False
+    no_root_but_itself[1:, 0] = False
+    root_missing = ("the root (node 0) is the text's last token, not yet in the cache: it is written by this pass, "
+                    "and every branch goes on from it, so every node sees it (column 0 all True, the root itself "
+                    "included). Follow the parents until -1, not until 0")
     return [
         (~right, "this mask is inverted: True where node i may NOT see node j (the convention of a bool attn_mask in "
                  "nn.MultiheadAttention); here True means node i sees node j: itself and its ancestors"),
@@ -82,6 +88,8 @@ def _mask_mistakes(parents: Sequence[int]) -> list[tuple[Tensor, str]]:
                                                      "it may see only itself and its ancestors"),
         (right | right.T, "node i sees its descendants as well as its ancestors; a node's descendants come after it "
                           "in the text, so only itself and its ancestors"),
+        (no_root, f"no node sees the root: {root_missing}"),
+        (no_root_but_itself, f"no node but the root itself sees the root: {root_missing}"),
     ]
 
 
