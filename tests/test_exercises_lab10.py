@@ -288,6 +288,7 @@ LLAMA = "Llama-3.2-1B, a 512-token prompt"
     ("2 * n_layers * n_kv_heads * head_dim * (prompt_tokens + 1) * bytes_per_element", "that counts 512 + 1 tokens"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 1e6", "that is in megabytes"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**20", "that is in MiB"),
+    ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**30", "that is in GiB"),
 ])
 def test_lab10_shipped_bytes_mistakes_fail(root, wrong, hint):
     fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)

@@ -577,8 +577,9 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
         (2 * layers * kv_heads * head_dim * (tokens + 1) * size,
          f"that counts {tokens} + 1 tokens; the prefill worker ships the prompt's {tokens} tokens' keys and values. "
          "The first sampled token's keys and values are computed on the decode worker, when it feeds that token"),
-        (2 * elements * size / 1e6, "that is in megabytes (10^6 bytes); return bytes"),
-        (2 * elements * size / 2**20, "that is in MiB (2^20 bytes); return bytes"),
+        *[(2 * elements * size / scale, f"that is in {unit}; return bytes") for unit, scale in (
+            ("megabytes (10^6 bytes)", 1e6), ("MiB (2^20 bytes)", 2**20), ("gigabytes (10^9 bytes)", 1e9),
+            ("GiB (2^30 bytes)", 2**30))],
     ]
     return lambda got: _judge_number("the bytes shipped", got, want, _first_fit(mistakes), " B")
 
