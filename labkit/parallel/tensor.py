@@ -200,7 +200,7 @@ def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: 
     all_reduces = shard.stopwatch.calls  # those of the generation, not of the logits' pass below
     return {"outputs": outputs, "logits": forward_tokens(shard, prompts[0], 0, None).cpu(),
             "weight_bytes": parameter_bytes(shard), "kv_bytes": kv_bytes,
-            "kv_heads": shard.config.n_kv_heads, "all_reduces": all_reduces}
+            "heads": shard.config.n_heads, "kv_heads": shard.config.n_kv_heads, "all_reduces": all_reduces}
 
 
 def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: int, cache: str = "contiguous",
