@@ -8,25 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from labkit.engine import Engine, Request
-from labkit.generate import SamplingParams, stream
-from labkit.load import load
-from labkit.model import forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank
-from labkit.parallel.tensor import shard_model
-
-
-def tensor_parallel_run(rank: Rank, name: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    """One shard's logits of the first prompt, and its greedy continuations through the contiguous cache
-    (``stream``) and the paged one (the engine)."""
-    shard = shard_model(load(name, device="cpu")[0], rank.rank, rank.world_size)
-    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
-    contiguous = [list(stream(shard, p, params)) for p in prompts]
-    engine = Engine(shard, num_blocks=64, block_size=8)
-    paged = [r.output for r in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
-    return {"logits": forward_tokens(shard, prompts[0], 0, None), "contiguous": contiguous, "paged": paged,
-            "weight_bytes": parameter_bytes(shard), "kv_heads": shard.config.n_kv_heads,
-            "cache_bytes": engine.cache.nbytes, "all_reduces": shard.stopwatch.calls}
 
 
 def _write_pid(rank: Rank, pid_folder: str) -> None:

@@ -54,12 +54,14 @@ def test_two_ranks_match_one_process(name, tmp_path):
         name = str(tmp_path)
     params = SamplingParams(max_new_tokens=10, stop_at_eos=False)
     expected = [list(stream(model, p, params)) for p in PROMPTS]
-    got = launch(parallel_ranks.tensor_parallel_run, 2, (name, PROMPTS, 10), timeout_s=120)
-    torch.testing.assert_close(got["logits"], forward_tokens(model, PROMPTS[0], 0, None), atol=1e-4, rtol=1e-4)
-    assert got["contiguous"] == expected and got["paged"] == expected
-    assert got["all_reduces"] > 0 and got["all_reduces"] % (2 * model.config.n_layers) == 0  # two per layer
-    # each rank holds half the KV heads; MQA's one head is replicated on both
-    assert got["kv_heads"] == max(1, model.config.n_kv_heads // 2)
+    runs = {cache: tensor.generate(name, PROMPTS, 10, world_size=2, cache=cache, timeout_s=120)
+            for cache in ("contiguous", "paged")}
+    for got in runs.values():
+        torch.testing.assert_close(got["logits"], forward_tokens(model, PROMPTS[0], 0, None), atol=1e-4, rtol=1e-4)
+        assert got["outputs"] == expected
+        assert got["all_reduces"] > 0 and got["all_reduces"] % (2 * model.config.n_layers) == 0  # two per layer
+    # each rank holds half the query heads and half the KV heads; MQA's one KV head is replicated on both
+    assert got["heads"] == model.config.n_heads // 2 and got["kv_heads"] == max(1, model.config.n_kv_heads // 2)
     projections = sum(p.nbytes for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2)
     replicated_kv = (got["kv_heads"] * 2 - model.config.n_kv_heads) * 2 * model.config.head_dim \
         * model.config.d_model * 4 * model.config.n_layers  # the k and v rows both ranks hold
