@@ -17,11 +17,12 @@ import os
 import re
 import signal
 import threading
+import time
 import traceback
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
 from labkit.exercises import Exercise, get
@@ -104,7 +105,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     first_failure, first_case, first_needs_hint, passed, stubs = "", None, False, 0, []
     for number, case in enumerate(cases, 1):
         try:
-            with checking(exercise.id):  # labkit's answer to it refuses the student's calls
+            with checking(exercise.id), _case_limit(case):  # labkit's answer to it refuses the student's calls
                 case.run(fn)
             passed += 1
         except (Exception, SystemExit) as error:  # a student's bug of any kind is a failed case, not a crash
@@ -207,23 +208,44 @@ class Overtime(BaseException):
     student's ``except Exception`` nor ``run_cases`` takes it for one more failed case."""
 
 
+class TooSlow(AssertionError):
+    """Raised into a case that runs past its own ``within_s``: one failed case, with its hint."""
+
+
 @contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise ``Overtime`` into the code under it after ``seconds`` of wall time, where a timer
-    signal can (on Unix, in the main thread: a notebook's code runs there); elsewhere, no limit."""
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+def time_limit(seconds: float, error: type[BaseException] = Overtime) -> Iterator[None]:
+    """Raise ``error`` into the code under it after ``seconds`` of wall time, where a timer signal
+    can (on Unix, in the main thread: a notebook's code runs there); elsewhere, no limit. Inside
+    another limit that ends sooner, that one stands; inside one that ends later, that one is set
+    again once this one ends or fires, so that code which swallows this error is still stopped."""
+    outer_s = signal.getitimer(signal.ITIMER_REAL)[0] if hasattr(signal, "getitimer") else 0.0
+    if (not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread()
+            or 0 < outer_s <= seconds):
         yield
         return
+    start, outer_handler = time.monotonic(), signal.getsignal(signal.SIGALRM)
+
+    def restore() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_s:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_s - (time.monotonic() - start), 1e-3))
 
     def stop(signum: int, frame: Any) -> None:
-        raise Overtime(f"stopped after {seconds:g} s")
-    previous = signal.signal(signal.SIGALRM, stop)
+        restore()
+        raise error(f"stopped after {seconds:g} s")
+    signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        restore()
+
+
+def _case_limit(case: Case | Scenario) -> ContextManager[None]:
+    """The case's own time, where it has one (``Case.within_s``): running past it fails the case."""
+    within_s = getattr(case, "within_s", None)
+    return time_limit(within_s, TooSlow) if within_s else nullcontext()
 
 
 # exercise id -> how many checks in this kernel failed first on each case (by label)

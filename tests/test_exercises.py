@@ -178,6 +178,38 @@ def test_an_endless_loop_stops_the_inline_check_as_the_grader_would(monkeypatch,
     assert "[PASS] ex00.2" in capsys.readouterr().out
 
 
+def test_a_limit_inside_another_fires_alone_and_leaves_the_outer_one_standing():
+    import time
+
+    from labkit.check import Overtime, TooSlow, time_limit
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    start = time.monotonic()
+    with pytest.raises(Overtime):
+        with time_limit(1.0):
+            try:
+                with time_limit(0.2, TooSlow):
+                    spin(5)
+            except TooSlow:  # code that swallows the inner stop is still stopped by the outer limit
+                pass
+            spin(5)
+    assert 0.9 < time.monotonic() - start < 2.5
+    start = time.monotonic()
+    with pytest.raises(Overtime):
+        with time_limit(0.6):
+            with time_limit(0.3, TooSlow):
+                pass  # ends before its time: the outer limit keeps its own deadline, not a fresh one
+            spin(5)
+    assert 0.5 < time.monotonic() - start < 1.5
+    with time_limit(0.3):
+        with time_limit(5, TooSlow):  # the outer limit ends sooner: it stands, and raises its own error
+            with pytest.raises(Overtime):
+                spin(5)
+
+
 def test_a_function_that_is_not_callable_fails():
     assert run_cases(get("ex00.1"), 42).status == FAILED
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -31,6 +32,16 @@ def test_ex01_1_counts_are_ints_and_a_float_answer_fails():
     assert "naive: expected a whole number, an int (5950), got float 5950.0" in result.message, result.message
     # the value is right: the message says what to do, so no case hint (and no recipe) comes with it
     assert not result.failed_case and not any(c.hint in result.message for c in get("ex01.1").cases())
+
+
+def test_ex01_1_a_loop_over_the_steps_fails_on_the_trillion_in_its_own_time():
+    def loops(p, n):
+        return sum(p + i for i in range(n)), p + n - 1  # right, but a trillion steps take hours
+    start = time.perf_counter()
+    result, hint = failure("ex01.1", loops)
+    assert time.perf_counter() - start < 10
+    assert result.passed == result.total - 1 and result.failed_case.startswith("a trillion new tokens")
+    assert "stopped after 2 s" in result.message and "closed form" in hint
 
 
 @pytest.mark.parametrize("slip", [

@@ -32,7 +32,11 @@ def _tokens_cases() -> list[Case]:
         ("long prompt, few new tokens", (2000, 3),
          "a long prompt: the naive loop runs the whole prompt again in each of its N calls, the cached loop only once"),
     ]
-    return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes]
+    formula = Case("a trillion new tokens: only a formula answers in time", (1000, 10**12),
+                   tokens_processed(1000, 10**12), within_s=2.0,
+                   hint="the counts must come from a formula, not from a loop over the steps: this case has a "
+                        "trillion of them. What is 0 + 1 + ... + (N-1) in closed form?")
+    return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes] + [formula]
 
 
 def reference_attention_step(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,

@@ -36,6 +36,7 @@ class Case:
     unchanged: bool = False  # the call must leave its arguments as they were (where the spec says so)
     hint: str = ""  # what this case tests, and what failing it suggests (not the recipe)
     numbers_as_tensors: bool = False  # a 0-d tensor may stand for a number (where the spec allows it)
+    within_s: float | None = None  # the call must answer this fast (where the spec asks for a way, not an answer)
 
     def run(self, fn: Callable[..., Any]) -> None:
         """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, if
