@@ -59,7 +59,7 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     positions = torch.full((1, 1), context, device=model.device)
 
-    compiled_cache, compiled = static_decoder(model, context + 1)
+    _, compiled = static_decoder(model, context + 1)
     eager = eager_step(model, one_row_cache(model, context + 1))
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
     built = {"compile_s": getattr(compiled, "compile_s", float("nan"))}

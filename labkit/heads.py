@@ -104,11 +104,6 @@ def streams_at(model: Transformer, ids: Tensor, layers: Sequence[int]) -> dict[i
     return found
 
 
-def stream_at(model: Transformer, ids: Tensor, layer: int) -> Tensor:
-    """The residual stream [B, T, d_model] after the first ``layer`` blocks."""
-    return streams_at(model, ids, [layer])[layer]
-
-
 def continuation_labels(tokens: Tensor, mask: Tensor, offsets: Sequence[int]) -> Tensor:
     """Labels [len(offsets), B, T] of ``continuation_batches``' tokens and mask: at position p,
     the token at p + 1 + o for offset o, where p's next token is a continuation token and so is

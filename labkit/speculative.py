@@ -286,10 +286,6 @@ class SpeculationStats:
     def tokens_per_call(self) -> float:
         return self.generated / len(self.rounds) if self.rounds else 0.0
 
-    @property
-    def target_calls_per_token(self) -> float:
-        return len(self.rounds) / self.generated if self.rounds else 0.0
-
 
 def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[int],
                        params: SamplingParams = SamplingParams(), k: int = 4, *, eos_id: int | None = None,

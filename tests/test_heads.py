@@ -12,7 +12,7 @@ import torch
 import labkit
 from labkit import heads as H
 from labkit.heads import (IGNORE, ResidualHeads, continuation_labels, examples, head_accuracy, head_logits, head_loss,
-                          load_exit_adapters, load_heads, load_medusa, save_heads, stream_at, streams_at,
+                          load_exit_adapters, load_heads, load_medusa, save_heads, streams_at,
                           train_heads, weights_sha256)
 from labkit.train import continuation_batches
 
@@ -49,7 +49,7 @@ def trained_heads(model, n: int, seed: int = 0) -> ResidualHeads:
 def test_an_untrained_head_is_the_models_own_prediction():
     model = far_apart_model(VOCAB)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
-    stream = stream_at(model, ids, model.config.n_layers)
+    stream = streams_at(model, ids, [model.config.n_layers])[model.config.n_layers]
     torch.testing.assert_close(model.head(stream), model(ids))
     logits = head_logits(model, ResidualHeads(model.config.d_model, 3).double(), stream)
     assert logits.shape == (3, 2, 9, VOCAB)
@@ -62,7 +62,7 @@ def test_streams_at_several_layers_in_one_pass_equal_each_alone():
     ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(1))
     both = streams_at(model, ids, [2, 1])
     for layer in (1, 2):
-        assert torch.equal(both[layer], stream_at(model, ids, layer))
+        assert torch.equal(both[layer], streams_at(model, ids, [layer])[layer])
     assert not torch.equal(both[1], both[2])
 
 
@@ -99,7 +99,7 @@ def test_examples_keep_the_continuation_positions_streams_and_labels():
     for prompt, output in zip(prompts, outputs):
         ids = torch.tensor([prompt + output])
         for layer in (1, 2):
-            streams[layer].append(stream_at(model, ids, layer)[0, len(prompt) - 1:-1])
+            streams[layer].append(streams_at(model, ids, [layer])[layer][0, len(prompt) - 1:-1])
         [(tokens, mask)] = continuation_batches([prompt], [output], 1)
         labels.append(continuation_labels(tokens, mask, (0, 2))[:, 0, len(prompt) - 1:-1])
     for layer in (1, 2):
@@ -191,7 +191,7 @@ def test_bad_arguments_are_refused_by_name():
         ResidualHeads(32, 0)
     for layer in (0, 3):
         with pytest.raises(ValueError, match=f"layer={layer} is out of range"):
-            stream_at(model, torch.zeros(1, 2, dtype=torch.long), layer)
+            streams_at(model, torch.zeros(1, 2, dtype=torch.long), [layer])
     with pytest.raises(ValueError, match="2 heads need 2 offsets, got labels for 3"):
         train_heads(model, ResidualHeads(32, 2).double(), data.streams[2], data.labels, 1, 1e-3)
     with pytest.raises(ValueError, match="d_model=16 do not fit a target of d_model=32"):
