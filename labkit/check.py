@@ -91,10 +91,12 @@ def _where(error: BaseException) -> str:
     return f" (line {theirs[-1].lineno} of your {theirs[-1].name}; raised in {last.name}, line {last.lineno})"
 
 
-def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping[str, int] | None = None) -> Result:
+def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping[str, int] | None = None,
+              starting: Callable[[str], None] | None = None) -> Result:
     """Run every case of ``exercise`` on ``fn``; all must pass for the points. ``failed_before``
     counts, by case label, the earlier checks that failed first on that case: the recipe is shown
-    when the case that fails now has failed before."""
+    when the case that fails now has failed before. ``starting`` is told each case as it starts
+    (``case 2 (its label)``), so that whoever stops a case that never ends can say which it was."""
     if not callable(fn):
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
@@ -104,6 +106,8 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     cases = exercise.cases()
     first_failure, first_case, first_needs_hint, passed, stubs = "", None, False, 0, []
     for number, case in enumerate(cases, 1):
+        if starting is not None:
+            starting(f"case {number} ({case.label})")
         try:
             with checking(exercise.id), _case_limit(case):  # labkit's answer to it refuses the student's calls
                 case.run(fn)
@@ -257,12 +261,13 @@ def check(exercise_id: str, fn: Callable[..., Any]) -> None:
     grader gives them, so an endless loop stops here too."""
     exercise = get(exercise_id)
     failed = _FAILED_CASES.setdefault(exercise.id, Counter())
+    running = [""]
     try:
         with time_limit(exercise.timeout_s):
-            result = run_cases(exercise, fn, failed)
+            result = run_cases(exercise, fn, failed, starting=lambda case: running.append(f" in {case}"))
     except Overtime as stopped:
         result = Result(exercise.id, FAILED, 0, exercise.points,
-                        message=f"{stopped}: an endless loop, or far too slow (the grader stops it too)")
+                        message=f"{stopped}{running[-1]}: an endless loop, or far too slow (the grader stops it too)")
     if result.failed_case:
         failed[result.failed_case] += 1
     print(f"{exercise.title} -- {result.verdict()}")

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
+CASE_FILE = "case"  # beside a worker's result: the case it has started, for the message should it never end
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 
@@ -185,7 +186,9 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         _kill_group(proc.pid)
         proc.join()
         if timed_out:
-            return {"status": TIMEOUT, "message": f"stopped after {timeout_s:g} s: an endless loop, "
+            case = Path(tmp, CASE_FILE)  # the case it was in, where it had reached one
+            where = f" in {case.read_text(encoding='utf-8')}" if case.exists() else ""
+            return {"status": TIMEOUT, "message": f"stopped after {timeout_s:g} s{where}: an endless loop, "
                                                     "or far too slow"}
         if result_path.exists():
             return json.loads(result_path.read_text(encoding="utf-8"))
@@ -510,7 +513,8 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     if failed is not None or fn is None:
         outcome = {"status": ERROR, "message": failed or f"the exercise cell does not define {exercise.function}"}
     else:
-        result = run_cases(exercise, fn)
+        case_file = Path(result_path).with_name(CASE_FILE)
+        result = run_cases(exercise, fn, starting=lambda case: case_file.write_text(case, encoding="utf-8"))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
     if "raised NameError" in outcome["message"] and "a setup cell" not in outcome["message"]:  # passes inline, maybe
         outcome["message"] += ("\n    note: the grader runs only the setup cells and the exercise cells; if the name "
