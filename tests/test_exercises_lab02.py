@@ -26,8 +26,8 @@ def test_lab02_plausible_mistakes_fail():
         grouped = q.view(batch, k.shape[1], heads // k.shape[1], length, dim)
         weights = (grouped @ k[:, :, None].transpose(-2, -1) / math.sqrt(dim)).softmax(-1)
         return (weights @ v[:, :, None]).reshape(q.shape)
-    result = run_cases(get("ex02.2"), no_mask)
-    assert result.status == FAILED and result.passed == 1  # only the one-token case passes
+    result = fails("ex02.2", no_mask, "MHA: 4 query heads", "the future masked with -inf before the softmax")
+    assert result.passed == 1  # only the one-token case passes
 
     def tiled_heads(q, k, v):  # query head i uses KV head i % n_kv_heads: wrong grouping
         group = q.shape[1] // k.shape[1]
@@ -35,8 +35,8 @@ def test_lab02_plausible_mistakes_fail():
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         future = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
         return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
-    result = run_cases(get("ex02.2"), tiled_heads)
-    assert result.status == FAILED and 0 < result.passed < result.total
+    result = fails("ex02.2", tiled_heads, "GQA: 8 query heads in 2 groups of 4", "consecutive heads, not every other one")
+    assert 0 < result.passed < result.total
 
     for dtypes in ({"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}, {**size, "fp8": 2}):  # bf16 and fp8 missing, or fp8 as 2
         wrong = lambda layers, heads, kv, dim, tokens, batch, dtype, dtypes=dtypes: (
@@ -45,7 +45,8 @@ def test_lab02_plausible_mistakes_fail():
         assert result.status == FAILED and "Llama-3.1-8B" in result.message, dtypes
 
     all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
-    assert run_cases(get("ex02.3"), all_memory).status == FAILED
+    result = fails("ex02.3", all_memory, "Llama-3.1-8B on an H100", "usable memory is utilization x memory_bytes")
+    assert "expected 52, got 59" in result.message, result.message
 
 
 def _causal(q, k, v):
@@ -94,7 +95,8 @@ def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
     assert result.status == FAILED and "expected a whole number, an int" in result.message, result.message
     rounded = lambda memory, utilization, weights, per_sequence: (
         max(0, round((utilization * memory - weights) / per_sequence)))
-    assert run_cases(get("ex02.3"), rounded).status == FAILED  # rounds up where a part of a sequence is left
+    result = fails("ex02.3", rounded, "Mistral-7B on an L4", "only a few sequences fit: round down")  # 1.5 and up
+    assert "expected 1, got 2" in result.message, result.message
     ceiling = lambda memory, utilization, weights, per_sequence: (
         max(0, math.ceil((utilization * memory - weights) / per_sequence)))
     fails("ex02.3", ceiling, "Llama-3.1-8B on an H100", "round it down")

@@ -14,7 +14,8 @@ def test_lab04_plausible_mistakes_fail():
 
     def unlimited(waiting, running, allocator, budget, max_num_seqs):  # ignores the token budget
         return admit(waiting, running, allocator, 10**9, max_num_seqs)
-    assert run_cases(get("ex04.1"), unlimited).status == FAILED
+    result = fails("ex04.1", unlimited, "the budget cuts the last prompt", "the budget runs out inside the third prompt")
+    assert "only what is left of the budget scheduled" in result.message, result.message
 
     def skips_ahead(waiting, running, allocator, budget, max_num_seqs):  # a later request jumps the queue
         scheduled = []
@@ -68,14 +69,15 @@ def test_lab04_plausible_mistakes_fail():
 
     def oldest(waiting, running, allocator):
         return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
-    assert run_cases(get("ex04.2"), oldest).status == FAILED
+    result = fails("ex04.2", oldest, "three running", "returned should be run2, got run0")
+    assert "of the newest request (the last in running)" in result.message, result.message
 
     def keeps_blocks(waiting, running, allocator):  # forgets to free: the blocks leak
         victim = running.pop()
         victim.num_computed, victim.status, victim.preemptions = 0, "waiting", victim.preemptions + 1
         waiting.appendleft(victim)
         return victim
-    assert run_cases(get("ex04.2"), keeps_blocks).status == FAILED
+    fails("ex04.2", keeps_blocks, "three running", "free blocks should be 29, got 26")
 
     def forgets_output(waiting, running, allocator):  # the victim loses the tokens it generated
         victim = preempt_newest(waiting, running, allocator)

@@ -6,7 +6,7 @@ import torch
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import solution
+from exercise_cells import fails, solution
 
 
 def test_lab06_plausible_mistakes_fail():
@@ -19,7 +19,8 @@ def test_lab06_plausible_mistakes_fail():
         exact = (w.abs().max() / (2 ** (bits - 1) - 1) if symmetric else
                  (w.max().clamp(min=0) - w.min().clamp(max=0)) / (2 ** bits - 1)).item() or 1.0
         return codes, exact, zero, (codes.float() - zero) * exact
-    assert run_cases(get("ex06.1"), fp32_scale).status == FAILED
+    result = fails("ex06.1", fp32_scale, "64 weights, 4 bits, asymmetric", "was not rounded to fp16")
+    assert "scale: expected 0.00613403, got 0.00613484" in result.message, result.message
 
     def symmetric_over_8(w, bits, symmetric):  # divides the largest weight by 2^(bits-1), not 2^(bits-1) - 1
         if not symmetric:
@@ -27,7 +28,7 @@ def test_lab06_plausible_mistakes_fail():
         scale = float((w.abs().max() / 2 ** (bits - 1)).half()) or 1.0
         codes = (torch.round(w / scale) + 2 ** (bits - 1)).clamp(0, 2 ** bits - 1).to(torch.uint8)
         return codes, scale, float(2 ** (bits - 1)), (codes.float() - 2 ** (bits - 1)) * scale
-    assert run_cases(get("ex06.1"), symmetric_over_8).status == FAILED
+    fails("ex06.1", symmetric_over_8, "64 weights, 4 bits, symmetric", "over 2^(bits-1) - 1 = 7 levels")
 
     def grid(w, bits, symmetric, hi=lambda w: w.max().clamp(min=0), top=lambda w: w.abs().max(), exact_zero=False,
              clamp=True):
@@ -55,12 +56,13 @@ def test_lab06_plausible_mistakes_fail():
         pack = staticmethod(lambda codes: pack_int4(codes.flip(-1)).flip(-1) if codes.shape[-1] % 2 == 0
                             else pack_int4(codes))
         unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
-    assert run_cases(get("ex06.2"), Swapped).status == FAILED
+    result = fails("ex06.2", Swapped, "known bytes", "0x21 holds 1 low and 2 high")
+    assert "(even code in the low nibble): at index [0] expected 33, got 18" in result.message, result.message
 
     class Unchecked:  # packs whatever it is given
         pack = staticmethod(lambda codes: codes[..., 0::2] | (codes[..., 1::2] << 4))
         unpack = staticmethod(unpack_int4)
-    assert run_cases(get("ex06.2"), Unchecked).status == FAILED
+    fails("ex06.2", Unchecked, "what does not fit", "pack of an odd number of codes should raise ValueError")
 
     def checked(codes):
         if codes.numel() % 2 or int(codes.max()) > 15:  # an odd count over the whole tensor, not each row
@@ -88,7 +90,7 @@ def test_lab06_plausible_mistakes_fail():
         codes = unpack_int4(layer.packed) if layer.scheme.bits == 4 else layer.packed
         groups = codes.reshape(codes.shape[0], layer.scales.shape[1], -1).float()
         return torch.nn.functional.linear(x, (groups * layer.scales[..., None].float()).reshape(codes.shape).to(x.dtype))
-    assert run_cases(get("ex06.3"), forgets_zeros).status == FAILED
+    fails("ex06.3", forgets_zeros, "INT4 g32", "subtract each group's zero point")
 
     def always_fp32(layer, x):  # the output in fp32 whatever x is
         return forward(layer, x.float())

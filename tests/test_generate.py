@@ -1,10 +1,13 @@
 """Generation: naive equals cached, the token counters, sampling filters, seeds, EOS, validation."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from labkit.generate import Counters, SamplingParams, decode_step, filter_logits, next_token, stream
+from labkit.generate import (Counters, SamplingParams, decode_step, filter_logits, next_token, sampling_probs,
+                             stream)
 from labkit.model import ModelConfig, Transformer
 
 
@@ -51,13 +54,22 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert keep(filter_logits(logits, 0, 0.4)) == [False, True, False, False]  # the top token always stays
 
 
-def test_sampling_follows_the_softmax():
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampling_follows_the_softmax_of_the_logits_over_the_temperature(temperature):
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
     generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([next_token(logits.expand(1000, -1), SamplingParams(temperature=1.0), generator)
+    draws = torch.stack([next_token(logits.expand(1000, -1), SamplingParams(temperature=temperature), generator)
                          for _ in range(20)]).flatten()
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
-    torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.01, rtol=0)
+    weights = [math.exp(x / temperature) for x in logits[0].tolist()]  # the softmax, written out
+    torch.testing.assert_close(freq, torch.tensor([w / sum(weights) for w in weights]), atol=0.012, rtol=0)
+
+
+def test_the_sampled_distribution_applies_the_temperature_before_top_k():
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    kept = [math.exp(1.0 / 0.5), math.exp(2.0 / 0.5)]  # the top 2, sharpened by T = 0.5; the rest never drawn
+    expected = torch.tensor([0.0, kept[0], kept[1], 0.0]) / sum(kept)
+    torch.testing.assert_close(sampling_probs(logits, SamplingParams(temperature=0.5, top_k=2)), expected)
 
 
 @pytest.mark.parametrize("bad, message", [

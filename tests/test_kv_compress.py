@@ -211,22 +211,33 @@ def test_perplexity_input_errors():
 
 
 
-def test_attention_on_first_sums_the_softmax_weights_a_hand_computation_gives():
+def _attention_weights_by_hand(model, block, x):
+    """Block ``block``'s softmax weights [B, heads, T, T] on its input stream ``x``, each query head
+    against its KV head repeated."""
     from labkit.model import apply_rope
+
+    c, (batch, length) = model.config, x.shape[:2]
+    heads = model.blocks[block].attn.wqkv(model.blocks[block].attn_norm(x))
+    heads = heads.view(batch, length, -1, c.head_dim).transpose(1, 2)
+    qk = apply_rope(heads[:, :c.n_heads + c.n_kv_heads], *model.rotary(torch.arange(length).expand(batch, -1)))
+    q, k = qk[:, :c.n_heads], qk[:, c.n_heads:].repeat_interleave(c.n_heads // c.n_kv_heads, 1)
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return (q @ k.transpose(-2, -1) / math.sqrt(c.head_dim)).masked_fill(future, float("-inf")).softmax(-1)
+
+
+def test_attention_on_first_sums_the_softmax_weights_a_hand_computation_gives():
+    from labkit.heads import streams_at
 
     model, first = random_model(8, 2, seed=3), 3
     tokens = _tokens(12, seed=3, batch=2)
-    c, (batch, length) = model.config, tokens.shape
-    with torch.no_grad():  # layer 0's attention weights by hand, each query head against its KV head repeated
-        heads = model.blocks[0].attn.wqkv(model.blocks[0].attn_norm(model.embed(tokens)))
-        heads = heads.view(batch, length, -1, c.head_dim).transpose(1, 2)
-        qk = apply_rope(heads[:, :c.n_heads + c.n_kv_heads], *model.rotary(torch.arange(length).expand(batch, -1)))
-        q, k = qk[:, :c.n_heads], qk[:, c.n_heads:].repeat_interleave(c.n_heads // c.n_kv_heads, 1)
-        future = torch.ones(length, length, dtype=torch.bool).triu(1)
-        weights = (q @ k.transpose(-2, -1) / math.sqrt(c.head_dim)).masked_fill(future, float("-inf")).softmax(-1)
+    c, length = model.config, tokens.shape[1]
+    with torch.no_grad():  # layers 0 and 1, each on the stream that enters it
+        inputs = {0: model.embed(tokens), 1: streams_at(model, tokens, [1])[1]}
+        weights = {block: _attention_weights_by_hand(model, block, x) for block, x in inputs.items()}
     mass = attention_on_first(model, tokens, first=first)
     assert mass.shape == (c.n_layers, length)
-    torch.testing.assert_close(mass[0], weights[..., :first].sum(-1).mean(dim=(0, 1)))
+    for block, w in weights.items():
+        torch.testing.assert_close(mass[block], w[..., :first].sum(-1).mean(dim=(0, 1)))
     torch.testing.assert_close(mass[:, :first], torch.ones(c.n_layers, first))  # the first queries see only them
     torch.testing.assert_close(attention_on_first(model, tokens, first=length), torch.ones(c.n_layers, length))
     more = attention_on_first(model, tokens[0], first=first + 2)  # one sequence; two more first tokens

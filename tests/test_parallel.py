@@ -133,14 +133,14 @@ def test_layouts_that_do_not_split_are_refused_by_name():
 
 def test_shard_heads_keep_every_query_head_with_its_kv_head():
     for heads, kv, world in [(8, 8, 2), (8, 2, 2), (8, 2, 4), (8, 1, 2), (8, 1, 8), (12, 4, 4)]:
-        group, owners = heads // kv, {}
+        group, owned = heads // kv, []
         for rank in range(world):
             queries, kvs = shard_heads(heads, kv, rank, world)
-            assert len(kvs) == max(1, kv // world)
+            assert len(queries) == heads // world and len(kvs) == max(1, kv // world)
             for h in queries:
-                owners[h] = rank
                 assert h // group in kvs, (heads, kv, world, rank, h)
-        assert sorted(owners) == list(range(heads))
+            owned += queries
+        assert sorted(owned) == list(range(heads))  # each query head on exactly one rank
 
 
 def test_shard_state_cuts_the_columns_that_the_rows_feed():

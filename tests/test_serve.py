@@ -266,6 +266,8 @@ def settled_metrics(http: httpx.Client, url: str, until: Callable[[str], bool] =
 
 
 def assert_idle(text: str) -> None:
+    missing = [name for name in IDLE if not re.search(rf"^{re.escape(name)} ", text, re.M)]
+    assert not missing, f"/metrics has no {missing}: a gauge renamed or dropped would read as idle"
     assert {name: metric(text, name) for name in IDLE} == dict.fromkeys(IDLE, 0.0)
 
 
@@ -388,17 +390,17 @@ def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tin
     model, tokenizer = labkit.load(str(tiny_folder), device="cpu")
     engine = Engine(model, 64, 16, SchedulerConfig(max_num_seqs=4))
     served = ServedModel("tiny", tokenizer, model.config.vocab_size, model.config.max_seq_len)
-    execute, failures = engine.runner.execute, []
+    execute, steps = engine.runner.execute, []
 
-    def failing_once(batch):
-        if not failures:
-            failures.append(batch)
+    def failing(batch):  # the first request's first step fails, and the streamed one's second (its first decode)
+        steps.append(batch)
+        if len(steps) in (1, 3):
             raise RuntimeError("a kernel crashed")
         return execute(batch)
 
     async def scenario() -> list[httpx.Response]:
         async_engine = AsyncEngine(engine)
-        engine.runner.execute = failing_once
+        engine.runner.execute = failing
         transport = httpx.ASGITransport(app=create_app(async_engine, served))
         body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
         try:
@@ -410,7 +412,11 @@ def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tin
     failed, streamed, served_after = run(scenario())
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error"
     assert "a kernel crashed" in failed.json()["error"]["message"]
-    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")  # the second fails, or not
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.split("\n\n")
+              if line.startswith("data: {")]
+    assert len(events) >= 2 and all("choices" in e for e in events[:-1]), events  # its first token, then the error
+    assert events[-1]["error"]["type"] == "internal_error" and "a kernel crashed" in events[-1]["error"]["message"]
     assert served_after.status_code == 200 and served_after.json()["usage"]["completion_tokens"] == 4
     assert engine.allocator.num_free == engine.allocator.num_blocks
 

@@ -4,6 +4,7 @@ fit the device is refused before anything is allocated."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,9 +87,11 @@ def test_unsupported_dtype_is_refused():
         build_shape(TINY, "cpu", torch.float64)
 
 
-def test_free_memory_is_read_or_skipped():
-    free = shapes.free_bytes(torch.device("cpu"))
-    assert free is None or free > 0
+def test_free_memory_is_read_from_meminfo_in_bytes(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       4096 kB\nMemFree:         512 kB\nMemAvailable:   2048 kB\n")
+    monkeypatch.setattr(shapes, "Path", lambda path: meminfo if path == "/proc/meminfo" else Path(path))
+    assert shapes.free_bytes(torch.device("cpu")) == 2048 * 1024  # MemAvailable, not MemFree; kB are KiB
     assert shapes.free_bytes(torch.device("meta")) is None
 
 

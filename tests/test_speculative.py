@@ -3,6 +3,7 @@ as the target's (chi-square tests strong enough that a biased acceptance rule fa
 acceptance rule, verification, prompt lookup and the statistics."""
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import replace
 
@@ -71,16 +72,28 @@ def test_greedy_prompt_lookup_output_is_the_targets(shipped, k):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_output_is_the_targets_for_random_models(seed):
-    """A draft that mostly disagrees: many rejections, every rollback exercised."""
+    """Drafts that disagree (another model), agree (the target itself), agree in part (the target with
+    a little noise: rounds whose drafts are accepted up to some point, then rolled back) and look up
+    the text: every kind of round, the output always the target's."""
     target, draft = random_model(8, 2, seed), random_model(4, 1, seed + 100)
+    noisy = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 97, (int(torch.randint(1, 20, (), generator=generator)),), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=30, stop_at_eos=False)
-    for drafter in (ModelDrafter(draft), ModelDrafter(target), PromptLookupDrafter(97, max_ngram=2)):
+    rounds = {}
+    for name, drafter in [("other", ModelDrafter(draft)), ("itself", ModelDrafter(target)),
+                          ("noisy", ModelDrafter(noisy)), ("lookup", PromptLookupDrafter(97, max_ngram=2))]:
         stats = SpeculationStats(3)
         assert list(speculative_stream(target, drafter, prompt, params, 3, stats=stats)) == \
             list(stream(target, prompt, params))
-    assert stats.generated == 30
+        assert stats.generated == 30
+        rounds[name] = [(r.accepted, len(r.draft)) for r in stats.rounds if r.draft]
+    assert any(accepted == 0 for accepted, _ in rounds["other"])
+    assert all(accepted == drafted for accepted, drafted in rounds["itself"])
+    assert any(0 < accepted < drafted for accepted, drafted in rounds["noisy"])
 
 
 def test_a_perfect_draft_is_always_accepted():
