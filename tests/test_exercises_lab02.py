@@ -38,11 +38,12 @@ def test_lab02_plausible_mistakes_fail():
     result = fails("ex02.2", tiled_heads, "GQA: 8 query heads in 2 groups of 4", "consecutive heads, not every other one")
     assert 0 < result.passed < result.total
 
-    for dtypes in ({"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}, {**size, "fp8": 2}):  # bf16 and fp8 missing, or fp8 as 2
+    for dtypes, case, hint in [  # bf16 and fp8 missing, or fp8 as 2 bytes
+            ({"fp32": 4, "fp16": 2, "int8": 1, "int4": 0.5}, "Llama-3.1-8B, 4,096 tokens, bf16", "bf16 is 2 bytes"),
+            ({**size, "fp8": 2}, "Llama-3.1-8B, batch 2 of 4,096 tokens, fp8", "fp8 is 1 byte per element")]:
         wrong = lambda layers, heads, kv, dim, tokens, batch, dtype, dtypes=dtypes: (
             2 * layers * kv * dim * tokens * batch * dtypes[dtype])
-        result = run_cases(get("ex02.1"), wrong)
-        assert result.status == FAILED and "Llama-3.1-8B" in result.message, dtypes
+        fails("ex02.1", wrong, case, hint)
 
     all_memory = lambda memory, utilization, weights, per_sequence: max(0, int((memory - weights) // per_sequence))
     result = fails("ex02.3", all_memory, "Llama-3.1-8B on an H100", "usable memory is utilization x memory_bytes")
