@@ -143,8 +143,9 @@ def _preempt_cases() -> list[Scenario]:
     return [_scenario(label, build_state, preempt_newest, hint) for label, build_state, hint in [
         ("three running, none waiting", build(3, 0),
          "the plainest preemption, of the newest request (the last in running): the field the message names "
-         "shows which part of its bookkeeping is off (what it loses of the cache, its status, its count of "
-         "preemptions; its prompt and output stay), or that it was not the one returned"),
+         "shows which part of its bookkeeping is off (what it loses of the cache: its blocks, freed through the "
+         "allocator, and its computed tokens; its status, its count of preemptions; its prompt and output stay), "
+         "or that it was not the one returned"),
         ("the victim goes to the front of the queue", build(3, 2),
          "requests are waiting already: the preempted one arrived before them, so it goes to the front of "
          "waiting, not the back"),
