@@ -50,7 +50,7 @@ from labkit.model import Transformer
 from labkit.paged import BlockAllocator, OutOfBlocks, PagedKVCache, step_logits
 from labkit.paged_attention import DecodeKernel
 from labkit.paged_graphs import PagedGraphs
-from labkit.validate import as_token_ids, check_ints
+from labkit.validate import as_token_ids, check_eos, check_ints
 
 WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
 
@@ -79,8 +79,6 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: params must be a SamplingParams, got {self.params!r} "
                              f"(for a length: SamplingParams(max_new_tokens=...))")
         self.prompt = _prompt_ids(self)
-        if not self.prompt:
-            raise ValueError(f"request {self.request_id!r} has an empty prompt: give at least one token")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
             raise ValueError(f"request {self.request_id!r}: arrival_time={self.arrival_time} must be finite and >= 0")
 
@@ -335,11 +333,15 @@ def _kind(request: Request, n: int) -> str:
 
 
 def _prompt_ids(request: Request, vocab_size: int | None = None) -> list[int]:
-    """The request's prompt as token ids (``as_token_ids``), or a ValueError that names the request."""
+    """The request's prompt as token ids (``as_token_ids``), at least one, or a ValueError that names
+    the request (checked when it is made, and again when it is served: its prompt may have changed)."""
     try:
-        return as_token_ids(request.prompt, vocab_size)
+        ids = as_token_ids(request.prompt, vocab_size)
     except ValueError as error:
         raise ValueError(f"request {request.request_id!r}: {error}") from None
+    if not ids:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt: give at least one token")
+    return ids
 
 
 def check_fits(request: Request, vocab_size: int, max_seq_len: int, new: bool = True) -> None:
@@ -553,6 +555,7 @@ class Engine(EngineCore):
                  config: SchedulerConfig = SchedulerConfig(), prefix_caching: bool = True,
                  eos_id: int | None = None, decode_kernel: DecodeKernel | None = None,
                  use_cuda_graphs: bool = False) -> None:
+        check_eos(eos_id, model.config.vocab_size)
         allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.model = model
         self.cache = PagedKVCache(model.config, allocator, model.dtype, model.device, decode_kernel,

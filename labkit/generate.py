@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from labkit.compile import static_decoder
 from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache
-from labkit.validate import as_token_ids, check_ints
+from labkit.validate import as_token_ids, check_eos, check_ints
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
 
@@ -98,6 +98,9 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 def sampling_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """The distribution sampling draws from (temperature > 0): fp32 probabilities, [..., vocab]."""
+    if params.temperature == 0:
+        raise ValueError("temperature=0 is greedy decoding: there is no distribution to sample from; "
+                         "give SamplingParams(temperature=...) > 0")
     return filter_logits(logits.float() / params.temperature, params.top_k, params.top_p).softmax(-1)
 
 
@@ -148,6 +151,7 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
     and each decode step runs compiled (``labkit.compile``) or replayed from a CUDA graph
     (``labkit.cuda_graphs``): the same tokens, fewer launches."""
     total = sequence_length(model, prompt, params)
+    check_eos(eos_id, model.config.vocab_size)
     counters = counters if counters is not None else Counters()
     device = model.device
     step = None

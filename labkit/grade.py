@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import multiprocessing
 import multiprocessing.context
 import os
@@ -229,8 +230,19 @@ def _setup_cells(nb: notebook.Notebook) -> list[str]:
     return [notebook.source(c) for c in cells]
 
 
+def _check_options(timeout_s: float | None, jobs: int | None, names: tuple[str, str] = ("timeout_s=", "jobs=")
+                   ) -> None:
+    """Raise ValueError, naming the option (``names``: as the CLI spells them), for a time limit that is
+    not a number of seconds > 0 or for fewer than 1 job; None is the default, 0 is not."""
+    if timeout_s is not None and not 0 < timeout_s < math.inf:
+        raise ValueError(f"{names[0]}{timeout_s:g} must be a number of seconds > 0")
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"{names[1]}{jobs} must be 1 or more")
+
+
 def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[str, Result]:
-    """Grade every exercise of one submitted notebook."""
+    """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit."""
+    _check_options(timeout_s, None)
     exercises = for_lab(sub.lab)
     try:
         nb = notebook.read(sub.path)
@@ -246,7 +258,7 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
                                     message=f"no cell tagged 'exercise' for {ex.id}, nor one that defines "
                                             f"{ex.function} (was it deleted?)")
             continue
-        limit = timeout_s or ex.timeout_s
+        limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
@@ -268,6 +280,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
           ) -> dict[str, dict[str, Result]]:
     """Grade every submission under ``paths``: {student: {exercise id: Result}}, where a notebook whose
     lab cannot be told is an entry of its own, keyed by its file name (see ``_add_missing``)."""
+    _check_options(timeout_s, jobs)
     submissions = find_submissions(paths, per_file)
     if not any(sub.path.is_file() for sub in submissions):  # only student folders that hold none
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
@@ -559,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.paths:
         parser.error("give at least one notebook or folder to grade")
+    try:  # before grading, which may take minutes
+        _check_options(args.timeout, args.jobs, ("--timeout ", "--jobs "))
+    except ValueError as error:
+        parser.error(str(error))
+    if blocked := next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None):
+        where = "" if blocked == args.out else f": {blocked}"
+        parser.error(f"--out {args.out}{where} is a file: give a folder for grades.json and grades.csv")
     try:
         book = grade(args.paths, args.timeout, args.jobs, args.per_file)
     except FileNotFoundError as error:

@@ -416,14 +416,24 @@ class Transformer(nn.Module):
                 raise ValueError(f"{tokens.shape[1]} tokens are past the context limit "
                                  f"max_seq_len={self.config.max_seq_len}")
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            if tokens.numel():
+                self._check_vocabulary(*torch.stack(tokens.aminmax()).tolist())
         elif tokens.numel():
-            lowest, highest = torch.stack(positions.aminmax()).tolist()  # one copy to the host
+            lowest, highest, first, last = torch.stack([*positions.aminmax(), *tokens.aminmax()]).tolist()  # one copy
             if lowest < -1 or highest >= self.config.max_seq_len:
                 raise ValueError(f"positions {lowest}..{highest} must be in 0..max_seq_len - 1 = "
                                  f"{self.config.max_seq_len - 1} (-1 marks padding)")
+            self._check_vocabulary(first, last)
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
         return positions
+
+    def _check_vocabulary(self, lowest: int, highest: int) -> None:
+        """ValueError unless token ids ``lowest``..``highest`` are in the vocabulary (where no cache's
+        plan comes with them: such calls read their tokens on the host once, as they do positions)."""
+        if lowest < 0 or highest >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1} (the vocabulary), "
+                             f"got {lowest}..{highest}")
 
     @staticmethod
     def _plan_positions(positions: Tensor | None, plan: AttentionPlan) -> Tensor:
@@ -456,6 +466,8 @@ def forward_tokens(model: Transformer, tokens: Sequence[int] | Tensor, start: in
     ...: through ``cache`` (row 0 of a batch of one, its plan made here), or, without one,
     attending among themselves. The one forward call of every loop over a single sequence:
     prefill, decode, drafting, verification, perplexity."""
+    if start < 0:
+        raise ValueError(f"start={start} must be 0 or more: the position of the first token")
     device = model.device
     ids = torch.as_tensor(tokens, device=device)[None]
     positions = torch.arange(start, start + ids.shape[1], device=device)[None]

@@ -101,12 +101,22 @@ class BlockPool:
         ensure_free(n, self.num_free, self.num_blocks)
         return [self.free_blocks.pop() for _ in range(n)]
 
+    def _check_held(self, block: int, what: str) -> None:
+        """ValueError unless ``block`` is a block of the pool that someone holds: a free block has no
+        owner to lose, and one that gained an owner would be handed out again while in use."""
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block!r} is not a block of the pool (0..{self.num_blocks - 1})")
+        if self.ref_count[block] < 1:
+            raise ValueError(f"block {block} is free: {what}")
+
     def hold(self, block: int) -> None:
-        """One more owner for ``block``."""
+        """One more owner for ``block``, which others hold."""
+        self._check_held(block, "only a block that someone holds can gain an owner (allocate hands out free ones)")
         self.ref_count[block] += 1
 
     def release(self, block: int) -> None:
         """One owner fewer for ``block``; a block nobody holds is free again."""
+        self._check_held(block, "it has no owner to release")
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
@@ -124,7 +134,9 @@ class BlockPool:
 
     def share(self, seq_id: Hashable, blocks: Sequence[int]) -> None:
         """Append ``blocks``, which others hold, to ``seq_id``'s table (a new table if it has none):
-        each gains an owner, and no data is copied."""
+        each gains an owner, and no data is copied. Every block is checked before any is held."""
+        for block in blocks:
+            self._check_held(block, "share only blocks that others hold")
         for block in blocks:
             self.hold(block)
         self.tables.setdefault(seq_id, []).extend(blocks)
@@ -252,6 +264,9 @@ class BlockAllocator:
         copies the cache must make before writing."""
         table, length = self.pool.table(seq_id), self.lengths[seq_id]
         check_ints(n_tokens=n_tokens)
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens={n_tokens} must be 0 or more: append reserves slots for new tokens "
+                             "(truncate gives slots back)")
         shared_tail = n_tokens > 0 and length % self.block_size != 0 and self.pool.ref_count[table[-1]] > 1
         new_blocks = blocks_for(length + n_tokens, self.block_size) - len(table)
         self._make_room(new_blocks + shared_tail)

@@ -44,6 +44,14 @@ def as_token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[i
     return ids
 
 
+def check_eos(eos_id: object, vocab_size: int) -> None:
+    """ValueError unless ``eos_id`` is None (no end token) or a token id of the vocabulary: any other
+    value would never equal a generated token, and generation would silently run past the end."""
+    if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} must be a token id in 0..{vocab_size - 1} or None "
+                         "(labkit.generate.eos_id_of(tokenizer) finds it)")
+
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -686,6 +686,20 @@ def test_the_engine_refuses_a_request_it_could_never_serve(request_, engine_args
     assert fine.output == [] and fine.status == WAITING  # nothing ran
 
 
+def test_the_engine_refuses_an_end_token_outside_the_vocabulary():
+    with pytest.raises(ValueError, match="eos_id='</s>' must be a token id in 0..63 or None"):
+        Engine(MODEL, 16, 4, eos_id="</s>")
+
+
+def test_a_prompt_emptied_after_the_request_was_made_is_refused_before_it_jams_the_engine():
+    emptied = Request("a", [1, 2], params(3))
+    emptied.prompt = []
+    engine = Engine(MODEL, 16, 4)
+    with pytest.raises(ValueError, match="request 'a' has an empty prompt"):
+        engine.run([emptied])
+    assert engine.run([Request("b", [1, 2], params(2))])[0].output == alone(Request("b", [1, 2], params(2)))
+
+
 def test_a_request_is_served_once_and_its_id_only_once_at_a_time():
     engine = Engine(MODEL, 16, 4)
     served = engine.run([Request("x", [1, 2], params(2))])

@@ -94,6 +94,29 @@ def test_prompts_that_are_not_token_ids_of_the_model_are_refused(model):
             next(stream(model, prompt, SamplingParams(max_new_tokens=2)))
 
 
+def test_an_end_token_that_no_token_could_equal_is_refused(model):
+    for eos_id in ("</s>", model.config.vocab_size, -1, 2.0):  # generation would never stop at it
+        with pytest.raises(ValueError, match=f"eos_id={eos_id!r} must be a token id in 0..49 or None"):
+            next(stream(model, [1, 2], SamplingParams(max_new_tokens=2), eos_id=eos_id))
+
+
+def test_token_ids_and_start_outside_their_range_are_refused_by_the_model(model):
+    from labkit.model import forward_tokens
+
+    for tokens in ([[1, 50]], [[-1, 2]]):  # torch's embedding would raise a bare IndexError
+        with pytest.raises(ValueError, match=r"token ids must be in 0..49 \(the vocabulary\), got"):
+            model(torch.tensor(tokens))
+        with pytest.raises(ValueError, match=r"token ids must be in 0..49"):
+            model(torch.tensor(tokens), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="start=-1 must be 0 or more"):  # -1 would mark the first token padding
+        forward_tokens(model, [5, 7], -1, None)
+
+
+def test_sampling_probs_refuses_greedy_params():
+    with pytest.raises(ValueError, match="temperature=0 is greedy decoding"):
+        sampling_probs(torch.zeros(1, 4), SamplingParams())  # it would divide by 0: NaN everywhere
+
+
 def test_too_long_and_empty_requests(model):
     with pytest.raises(ValueError, match="exceed the context limit max_seq_len=128"):
         next(stream(model, [1] * 100, SamplingParams(max_new_tokens=40)))

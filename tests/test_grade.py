@@ -426,6 +426,39 @@ def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
     assert run.returncode == 2 and "does not exist" in run.stderr
 
 
+@pytest.mark.parametrize("option, says", [
+    (["--timeout", "-1"], "--timeout -1 must be a number of seconds > 0"),
+    (["--timeout", "0"], "--timeout 0 must be a number of seconds > 0"),
+    (["--timeout", "nan"], "--timeout nan must be a number of seconds > 0"),
+    (["--jobs", "0"], "--jobs 0 must be 1 or more"),
+    (["--jobs", "-1"], "--jobs -1 must be 1 or more"),
+    (["--out", "{file}"], "--out {file} is a file: give a folder for grades.json and grades.csv"),
+    (["--out", "{file}/sub"], "--out {file}/sub: {file} is a file: give a folder"),
+])
+def test_bad_options_are_refused_before_grading(root, tmp_path, option, says):
+    """Said at once, naming the option, with argparse's exit code: not a traceback after minutes of
+    grading, nor every exercise 0 for a time limit of -1 s."""
+    (tmp_path / "grades.csv").write_text("an old report\n")
+    fill = {"file": str(tmp_path / "grades.csv")}
+    run = subprocess.run([sys.executable, "-m", "labkit.grade", str(root / "notebooks/00_welcome.ipynb"),
+                          *(o.format(**fill) for o in option)], capture_output=True, text=True, timeout=15)
+    assert run.returncode == 2 and says.format(**fill) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not run.stdout  # nothing graded
+    assert (tmp_path / "grades.csv").read_text() == "an old report\n"
+
+
+def test_the_python_api_refuses_a_time_limit_or_jobs_below_one(root):
+    from labkit.grade import Submission, grade_submission
+
+    welcome = root / "notebooks/00_welcome.ipynb"
+    with pytest.raises(ValueError, match=r"timeout_s=0 must be a number of seconds > 0"):
+        grade([welcome], timeout_s=0)
+    with pytest.raises(ValueError, match=r"jobs=0 must be 1 or more"):
+        grade([welcome], jobs=0)
+    with pytest.raises(ValueError, match=r"timeout_s=-1 must be a number of seconds > 0"):
+        grade_submission(Submission("me", welcome, "00"), timeout_s=-1)
+
+
 def test_a_notebook_grades_itself_under_any_name(tmp_path, monkeypatch):
     """Jupyter names the notebook a kernel was started for; a renamed copy grades itself."""
     monkeypatch.chdir(tmp_path)

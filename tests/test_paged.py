@@ -255,6 +255,8 @@ def test_bad_requests_are_refused_by_name():
     before = allocator.block_states()
     with pytest.raises(ValueError, match="n_tokens=1.5"):
         allocator.append("a", 1.5)
+    with pytest.raises(ValueError, match="n_tokens=-1 must be 0 or more"):  # it would shrink the sequence
+        allocator.append("a", -1)
     for caching in (True, False):
         wide = BlockAllocator(num_blocks=4, block_size=1, prefix_caching=caching)
         wide.add_sequence("w", [1, 2])
@@ -264,6 +266,23 @@ def test_bad_requests_are_refused_by_name():
         with pytest.raises(ValueError, match="token ids must be"):
             allocator.add_sequence("c", tokens)
     assert allocator.block_states() == before and allocator.length("a") == 1 and "c" not in allocator.tables
+
+
+def test_the_pool_refuses_to_give_or_take_an_owner_of_a_free_block_and_shares_all_or_nothing():
+    pool = BlockPool(4)
+    pool.allocate("a", 2)  # blocks 0 and 1; 2 and 3 free
+    pool.truncate("a", 1)  # block 1 released: free again
+    before = (list(pool.ref_count), list(pool.free_blocks), {k: list(v) for k, v in pool.tables.items()})
+    with pytest.raises(ValueError, match="block 1 is free: it has no owner to release"):
+        pool.release(1)  # a second release would send its count below 0
+    with pytest.raises(ValueError, match="block 3 is free: only a block that someone holds"):
+        pool.hold(3)  # it would be handed out again while in use
+    with pytest.raises(ValueError, match="block 2 is free: share only blocks that others hold"):
+        pool.share("b", [0, 2])
+    with pytest.raises(ValueError, match=r"block 7 is not a block of the pool \(0..3\)"):
+        pool.share("b", [0, 7])
+    assert (pool.ref_count, pool.free_blocks, pool.tables) == before  # block 0 did not gain an owner
+    pool.check()
 
 
 def test_generate_paged_leaves_the_callers_sequences_alone():
