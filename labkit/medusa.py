@@ -36,8 +36,21 @@ from labkit.model import ContiguousKVCache, ContiguousPlan, Transformer
 from labkit.speculative import Round, SpeculationStats, timed
 from labkit.train import Distillation
 from labkit.tree import check_tree, tree_plan, walk
+from labkit.validate import check_ints
 
 Path = tuple[int, ...]
+
+# how far a measured accuracy may stray past [0, 1], or a top-k accuracy below the top-(k - 1), by float
+# rounding alone before it is refused: head_accuracy's are counts over counts, but others may be sums of floats
+ROUNDING = 1e-6
+
+
+def _probability(value: object) -> float:
+    """``value`` as a float, NaN where it is no number (so that a check of its range refuses it)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 def chain_paths(depth: int) -> list[Path]:
@@ -64,9 +77,16 @@ def choose_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[Path]:
     """The ``size`` paths most likely to be accepted, best first, when head d's rank-r candidate is
     right with probability ``accuracy[d - 1][r]`` independently of the others: a path's chance is
     the product along it. Grown best-first from the root, so each path's prefix (at least as
-    likely) is chosen before it; Medusa picks its sparse trees the same way."""
+    likely) is chosen before it; Medusa picks its sparse trees the same way. Accuracies are
+    probabilities in [0, 1] (not percentages), as ``rank_accuracy`` gives them."""
+    check_ints(size=size)
     if size < 1 or not accuracy or not all(accuracy):
         raise ValueError(f"need size >= 1 and accuracies for at least one head and rank, got size={size}")
+    for d, head in enumerate(accuracy):
+        for r, value in enumerate(head):
+            if not -ROUNDING <= _probability(value) <= 1 + ROUNDING:
+                raise ValueError(f"accuracy holds {value!r} at head {d + 1}, rank {r}: accuracies are "
+                                 f"probabilities in [0, 1]")
     chosen: list[Path] = []
     frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
     heapq.heapify(frontier)
@@ -91,11 +111,23 @@ def head_topk(target: Transformer, heads: ResidualHeads, tokenizer: Tokenizer, p
 
 def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
     """accuracy[d][r]: how often head d + 1's rank-r candidate (alone) is right, from top-k
-    accuracies {k: per head} for k = 1, 2, ...: top-(r + 1) minus top-r. ``choose_tree`` reads it."""
+    accuracies {k: per head} for k = 1, 2, ...: top-(r + 1) minus top-r. ``choose_tree`` reads it.
+    Top-k accuracy may stay level as k grows (the k-th choice was never the right one), not fall: a
+    fall of float rounding only (``ROUNDING``) counts as level, a share of 0."""
     ranks = sorted(topk)
-    if ranks != list(range(1, len(ranks) + 1)):
+    if not ranks or ranks != list(range(1, len(ranks) + 1)):
         raise ValueError(f"need top-k accuracies for k = 1, 2, ..., n; got k = {ranks}")
-    return [[topk[r][d] - (topk[r - 1][d] if r > 1 else 0.0) for r in ranks] for d in range(len(topk[1]))]
+    heads = len(topk[1])
+    for k in ranks:
+        if len(topk[k]) != heads:
+            raise ValueError(f"top-{k} accuracies are given for {len(topk[k])} heads, top-1 for {heads}: one per head")
+        for d, value in enumerate(topk[k]):
+            if not -ROUNDING <= _probability(value) <= 1 + ROUNDING:
+                raise ValueError(f"top-{k} accuracy {value!r} at head {d + 1}: accuracies are probabilities in [0, 1]")
+            if k > 1 and value < topk[k - 1][d] - ROUNDING:
+                raise ValueError(f"top-{k} accuracy {value:g} is below top-{k - 1} {topk[k - 1][d]:g} at head "
+                                 f"{d + 1}: top-k accuracy cannot fall as k grows")
+    return [[max(topk[r][d] - (topk[r - 1][d] if r > 1 else 0.0), 0.0) for r in ranks] for d in range(heads)]
 
 
 def _candidates(target: Transformer, heads: ResidualHeads, stream: Tensor, paths: Sequence[Path]) -> list[int]:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from labkit.answers import answer_to
 from labkit.kernels.int4_linear import int4_linear, why_not_int4_linear
 from labkit.model import Transformer
+from labkit.validate import is_int
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,14 @@ class Scheme:
     symmetric: bool = False
 
     def __post_init__(self) -> None:
-        if not 2 <= self.bits <= 8:
-            raise ValueError(f"bits={self.bits}: choose 2 to 8")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"group_size={self.group_size} must be at least 1 (or None: one group per row)")
+        if not is_int(self.bits) or not 2 <= self.bits <= 8:
+            raise ValueError(f"bits={self.bits!r}: choose an int from 2 to 8")
+        if self.group_size is not None and (not is_int(self.group_size) or self.group_size < 1):
+            raise ValueError(f"group_size={self.group_size!r} must be an int of at least 1 (or None: one group "
+                             f"per row)")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric={self.symmetric!r} must be True or False (a string such as 'no' would "
+                             f"count as True)")
 
     def groups(self, in_features: int) -> int:
         """Groups per row; a row that the groups do not tile exactly is refused, not padded."""
@@ -109,9 +114,35 @@ def quantize(weight: Tensor, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scale.half(), zero.half()
 
 
+def check_groups(codes: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int | None = None) -> None:
+    """ValueError unless ``scales`` (and ``zeros``, unless None) are ``[out, in / group_size]`` for
+    codes ``[out, in]``. Without ``group_size`` the group count is read from ``scales``, which then
+    need only tile the row: a scale per group of ``in / scales.shape[1]`` columns."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [out, in], got shape {list(codes.shape)}")
+    out_features, in_features = codes.shape
+    if group_size is not None:
+        if not is_int(group_size) or group_size < 1 or in_features % group_size:
+            raise ValueError(f"group_size={group_size!r} must be an int that divides in={in_features}")
+        expected = [out_features, in_features // group_size]
+    elif (scales.dim() == 2 and scales.shape[0] == out_features and scales.shape[1] >= 1
+          and in_features % scales.shape[1] == 0):
+        expected = list(scales.shape)
+    else:
+        raise ValueError(f"scales {list(scales.shape)} must be [out, in / group_size] = [{out_features}, n], "
+                         f"n dividing in={in_features}")
+    for name, tensor in (("scales", scales), ("zeros", zeros)):
+        if tensor is not None and list(tensor.shape) != expected:
+            raise ValueError(f"{name} {list(tensor.shape)} must be [out, in / group_size] = {expected}")
+
+
 @answer_to("ex06.3", "ex06b.1")  # ex06b.1 dequantizes too, inside its dot product
-def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """w_hat = (code - zero) * scale, each group's scale and zero repeated over its columns."""
+def dequantize(codes: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype = torch.float32, *,
+               group_size: int | None = None) -> Tensor:
+    """w_hat = (code - zero) * scale, each group's scale and zero repeated over its columns. The
+    group size is ``in / scales.shape[1]``; given ``group_size`` (as ``QuantLinear`` gives its
+    scheme's), the shapes are checked against it too (``check_groups``)."""
+    check_groups(codes, scales, zeros, group_size)
     out_features, in_features = codes.shape
     groups = codes.reshape(out_features, scales.shape[-1], -1).to(dtype)
     return ((groups - zeros[..., None].to(dtype)) * scales[..., None].to(dtype)).reshape(out_features, in_features)
@@ -137,6 +168,8 @@ def pack_int4(codes: Tensor) -> Tensor:
 @answer_to("ex06.2", "ex06b.1")  # ex06b.1 unpacks too
 def unpack_int4(packed: Tensor) -> Tensor:
     """The inverse of ``pack_int4``: ``[..., n]`` bytes to ``[..., 2n]`` codes."""
+    if packed.dtype != torch.uint8:  # a signed byte shifts its sign bit in: codes of -8..-1
+        raise ValueError(f"packed must be uint8 (two 4-bit codes a byte), got {packed.dtype}")
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
@@ -145,10 +178,16 @@ class QuantLinear(nn.Module):
     dequantized to the input's dtype at every call. 4-bit codes are packed two to a byte; codes of
     any other width take a byte each (INT8 fills it; 2, 3 and 5-7 bits are for experiments)."""
 
-    def __init__(self, codes: Tensor, scales: Tensor, zeros: Tensor, scheme: Scheme) -> None:
+    def __init__(self, codes: Tensor, scales: Tensor, zeros: Tensor | None, scheme: Scheme) -> None:
         super().__init__()
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be [out, in], got shape {list(codes.shape)}")
         self.scheme = scheme
         self.out_features, self.in_features = codes.shape
+        if zeros is None and not scheme.symmetric:
+            raise ValueError(f"{scheme.name} needs zeros [out, in / group_size]; only a symmetric grid has none")
+        # the groups the scheme cuts each row into (a row they do not tile is refused there)
+        check_groups(codes, scales, zeros, self.in_features // scheme.groups(self.in_features))
         if scheme.bits != 4:  # pack_int4 checks 4-bit codes
             check_codes(codes, scheme.bits)
         # contiguous, whatever the layout of the weight they came from (a checkpoint may hold a transpose):
@@ -178,7 +217,8 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32, rows: Tensor | None = None) -> Tensor:
         """The weight ``[out, in]``, or only its ``rows``, as ``dtype``."""
         pick = slice(None) if rows is None else rows
-        return dequantize(self.codes(rows), self.scales[pick], self.zero_points()[pick], dtype)
+        return dequantize(self.codes(rows), self.scales[pick], self.zero_points()[pick], dtype,
+                          group_size=self.scheme.group_size or self.in_features)
 
     fused = True  # take the fused INT4 kernel where it applies (``use_fused``); else dequantize in PyTorch
 
@@ -347,7 +387,13 @@ def quantize_model(model: Transformer, scheme: Scheme = Scheme(), method: str = 
 
 def output_errors(model: Transformer, quantized: Transformer, tokens: Tensor) -> dict[str, float]:
     """||X W_hat^T - X W^T|| / ||X W^T|| for each quantized Linear, X being the inputs that the
-    original ``model`` feeds that layer on ``tokens`` ``[n, length]``."""
+    original ``model`` feeds that layer on ``tokens`` ``[n, length]``. ValueError where no layer is
+    a Linear in ``model`` and a QuantLinear in ``quantized`` (the two swapped, say)."""
+    if not any(isinstance(m, QuantLinear) for m in quantized.modules()):
+        swapped = sum(isinstance(m, QuantLinear) for m in model.modules())
+        raise ValueError("quantized holds no QuantLinear layers: output_errors takes the full-precision model "
+                         "first, then its quantized copy" + (f" (model holds {swapped}: are the two swapped?)"
+                                                             if swapped else ""))
     inputs: dict[str, Tensor] = {}
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(names[id(m)], args[0]))
@@ -360,6 +406,9 @@ def output_errors(model: Transformer, quantized: Transformer, tokens: Tensor) ->
         if isinstance(layer, QuantLinear):
             exact = x @ model.get_submodule(name).weight.T
             errors[name] = ((x @ layer.dequantized_weight().T - exact).norm() / exact.norm()).item()
+    if not errors:
+        raise ValueError("no layer is a Linear in model and a QuantLinear in quantized: model must be the "
+                         "full-precision original of quantized")
     return errors
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from labkit.engine import Engine, Request
 from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer
-from labkit.quant import (QuantEmbedding, QuantLinear, Scheme, dequantize, gptq, hessian, pack_int4, quantize,
-                          quantize_model, unpack_int4, use_fused, weight_bytes)
+from labkit.quant import (QuantEmbedding, QuantLinear, Scheme, dequantize, gptq, hessian, output_errors, pack_int4,
+                          quantize, quantize_model, unpack_int4, use_fused, weight_bytes)
 from labkit.kernels.int4_linear import int4_linear
 
 
@@ -96,6 +96,50 @@ def test_packing_known_bytes_and_round_trip():
                                    (Scheme(3, None), [[8, 0], [1, 2]], r"codes 0..8 do not fit in 3 bits \(0..7\)")]:
         with pytest.raises(ValueError, match=message):  # a byte each: 300 would be stored as 44
             QuantLinear(torch.tensor(codes), ones, ones, scheme)
+
+
+
+def test_a_scheme_takes_int_bits_and_group_size_and_a_bool_symmetric():
+    with pytest.raises(ValueError, match=r"bits=4\.5: choose an int from 2 to 8"):
+        Scheme(bits=4.5)  # else a grid of 2^4.5 - 1 = 21.6 levels
+    with pytest.raises(ValueError, match=r"group_size=64\.0 must be an int of at least 1"):
+        Scheme(group_size=64.0)
+    with pytest.raises(ValueError, match=r"group_size=0 must be an int"):
+        Scheme(group_size=0)
+    with pytest.raises(ValueError, match=r"symmetric='no' must be True or False"):
+        Scheme(symmetric="no")  # a non-empty string is truthy: it would quantize symmetrically
+    assert Scheme(8, None, True).name == "INT8 per-channel sym"
+
+
+def test_scales_and_zeros_must_have_a_column_per_group():
+    codes, scales, zeros = quantize(torch.randn(8, 96), Scheme(4, 32))
+    assert scales.shape == zeros.shape == (8, 3)
+    for columns in (1, 2):  # taken as one group of 96, or two of 48: a wrong weight, silently
+        with pytest.raises(ValueError, match=rf"scales \[8, {columns}\] must be \[out, in / group_size\] = \[8, 3\]"):
+            QuantLinear(codes, scales[:, :columns], zeros[:, :columns], Scheme(group_size=32))
+        with pytest.raises(ValueError, match=rf"zeros \[8, {columns}\] must be \[out, in / group_size\] = \[8, 3\]"):
+            QuantLinear(codes, scales, zeros[:, :columns], Scheme(group_size=32))
+        with pytest.raises(ValueError, match=rf"scales \[8, {columns}\] must be \[out, in / group_size\] = \[8, 3\]"):
+            dequantize(codes, scales[:, :columns], zeros[:, :columns], group_size=32)
+    # without a group size, dequantize reads it from the scales, which must tile the row, and zeros must match them
+    with pytest.raises(ValueError, match=r"scales \[8, 5\] must be \[out, in / group_size\] = \[8, n\], "
+                                         r"n dividing in=96"):
+        dequantize(codes, torch.ones(8, 5), torch.ones(8, 5))
+    with pytest.raises(ValueError, match=r"zeros \[8, 1\] must be \[out, in / group_size\] = \[8, 3\]"):
+        dequantize(codes, scales, zeros[:, :1])
+    with pytest.raises(ValueError, match=r"INT4 g32 asym needs zeros"):
+        QuantLinear(codes, scales, None, Scheme(group_size=32))
+    symmetric = QuantLinear(codes, scales, None, Scheme(4, 32, True))  # a symmetric grid stores no zeros
+    assert symmetric.zeros is None
+    torch.testing.assert_close(QuantLinear(codes, scales, zeros, Scheme(4, 32)).dequantized_weight(),
+                               dequantize(codes, scales, zeros))
+
+
+def test_unpacking_takes_unsigned_bytes():
+    packed = pack_int4(torch.tensor([[1, 15, 8, 0]], dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"packed must be uint8 \(two 4-bit codes a byte\), got torch\.int8"):
+        unpack_int4(packed.to(torch.int8))  # 0xF1 as int8 is -15: its high nibble would unpack as -1
+    assert unpack_int4(packed).tolist() == [[1, 15, 8, 0]]
 
 
 @pytest.mark.parametrize("scheme, bytes_per_row", [(Scheme(4, 64), 64 + 2 * 2 * 2), (Scheme(4, 32, True), 64 + 4 * 2),
@@ -200,6 +244,18 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(small, head)
         assert isinstance(quantized.embed, QuantEmbedding) and quantized.embed.table is quantized.lm_head
     tokens = torch.randint(0, small.config.vocab_size, (2, 12))
     torch.testing.assert_close(quantized(tokens), dequantized_copy(quantized)(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_output_errors_refuses_models_passed_the_wrong_way_round(small):
+    quantized = quantize_model(small, Scheme(4, 32))
+    tokens = torch.randint(0, small.config.vocab_size, (1, 8))
+    assert set(output_errors(small, quantized, tokens)) == {
+        f"blocks.{i}.{name}" for i in range(2) for name in ("attn.wqkv", "attn.wo", "mlp.gate_up", "mlp.down")}
+    with pytest.raises(ValueError, match=r"quantized holds no QuantLinear layers: output_errors takes the "
+                                         r"full-precision model first.*model holds 8: are the two swapped"):
+        output_errors(quantized, small, tokens)
+    with pytest.raises(ValueError, match=r"no layer is a Linear in model and a QuantLinear in quantized"):
+        output_errors(quantized, quantized, tokens)
 
 
 def test_weight_bytes_count_codes_scales_zeros_and_the_rest_at_fp16(small):
