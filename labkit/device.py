@@ -19,7 +19,7 @@ def get_device() -> torch.device:
     """The device every notebook uses: ``LABKIT_DEVICE`` if set, else cuda, mps, cpu."""
     requested = os.environ.get("LABKIT_DEVICE", "").strip()
     if requested:
-        return _validated(requested)
+        return as_device(requested, "LABKIT_DEVICE")
     if torch.cuda.is_available():
         return torch.device("cuda")
     if _mps_available():
@@ -31,20 +31,23 @@ def _mps_available() -> bool:
     return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
 
 
-def _validated(name: str) -> torch.device:
+def as_device(value: torch.device | str, what: str = "device") -> torch.device:
+    """``value`` as a device this machine has, or a ValueError that names ``what`` was given
+    (an argument, or the ``LABKIT_DEVICE`` variable) and what would do instead."""
+    instead = "unset LABKIT_DEVICE" if what == "LABKIT_DEVICE" else "use 'cpu'"
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"LABKIT_DEVICE={name!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what}={value!r} is not a device; use cpu, cuda, cuda:N or mps") from None
     if device.type not in _KNOWN_TYPES:
-        raise ValueError(f"LABKIT_DEVICE={name!r}: the lab runs on cpu, cuda or mps, not {device.type}")
+        raise ValueError(f"{what}={value!r}: the lab runs on cpu, cuda or mps, not {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"LABKIT_DEVICE={name!r} but torch {torch.__version__} sees no CUDA GPU; "
-                         "unset LABKIT_DEVICE or install a CUDA build of torch")
+        raise ValueError(f"{what}={value!r} but torch {torch.__version__} sees no CUDA GPU; "
+                         f"{instead} or install a CUDA build of torch")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"LABKIT_DEVICE={name!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        raise ValueError(f"{what}={value!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
     if device.type == "mps" and not _mps_available():
-        raise ValueError(f"LABKIT_DEVICE={name!r} but MPS is not available on this machine")
+        raise ValueError(f"{what}={value!r} but MPS is not available on this machine")
     return device
 
 

@@ -474,6 +474,8 @@ class EngineCore:
 
     def __init__(self, runner: Runner, allocator: BlockAllocator, config: SchedulerConfig, clock: Clock,
                  eos_id: int | None = None) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, e.g. SchedulerConfig(max_num_seqs=2), not {config!r:.60}")
         self.runner, self.allocator, self.clock, self.eos_id = runner, allocator, clock, eos_id
         self.scheduler = Scheduler(allocator, config)
         self.log: list[StepRecord] = []

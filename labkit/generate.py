@@ -197,6 +197,9 @@ def decode_step(model: Transformer, context: int, tokens: int = 1) -> Callable[[
     decoding's verification runs) after ``context`` cached ones, as a callable to time that returns
     the logits ``[1, tokens, vocab]``: every call writes the same slots, so every call does the
     same work, planning the step included."""
+    check_ints(context=context, tokens=tokens)
+    if context < 0 or tokens < 1:
+        raise ValueError(f"context={context} cached tokens must be 0 or more and tokens={tokens} new ones 1 or more")
     cache = cache_after(model, context, context + tokens)
     fed = torch.zeros(1, tokens, dtype=torch.long, device=model.device)
     positions = torch.arange(context, context + tokens, device=model.device)[None]

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from labkit.device import get_device
+from labkit.device import as_device, get_device
 from labkit.model import ModelConfig, Transformer
 from labkit.shapes import build_shape, shape_config
 
@@ -247,7 +247,9 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     ``labkit.shapes.SHAPES``, e.g. ``shape:Llama-3.1-8B``) is that model's shape with random
     weights, for timing: its text is meaningless, so it comes with no tokenizer (None)."""
     kind, where = _source(name)
-    device = torch.device(device) if device is not None else get_device()
+    device = as_device(device) if device is not None else get_device()
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} must be a torch dtype, e.g. torch.float16, not a string")
     if kind == "shape":
         return build_shape(where, device, dtype), None
     if kind == "labkit":

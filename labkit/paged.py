@@ -83,6 +83,7 @@ class BlockPool:
     allocate, free, fork, and copy on write."""
 
     def __init__(self, num_blocks: int) -> None:
+        check_ints(num_blocks=num_blocks)
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be at least 1")
         self.num_blocks = num_blocks
@@ -200,6 +201,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        check_ints(block_size=block_size)
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be at least 1")
         self.pool = BlockPool(num_blocks)

@@ -46,6 +46,7 @@ from labkit.device import synchronize
 from labkit.generate import SamplingParams, sampling_probs, seeded_generator, sequence_length
 from labkit.model import ContiguousKVCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache, static_length
+from labkit.validate import check_ints
 
 
 @answer_to("ex05.1")
@@ -293,8 +294,11 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
     """Yield new token ids, produced ``k`` drafts at a time and verified by ``target``. Greedy
     output equals ``generate.stream``'s token for token; sampled output has the target's distribution."""
     capacity = sequence_length(target, prompt, params)
+    check_ints(k=k)
     if k < 0:
         raise ValueError(f"k={k} must be 0 (no drafting) or more")
+    if isinstance(drafter, Transformer):
+        raise TypeError("drafter must be a Drafter, not a model: wrap the draft model as ModelDrafter(draft)")
     if drafter.vocab_size != target.config.vocab_size:
         raise ValueError(f"the drafter has a vocabulary of {drafter.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}: they must share one tokenizer")

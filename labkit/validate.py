@@ -44,6 +44,24 @@ def as_token_ids(tokens: Sequence[int], vocab_size: int | None = None) -> list[i
     return ids
 
 
+def generation_prompts(prompts: Sequence[Sequence[int]], new_tokens: int, vocab_size: int,
+                       max_seq_len: int) -> list[list[int]]:
+    """``prompts`` as lists of token ids of a vocabulary of ``vocab_size``, each fitting a context of
+    ``max_seq_len`` with ``new_tokens`` (at least 1) new ones: a ValueError naming the first problem,
+    before a generation that runs elsewhere (in other processes) starts."""
+    check_ints(new_tokens=new_tokens)
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens} must be at least 1")
+    if not prompts:
+        raise ValueError("there must be a prompt (got 0)")
+    ids = [as_token_ids(prompt, vocab_size) for prompt in prompts]
+    room = max_seq_len - new_tokens + 1
+    if (bad := next((p for p in ids if not 1 <= len(p) <= room), None)) is not None:
+        raise ValueError(f"a prompt of {len(bad)} tokens with {new_tokens} new ones does not fit: prompts "
+                         f"need 1..max_seq_len - new_tokens + 1 = {room} tokens")
+    return ids
+
+
 def check_eos(eos_id: object, vocab_size: int) -> None:
     """ValueError unless ``eos_id`` is None (no end token) or a token id of the vocabulary: any other
     value would never equal a generated token, and generation would silently run past the end."""

@@ -46,3 +46,15 @@ def test_names_and_report():
     info = describe()
     assert info["torch"] == torch.__version__
     assert set(info) >= {"python", "torch", "triton", "device", "device name"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_device_argument_is_checked_as_the_variable_is_and_named_as_an_argument():
+    from labkit.load import load
+
+    with pytest.raises(ValueError, match="device='cuda' but torch .* sees no CUDA GPU; use 'cpu'"):
+        load("draft", "cuda")  # torch's own error is an AssertionError from deep inside
+    with pytest.raises(ValueError, match="device='banana' is not a device"):
+        load("draft", "banana")
+    with pytest.raises(ValueError, match="dtype='float16' must be a torch dtype"):
+        load("draft", "cpu", "float16")

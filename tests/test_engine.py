@@ -686,9 +686,11 @@ def test_the_engine_refuses_a_request_it_could_never_serve(request_, engine_args
     assert fine.output == [] and fine.status == WAITING  # nothing ran
 
 
-def test_the_engine_refuses_an_end_token_outside_the_vocabulary():
+def test_the_engine_refuses_an_end_token_outside_the_vocabulary_and_a_config_that_is_not_one():
     with pytest.raises(ValueError, match="eos_id='</s>' must be a token id in 0..63 or None"):
         Engine(MODEL, 16, 4, eos_id="</s>")
+    with pytest.raises(TypeError, match="config must be a SchedulerConfig"):  # it would fail at the first step
+        Engine(MODEL, 16, 4, {"max_num_seqs": 2})
 
 
 def test_a_prompt_emptied_after_the_request_was_made_is_refused_before_it_jams_the_engine():

@@ -112,6 +112,18 @@ def test_token_ids_and_start_outside_their_range_are_refused_by_the_model(model)
         forward_tokens(model, [5, 7], -1, None)
 
 
+def test_a_step_to_time_names_its_bad_sizes(model):
+    from labkit.model import ContiguousKVCache
+
+    with pytest.raises(ValueError, match="context=-1 cached tokens must be 0 or more"):
+        decode_step(model, -1)
+    with pytest.raises(ValueError, match="tokens=0 new ones 1 or more"):
+        decode_step(model, 4, 0)
+    for batch, message in ((-1, "batch_size=-1 must be at least 1"), (2.0, "batch_size=2.0 must be an int")):
+        with pytest.raises(ValueError, match=message):
+            ContiguousKVCache(model.config, batch)
+
+
 def test_sampling_probs_refuses_greedy_params():
     with pytest.raises(ValueError, match="temperature=0 is greedy decoding"):
         sampling_probs(torch.zeros(1, 4), SamplingParams())  # it would divide by 0: NaN everywhere

@@ -268,6 +268,13 @@ def test_bad_requests_are_refused_by_name():
     assert allocator.block_states() == before and allocator.length("a") == 1 and "c" not in allocator.tables
 
 
+def test_sizes_that_are_not_ints_are_refused_by_name():
+    with pytest.raises(ValueError, match="num_blocks=2.5 must be an int"):
+        BlockPool(2.5)
+    with pytest.raises(ValueError, match="block_size=16.0 must be an int"):
+        BlockAllocator(4, 16.0)
+
+
 def test_the_pool_refuses_to_give_or_take_an_owner_of_a_free_block_and_shares_all_or_nothing():
     pool = BlockPool(4)
     pool.allocate("a", 2)  # blocks 0 and 1; 2 and 3 free

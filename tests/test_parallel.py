@@ -129,6 +129,11 @@ def test_layouts_that_do_not_split_are_refused_by_name():
         check_layout(ModelConfig(64, 48, 2, 12, 4, 96, 32), 6)
     with pytest.raises(ValueError, match="n_heads=8 is not a multiple of world_size=3"):
         tensor.generate("gqa", PROMPTS, 4, world_size=3)  # before any rank starts: no RankError
+    for prompts, new_tokens, world_size, message in [
+            ([], 4, 2, r"there must be a prompt \(got 0\)"), ([[1, 10**6]], 4, 2, "outside the vocabulary"),
+            (PROMPTS, 0, 2, "new_tokens=0 must be at least 1"), (PROMPTS, 4, 2.0, "world_size=2.0 must be an int")]:
+        with pytest.raises(ValueError, match=message):  # each before any rank starts
+            tensor.generate("gqa", prompts, new_tokens, world_size=world_size)
 
 
 def test_shard_heads_keep_every_query_head_with_its_kv_head():

@@ -126,6 +126,10 @@ def test_bad_arguments_are_named(shipped):
         list(speculative_stream(target, ModelDrafter(draft), [1] * 1000, SamplingParams(max_new_tokens=64)))
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(10, max_ngram=1, min_ngram=2)
+    with pytest.raises(TypeError, match=r"not a model: wrap the draft model as ModelDrafter\(draft\)"):
+        list(speculative_stream(target, draft, [1], SamplingParams()))
+    with pytest.raises(ValueError, match="k=2.5 must be an int"):
+        list(speculative_stream(target, ModelDrafter(draft), [1], SamplingParams(), k=2.5))
     with pytest.raises(ValueError, match="vocabulary of 97 tokens"):
         list(speculative_stream(target, ModelDrafter(random_model(4, 2, 0)), [1], SamplingParams()))
     with pytest.raises(ValueError, match="rounds of k=2 drafts.*k=4"):

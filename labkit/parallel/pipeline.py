@@ -40,7 +40,7 @@ from labkit.device import synchronize
 from labkit.load import load, load_config
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, parameter_bytes
 from labkit.parallel.launch import Rank, launch
-from labkit.validate import as_token_ids, check_ints
+from labkit.validate import check_ints, generation_prompts
 
 
 @answer_to("ex10.3")
@@ -312,16 +312,6 @@ def _check_layout(config: ModelConfig, world_size: int, micro_batches: int, rows
                          "micro-batch holds at least one prompt")
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, new_tokens: int) -> list[list[int]]:
-    """The prompts as lists of token ids of the model's vocabulary, each fitting the context with its new tokens."""
-    ids = [as_token_ids(prompt, config.vocab_size) for prompt in prompts]
-    room = config.max_seq_len - new_tokens + 1
-    if (bad := next((p for p in ids if not 1 <= len(p) <= room), None)) is not None:
-        raise ValueError(f"a prompt of {len(bad)} tokens with {new_tokens} new ones does not fit: prompts "
-                         f"need 1..max_seq_len - new_tokens + 1 = {room} tokens")
-    return ids
-
-
 def pipeline_generate(model: str, prompts: Sequence[Sequence[int]], new_tokens: int,
                       world_size: int = 2, micro_batches: int = 2, dtype: torch.dtype = torch.float32,
                       timeout_s: float = 300.0) -> PipelineRun:
@@ -330,11 +320,9 @@ def pipeline_generate(model: str, prompts: Sequence[Sequence[int]], new_tokens: 
     ``labkit.load`` name or folder), with the prompts split into ``micro_batches`` micro-batches
     in flight. The layout and prompts are checked before any process starts."""
     config = load_config(model)
-    check_ints(new_tokens=new_tokens, world_size=world_size, micro_batches=micro_batches)
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens={new_tokens} must be at least 1")
+    check_ints(world_size=world_size, micro_batches=micro_batches)
+    ids = generation_prompts(prompts, new_tokens, config.vocab_size, config.max_seq_len)
     _check_layout(config, world_size, micro_batches, len(prompts))
-    ids = _check_prompts(prompts, config, new_tokens)
     return launch(_generate_on_rank, world_size, (model, ids, new_tokens, micro_batches, dtype), timeout_s)
 
 

@@ -47,6 +47,7 @@ from labkit.memory import blocks_for, shape_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank, launch
 from labkit.shapes import DTYPE_NAMES
+from labkit.validate import check_ints, generation_prompts
 from labkit.simulate import CostModel
 
 
@@ -64,6 +65,7 @@ class ShardConfig(ModelConfig):
 
 def check_layout(config: ModelConfig, world_size: int) -> None:
     """A ValueError naming what does not divide, unless ``config`` splits over ``world_size`` ranks."""
+    check_ints(world_size=world_size)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     kv = config.n_kv_heads
@@ -212,9 +214,10 @@ def generate(name: str, prompts: list[list[int]], new_tokens: int, world_size: i
     the generation ran. ``threads`` and ``backend``: see ``launch``."""
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"cache={cache!r} must be 'contiguous' or 'paged'")
-    check_layout(load_config(name), world_size)
-    return launch(_generate_rank, world_size, (name, [list(p) for p in prompts], new_tokens, cache), timeout_s,
-                  threads, backend)
+    config = load_config(name)
+    ids = generation_prompts(prompts, new_tokens, config.vocab_size, config.max_seq_len)
+    check_layout(config, world_size)
+    return launch(_generate_rank, world_size, (name, ids, new_tokens, cache), timeout_s, threads, backend)
 
 
 def _step_rank(rank: Rank, name: str, context: int, repeats: int) -> dict:
