@@ -50,6 +50,8 @@ def attention_flops(n_layers: int, n_heads: int, head_dim: int, tokens: int, cac
 
 def forward_flops(config: ModelConfig, tokens: int, cached: int = 0) -> float:
     """FLOPs of one forward pass of ``tokens`` new tokens after ``cached`` tokens in the cache."""
+    if tokens < 0 or cached < 0:
+        raise ValueError(f"tokens={tokens} and cached={cached} must be 0 or more")
     attention = attention_flops(config.n_layers, config.n_heads, config.head_dim, tokens, cached)
     return 2 * matmul_weights(config) * tokens + attention
 

@@ -26,6 +26,7 @@ from typing import Sequence
 from labkit.answers import answer_to
 from labkit.hardware import Hardware
 from labkit.model import ModelConfig
+from labkit.validate import check_ints
 
 GIB = 2**30
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -46,13 +47,18 @@ class ModelShape:
     d_model: int | None = None  # the residual stream's width (hidden_size); None: n_heads x head_dim
 
     def __post_init__(self) -> None:
+        sizes = {"n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                 "head_dim": self.head_dim, "max_context": self.max_context}
+        if (bad := next((k for k, v in sizes.items() if v < 1), None)) is not None:
+            raise ValueError(f"{self.name}: {bad}={sizes[bad]} must be at least 1")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.d_model is None:  # Llama-style models; Gemma-2 and DeepSeek-V3 differ and say so
             object.__setattr__(self, "d_model", self.n_heads * self.head_dim)
 
     def with_kv_heads(self, n_kv_heads: int) -> ModelShape:
-        """The same model with another number of KV heads (MHA, GQA or MQA)."""
-        if n_kv_heads < 1 or self.n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={self.n_heads}")
+        """The same model with another number of KV heads (MHA, GQA or MQA): one that does not
+        divide ``n_heads`` is refused (``__post_init__``)."""
         return ModelShape(**{**self.__dict__, "n_kv_heads": n_kv_heads, "mla_latent_dim": 0})
 
 
@@ -143,6 +149,9 @@ def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict
     allocation of ``context`` slots each, held by paged blocks, and the share of each not used."""
     if not lengths or min(lengths) < 1 or max(lengths) > context:
         raise ValueError(f"lengths must be a non-empty list of 1..context={context} tokens")
+    check_ints(block_size=block_size)
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be at least 1 token")
     used = sum(lengths)
     reserved = len(lengths) * context
     held = sum(blocks_for(n, block_size) for n in lengths) * block_size

@@ -383,6 +383,11 @@ class BlockAllocator:
 def sequences_that_fit(lengths: Sequence[int], memory_slots: int, block_size: int) -> int:
     """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once:
     a real ``BlockAllocator`` of that size, filled until it runs out of blocks."""
+    check_ints(block_size=block_size, memory_slots=memory_slots)
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be at least 1")
+    if (bad := next((n for n in lengths if n < 1), None)) is not None:
+        raise ValueError(f"a sequence of {bad} tokens: every length must be at least 1")
     if memory_slots < block_size:
         raise ValueError(f"memory_slots={memory_slots} is less than one block of block_size={block_size}")
     allocator = BlockAllocator(memory_slots // block_size, block_size, prefix_caching=False)

@@ -32,6 +32,12 @@ def test_the_textbook_example():
     assert cost.tokens_processed(10, 100) == (5950, 109)
 
 
+def test_a_forward_pass_of_negative_tokens_is_refused():
+    config = random_model(4, 2, seed=0).config
+    with pytest.raises(ValueError, match="tokens=-3 and cached=-2 must be 0 or more"):
+        cost.forward_flops(config, -3, -2)
+
+
 @pytest.mark.parametrize("bad", [(0, 5), (5, 0), (-1, 3)])
 def test_lengths_are_validated(bad):
     with pytest.raises(ValueError, match="must both be at least 1"):

@@ -38,6 +38,21 @@ def test_dtypes_batches_and_mla():
         m.with_kv_heads(5)
 
 
+def test_shapes_and_block_sizes_that_could_not_be_are_refused():
+    from dataclasses import replace
+
+    from labkit.memory import fragmentation
+
+    m = model("Llama-3.1-8B")
+    with pytest.raises(ValueError, match="Llama-3.1-8B: n_layers=-32 must be at least 1"):
+        replace(m, n_layers=-32)  # its KV bytes would come out negative
+    with pytest.raises(ValueError, match="n_kv_heads=32 must divide n_heads=8"):
+        replace(m, n_heads=8, n_kv_heads=32)
+    for block_size, message in ((0, "block_size=0 must be at least 1"), (-4, "block_size=-4"), (2.5, "must be an int")):
+        with pytest.raises(ValueError, match=message):  # -4 gave a negative waste, 0 a ZeroDivisionError
+            fragmentation([5], 10, block_size)
+
+
 def test_what_fits_on_a_gpu():
     m, h100 = model("Llama-3.1-8B"), gpu("H100-SXM")
     free = 0.9 * 80e9 - 8.03e9 * 2

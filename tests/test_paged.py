@@ -268,6 +268,13 @@ def test_bad_requests_are_refused_by_name():
     assert allocator.block_states() == before and allocator.length("a") == 1 and "c" not in allocator.tables
 
 
+def test_what_fits_refuses_sizes_that_could_not_be():
+    with pytest.raises(ValueError, match="a sequence of -5 tokens: every length must be at least 1"):
+        sequences_that_fit([-5, 5], 16, 4)
+    with pytest.raises(ValueError, match="block_size=0 must be at least 1"):
+        sequences_that_fit([5], 16, 0)
+
+
 def test_sizes_that_are_not_ints_are_refused_by_name():
     with pytest.raises(ValueError, match="num_blocks=2.5 must be an int"):
         BlockPool(2.5)
