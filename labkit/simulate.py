@@ -54,6 +54,11 @@ class CostModel:
     activation_dtype: str = "bf16"  # what the all-reduces carry
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelShape):
+            raise TypeError(f"model must be a ModelShape (presets.model('Llama-3.1-8B'), or memory.shape_of for a "
+                            f"labkit model), not {type(self.model).__name__}")
+        if not isinstance(self.hardware, Hardware):
+            raise TypeError(f"hardware must be a Hardware (presets.gpu('H100-SXM')), not {self.hardware!r:.60}")
         if self.n_gpus < 1 or self.step_overhead_s < 0:
             raise ValueError(f"n_gpus={self.n_gpus} must be >= 1 and step_overhead_s={self.step_overhead_s} >= 0")
         if self.link is not None and not isinstance(self.link, Link):

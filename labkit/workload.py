@@ -38,6 +38,9 @@ def workload_lengths(n: int = 400, context: int = 2048, prompt_median: float = 2
                      spread: float = 1.0, seed: int = 0) -> list[int]:
     """Final lengths (prompt + output, capped at ``context``) of ``n`` requests whose prompt and
     output lengths are lognormal: most short, a few long."""
+    check_ints(context=context)
+    if context < 2:
+        raise ValueError(f"context={context} must be at least 2: a prompt of 1 token and 1 new one")
     prompts = lognormal_lengths(n, prompt_median, spread, 1, context - 1, seed)
     outputs = lognormal_lengths(n, output_median, spread, 1, context, seed + 1)
     return [min(p + o, context) for p, o in zip(prompts, outputs)]

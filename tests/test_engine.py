@@ -912,6 +912,13 @@ def test_lognormal_lengths_are_clipped_around_the_median():
     assert lognormal(20, 0.0, 1, 100)(5, torch.Generator()) == [20] * 5
 
 
+def test_a_workload_context_too_short_for_a_request_is_named():
+    from labkit.workload import workload_lengths
+
+    with pytest.raises(ValueError, match="context=1 must be at least 2"):  # the message named lognormal's bounds
+        workload_lengths(5, context=1)
+
+
 # ---------------------------------------------------------------- the ragged paged cache
 
 @settings(max_examples=30, deadline=None)

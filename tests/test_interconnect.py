@@ -93,6 +93,10 @@ def test_a_tensor_parallel_step_by_hand():
         CostModel(TOY, TOY_GPU, n_gpus=2, link=TOY_LINK, activation_dtype="float32")
     with pytest.raises(ValueError, match="link='NVLink-4' must be a labkit.interconnect.Link"):
         CostModel(TOY, TOY_GPU, n_gpus=2, link="NVLink-4")
+    with pytest.raises(TypeError, match="hardware must be a Hardware"):
+        CostModel(TOY, "H100-SXM")  # the name, where the preset was meant: it failed at the first step
+    with pytest.raises(TypeError, match="model must be a ModelShape"):
+        CostModel(TOY_GPU, TOY_GPU)
 
 
 def test_a_measured_cpu_and_a_fitted_link_predict_the_labs_model():
