@@ -227,9 +227,12 @@ def time_limit(seconds: float, error: type[BaseException] = Overtime) -> Iterato
             or 0 < outer_s <= seconds):
         yield
         return
-    start, outer_handler = time.monotonic(), signal.getsignal(signal.SIGALRM)
+    start, outer_handler, restored = time.monotonic(), signal.getsignal(signal.SIGALRM), []
 
-    def restore() -> None:
+    def restore() -> None:  # once: after this limit fired, leaving its block must not re-arm the outer one
+        if restored:
+            return
+        restored.append(True)
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer_handler)
         if outer_s:

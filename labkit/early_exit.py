@@ -73,7 +73,7 @@ def self_speculative_stream(target: Transformer, exit_layer: int, prompt: Sequen
     the target's head) draft ``k`` tokens a round, the rest of the target verifies them. Greedy
     output equals ``generate.stream``'s token for token; sampled output has the target's distribution.
     ``stats`` records one ``Round`` per target call, the prompt's prefill first (an empty draft)."""
-    capacity = sequence_length(target, prompt, params)
+    capacity = sequence_length(target, prompt, params, eos_id)
     n_layers = target.config.n_layers
     if not is_int(exit_layer) or not 1 <= exit_layer <= n_layers:
         raise ValueError(f"exit_layer={exit_layer!r} must be an int in 1..n_layers={n_layers} (the blocks "

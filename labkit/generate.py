@@ -128,11 +128,13 @@ def token_generator(params: SamplingParams, index: int, device: torch.device) ->
     return torch.Generator(device=device).manual_seed((params.seed * 1_000_003 + index) % 2**64)
 
 
-def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingParams) -> int:
+def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingParams,
+                    eos_id: int | None = None) -> int:
     """The tokens a generation from ``prompt`` keeps in the cache at most (the last new token is
     never fed back); a ValueError if the prompt is empty, holds anything but token ids of the model's
-    vocabulary, or that exceeds the model's context."""
+    vocabulary, or that exceeds the model's context, or if ``eos_id`` is no token id (``check_eos``)."""
     as_token_ids(prompt, model.config.vocab_size)
+    check_eos(eos_id, model.config.vocab_size)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     total = len(prompt) + params.max_new_tokens - 1
@@ -150,8 +152,7 @@ def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = S
     With ``compiled`` or ``use_cuda_graphs``, the prompt is prefilled eagerly into a static cache
     and each decode step runs compiled (``labkit.compile``) or replayed from a CUDA graph
     (``labkit.cuda_graphs``): the same tokens, fewer launches."""
-    total = sequence_length(model, prompt, params)
-    check_eos(eos_id, model.config.vocab_size)
+    total = sequence_length(model, prompt, params, eos_id)
     counters = counters if counters is not None else Counters()
     device = model.device
     step = None

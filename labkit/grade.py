@@ -235,7 +235,7 @@ def _check_options(timeout_s: float | None, jobs: int | None, names: tuple[str, 
     """Raise ValueError, naming the option (``names``: as the CLI spells them), for a time limit that is
     not a number of seconds > 0 or for fewer than 1 job; None is the default, 0 is not."""
     if timeout_s is not None and not 0 < timeout_s < math.inf:
-        raise ValueError(f"{names[0]}{timeout_s:g} must be a number of seconds > 0")
+        raise ValueError(f"{names[0]}{timeout_s:g} must be a finite number of seconds > 0")
     if jobs is not None and jobs < 1:
         raise ValueError(f"{names[1]}{jobs} must be 1 or more")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from numbers import Real
 from typing import Iterator, Sequence
 
 import torch
@@ -45,12 +46,11 @@ Path = tuple[int, ...]
 ROUNDING = 1e-6
 
 
-def _probability(value: object) -> float:
-    """``value`` as a float, NaN where it is no number (so that a check of its range refuses it)."""
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return float("nan")
+def _check_probability(value: object, where: str) -> None:
+    """ValueError unless ``value`` is a number in [0, 1] (give or take ``ROUNDING``); ``where`` says
+    which accuracy it is, for the message."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not -ROUNDING <= value <= 1 + ROUNDING:
+        raise ValueError(f"{where} is {value!r}: accuracies are probabilities in [0, 1] (not percentages)")
 
 
 def chain_paths(depth: int) -> list[Path]:
@@ -84,9 +84,7 @@ def choose_tree(accuracy: Sequence[Sequence[float]], size: int) -> list[Path]:
         raise ValueError(f"need size >= 1 and accuracies for at least one head and rank, got size={size}")
     for d, head in enumerate(accuracy):
         for r, value in enumerate(head):
-            if not -ROUNDING <= _probability(value) <= 1 + ROUNDING:
-                raise ValueError(f"accuracy holds {value!r} at head {d + 1}, rank {r}: accuracies are "
-                                 f"probabilities in [0, 1]")
+            _check_probability(value, f"the accuracy of head {d + 1}, rank {r}")
     chosen: list[Path] = []
     frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
     heapq.heapify(frontier)
@@ -122,8 +120,7 @@ def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
         if len(topk[k]) != heads:
             raise ValueError(f"top-{k} accuracies are given for {len(topk[k])} heads, top-1 for {heads}: one per head")
         for d, value in enumerate(topk[k]):
-            if not -ROUNDING <= _probability(value) <= 1 + ROUNDING:
-                raise ValueError(f"top-{k} accuracy {value!r} at head {d + 1}: accuracies are probabilities in [0, 1]")
+            _check_probability(value, f"the top-{k} accuracy of head {d + 1}")
             if k > 1 and value < topk[k - 1][d] - ROUNDING:
                 raise ValueError(f"top-{k} accuracy {value:g} is below top-{k - 1} {topk[k - 1][d]:g} at head "
                                  f"{d + 1}: top-k accuracy cannot fall as k grows")
@@ -161,7 +158,7 @@ def medusa_stream(target: Transformer, heads: ResidualHeads, prompt: Sequence[in
     if stats.k != depth:
         raise ValueError(f"stats count rounds of k={stats.k} drafts, but the tree is {depth} deep: "
                          f"SpeculationStats({depth})")
-    capacity = sequence_length(target, prompt, params)
+    capacity = sequence_length(target, prompt, params, eos_id)
     cache = ContiguousKVCache(target.config, 1, min(capacity + len(parents), target.config.max_seq_len),
                               target.dtype, target.device)
     generator, start, sequence = seeded_generator(params, target.device), time.perf_counter(), list(prompt)

@@ -38,7 +38,7 @@ from labkit.memory import blocks_for
 from labkit.model import AttentionPlan, ModelConfig, Transformer, causal_mask
 from labkit.paged_attention import DecodeKernel, attend_blocks, length_groups, slot_mapping
 from labkit.prefix_cache import Name, PrefixCache
-from labkit.validate import as_token_ids, check_ints
+from labkit.validate import as_token_ids, check_ints, is_int
 
 class Run(NamedTuple):
     """A step's work for one sequence: its tokens at positions start .. start + count - 1."""
@@ -105,7 +105,7 @@ class BlockPool:
     def _check_held(self, block: int, what: str) -> None:
         """ValueError unless ``block`` is a block of the pool that someone holds: a free block has no
         owner to lose, and one that gained an owner would be handed out again while in use."""
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if not is_int(block) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block {block!r} is not a block of the pool (0..{self.num_blocks - 1})")
         if self.ref_count[block] < 1:
             raise ValueError(f"block {block} is free: {what}")

@@ -186,8 +186,8 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = codes.shape
         if zeros is None and not scheme.symmetric:
             raise ValueError(f"{scheme.name} needs zeros [out, in / group_size]; only a symmetric grid has none")
-        # the groups the scheme cuts each row into (a row they do not tile is refused there)
-        check_groups(codes, scales, zeros, self.in_features // scheme.groups(self.in_features))
+        scheme.groups(self.in_features)  # a row the scheme's groups do not tile is refused here
+        check_groups(codes, scales, zeros, self.group_size)
         if scheme.bits != 4:  # pack_int4 checks 4-bit codes
             check_codes(codes, scheme.bits)
         # contiguous, whatever the layout of the weight they came from (a checkpoint may hold a transpose):
@@ -209,6 +209,11 @@ class QuantLinear(nn.Module):
         packed = self.packed if rows is None else self.packed[rows]
         return unpack_int4(packed) if self.scheme.bits == 4 else packed
 
+    @property
+    def group_size(self) -> int:
+        """Columns per scale: the scheme's group size, or the whole row (``group_size=None``)."""
+        return self.scheme.group_size or self.in_features
+
     def zero_points(self) -> Tensor:
         if self.zeros is not None:
             return self.zeros
@@ -218,16 +223,15 @@ class QuantLinear(nn.Module):
         """The weight ``[out, in]``, or only its ``rows``, as ``dtype``."""
         pick = slice(None) if rows is None else rows
         return dequantize(self.codes(rows), self.scales[pick], self.zero_points()[pick], dtype,
-                          group_size=self.scheme.group_size or self.in_features)
+                          group_size=self.group_size)
 
     fused = True  # take the fused INT4 kernel where it applies (``use_fused``); else dequantize in PyTorch
 
     def forward(self, x: Tensor) -> Tensor:
         # under torch.compile, the PyTorch path: Inductor fuses the dequantization into the matmul itself
         if self.fused and self.scheme.bits == 4 and not torch.compiler.is_compiling():
-            group = self.scheme.group_size or self.in_features
-            if why_not_int4_linear(x, self.packed, self.scales, self.zeros, group) is None:
-                return int4_linear(x, self.packed, self.scales, self.zeros, group, check=False)
+            if why_not_int4_linear(x, self.packed, self.scales, self.zeros, self.group_size) is None:
+                return int4_linear(x, self.packed, self.scales, self.zeros, self.group_size, check=False)
         return F.linear(x, self.dequantized_weight(x.dtype))
 
     @property

@@ -293,7 +293,7 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
                        stats: SpeculationStats | None = None) -> Iterator[int]:
     """Yield new token ids, produced ``k`` drafts at a time and verified by ``target``. Greedy
     output equals ``generate.stream``'s token for token; sampled output has the target's distribution."""
-    capacity = sequence_length(target, prompt, params)
+    capacity = sequence_length(target, prompt, params, eos_id)
     check_ints(k=k)
     if k < 0:
         raise ValueError(f"k={k} must be 0 (no drafting) or more")

@@ -19,6 +19,7 @@ from torch import Tensor
 from labkit.engine import (FINISHED, RUNNING, Request, StepRecord, WallClock, check_fits, check_unique_ids,
                            is_finished, sample)
 from labkit.model import ContiguousKVCache, Transformer
+from labkit.validate import check_eos
 
 
 def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
@@ -27,6 +28,7 @@ def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
     Returns the requests (in the order given) and the step log."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1")
+    check_eos(eos_id, model.config.vocab_size)
     requests = list(requests)
     check_unique_ids(requests)
     for request in requests:

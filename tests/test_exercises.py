@@ -201,9 +201,23 @@ def test_a_limit_inside_another_fires_alone_and_leaves_the_outer_one_standing():
     with pytest.raises(Overtime):
         with time_limit(0.6):
             with time_limit(0.3, TooSlow):
-                pass  # ends before its time: the outer limit keeps its own deadline, not a fresh one
+                spin(0.2)  # ends before its time: the outer limit keeps its own deadline, not a fresh 0.6 s
             spin(5)
-    assert 0.5 < time.monotonic() - start < 1.5
+    assert 0.5 < time.monotonic() - start < 0.75
+    events = []
+    with pytest.raises(Overtime):
+        with time_limit(0.5):
+            try:
+                with time_limit(0.1, TooSlow):
+                    try:
+                        spin(5)
+                    except TooSlow:
+                        events.append("swallowed")
+                    spin(5)  # the outer limit fires here, and its stop leaves through the inner block
+            finally:
+                spin(0.05)  # a second stop, re-armed on the way out, would cut this short
+                events.append("cleaned up")
+    assert events == ["swallowed", "cleaned up"]
     with time_limit(0.3):
         with time_limit(5, TooSlow):  # the outer limit ends sooner: it stands, and raises its own error
             with pytest.raises(Overtime):

@@ -95,9 +95,17 @@ def test_prompts_that_are_not_token_ids_of_the_model_are_refused(model):
 
 
 def test_an_end_token_that_no_token_could_equal_is_refused(model):
+    from labkit.engine import Request
+    from labkit.speculative import ModelDrafter, speculative_stream
+    from labkit.static_batching import run_static
+
+    params = SamplingParams(max_new_tokens=2)
     for eos_id in ("</s>", model.config.vocab_size, -1, 2.0):  # generation would never stop at it
-        with pytest.raises(ValueError, match=f"eos_id={eos_id!r} must be a token id in 0..49 or None"):
-            next(stream(model, [1, 2], SamplingParams(max_new_tokens=2), eos_id=eos_id))
+        for run in (lambda: next(stream(model, [1, 2], params, eos_id=eos_id)),
+                    lambda: next(speculative_stream(model, ModelDrafter(model), [1, 2], params, eos_id=eos_id)),
+                    lambda: run_static(model, [Request("a", [1, 2], params)], 1, eos_id=eos_id)):
+            with pytest.raises(ValueError, match=f"eos_id={eos_id!r} must be a token id in 0..49 or None"):
+                run()
 
 
 def test_token_ids_and_start_outside_their_range_are_refused_by_the_model(model):

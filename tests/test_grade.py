@@ -166,7 +166,7 @@ def class_book(class_folder):
     ("crashes_at_top", CRASHED, "exited with code 9"),
     ("zipped", MISSING, "no notebook 00_* submitted"),  # a folder with its notebook one level deeper
     ("exits_when_called", "failed", "raised SystemExit: 4"),
-    ("loops_at_top", TIMEOUT, "stopped after 8 s: "),  # before any case  # and ex00.2, which runs this cell first, is not held up
+    ("loops_at_top", TIMEOUT, "stopped after 8 s: "),  # before any case; and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
@@ -427,9 +427,10 @@ def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
 
 
 @pytest.mark.parametrize("option, says", [
-    (["--timeout", "-1"], "--timeout -1 must be a number of seconds > 0"),
-    (["--timeout", "0"], "--timeout 0 must be a number of seconds > 0"),
-    (["--timeout", "nan"], "--timeout nan must be a number of seconds > 0"),
+    (["--timeout", "-1"], "--timeout -1 must be a finite number of seconds > 0"),
+    (["--timeout", "0"], "--timeout 0 must be a finite number of seconds > 0"),
+    (["--timeout", "nan"], "--timeout nan must be a finite number of seconds > 0"),
+    (["--timeout", "inf"], "--timeout inf must be a finite number of seconds > 0"),  # an endless loop would hang it
     (["--jobs", "0"], "--jobs 0 must be 1 or more"),
     (["--jobs", "-1"], "--jobs -1 must be 1 or more"),
     (["--out", "{file}"], "--out {file} is a file: give a folder for grades.json and grades.csv"),
@@ -451,11 +452,11 @@ def test_the_python_api_refuses_a_time_limit_or_jobs_below_one(root):
     from labkit.grade import Submission, grade_submission
 
     welcome = root / "notebooks/00_welcome.ipynb"
-    with pytest.raises(ValueError, match=r"timeout_s=0 must be a number of seconds > 0"):
+    with pytest.raises(ValueError, match=r"timeout_s=0 must be a finite number of seconds > 0"):
         grade([welcome], timeout_s=0)
     with pytest.raises(ValueError, match=r"jobs=0 must be 1 or more"):
         grade([welcome], jobs=0)
-    with pytest.raises(ValueError, match=r"timeout_s=-1 must be a number of seconds > 0"):
+    with pytest.raises(ValueError, match=r"timeout_s=-1 must be a finite number of seconds > 0"):
         grade_submission(Submission("me", welcome, "00"), timeout_s=-1)
 
 

@@ -121,7 +121,9 @@ def test_a_model_agrees_with_its_own_continuations_and_distilling_brings_a_stude
     teacher, student = random_model(4, 2, seed=0), random_model(4, 2, seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 97, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (12,), generator=g)]
-    spec = Distillation("unused", new_tokens=12, epochs=30, lr=1e-2, batch_size=4)
+    # 60 epochs: at 30 the agreement ended near the bar (0.79 on one CPU, above 0.8 on another: its kernels round
+    # otherwise), at 60 near 0.9
+    spec = Distillation("unused", new_tokens=12, epochs=60, lr=1e-2, batch_size=4)
     batches = continuation_batches(prompts, teacher_continuations(teacher, prompts, spec.new_tokens), 4)
     assert agreement(teacher, batches) == 1.0  # the continuations are the teacher's own greedy tokens
     before = agreement(student, batches)

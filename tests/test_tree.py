@@ -111,7 +111,7 @@ def test_rank_accuracy_refuses_top_k_accuracies_that_fall_and_choose_tree_percen
     with pytest.raises(ValueError, match=r"top-2 accuracy 0\.3 is below top-1 0\.5 at head 1: top-k accuracy "
                                          r"cannot fall as k grows"):
         medusa.rank_accuracy({1: [0.5], 2: [0.3]})  # else a share of -0.2
-    with pytest.raises(ValueError, match=r"top-1 accuracy 60 at head 2: accuracies are probabilities in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"the top-1 accuracy of head 2 is 60: accuracies are probabilities in \[0, 1\]"):
         medusa.rank_accuracy({1: [0.5, 60], 2: [0.6, 80]})
     with pytest.raises(ValueError, match=r"top-2 accuracies are given for 1 heads, top-1 for 2"):
         medusa.rank_accuracy({1: [0.5, 0.4], 2: [0.6]})
@@ -119,11 +119,13 @@ def test_rank_accuracy_refuses_top_k_accuracies_that_fall_and_choose_tree_percen
     shares = medusa.rank_accuracy({1: [0.5, 0.4], 2: [0.5, 0.4 - 1e-12], 3: [1.0, 0.4]})
     assert shares == [[0.5, 0.0, 0.5], [0.4, 0.0, pytest.approx(1e-12, abs=1e-11)]]
     assert min(min(head) for head in shares) >= 0
-    with pytest.raises(ValueError, match=r"accuracy holds 60 at head 1, rank 0: accuracies are probabilities "
+    with pytest.raises(ValueError, match=r"the accuracy of head 1, rank 0 is 60: accuracies are probabilities "
                                          r"in \[0, 1\]"):
         medusa.choose_tree([[60, 20], [50, 10]], 3)  # percentages: products past 1 pick another tree
-    with pytest.raises(ValueError, match=r"accuracy holds -0\.1 at head 2, rank 1"):
+    with pytest.raises(ValueError, match=r"the accuracy of head 2, rank 1 is -0\.1"):
         medusa.choose_tree([[0.6, 0.2], [0.5, -0.1]], 3)
+    with pytest.raises(ValueError, match=r"the accuracy of head 1, rank 0 is '0\.6'"):
+        medusa.choose_tree([["0.6", "0.2"]], 2)  # a string read from a file: not yet a number
     with pytest.raises(ValueError, match=r"size=2\.5 must be an int"):
         medusa.choose_tree([[0.6, 0.2]], 2.5)
     assert medusa.choose_tree([[0.6, 0.2], [0.5, 0.0]], 3) == [(0,), (0, 0), (1,)]
