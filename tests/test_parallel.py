@@ -84,6 +84,33 @@ def test_a_rank_that_hangs_or_dies_is_caught(tmp_path):
     assert _all_gone(_pids(tmp_path / "hang") + _pids(tmp_path / "exit"), within_s=0)
 
 
+def test_a_rank_that_dies_is_named_before_the_error_it_caused_another_to_raise():
+    """Rank 1 dies during the group's start; rank 0's report of the closed connection reaches the
+    launcher before it sees the death (the order a faster machine gave): the death is named first."""
+    import queue
+
+    from labkit.parallel.launch import _collect
+
+    class Process:
+        def __init__(self, exitcode):
+            self.exitcode = exitcode
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return self.exitcode is None
+
+    reports = queue.Queue()
+    reports.put((0, False, "RuntimeError: Gloo connectFullMesh failed ... Connection closed by peer"))
+    with pytest.raises(RankError, match=r"rank 1 of 2 died \(exit code 7\) before it reported; then rank 0 of 2 "
+                                        r"raised:\nRuntimeError: Gloo connectFullMesh failed"):
+        _collect([Process(None), Process(7)], reports, time.monotonic() + 60)
+    reports.put((0, False, "ValueError: its own mistake"))
+    with pytest.raises(RankError, match=r"^rank 0 of 2 raised:\nValueError: its own mistake$"):
+        _collect([Process(None), Process(None)], reports, time.monotonic() + 60)  # no death: the error alone
+
+
 def test_ranks_end_when_their_starter_is_killed(tmp_path):
     """A notebook kernel killed or restarted mid-run: its ranks end themselves."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import parallel_ranks; "

@@ -112,15 +112,33 @@ def _collect(procs: list, results, deadline: float) -> Any:
             _check_alive(procs, outcomes, deadline)
             continue
         if not ok:
-            raise RankError(f"rank {rank} of {len(procs)} raised:\n{payload}")
+            raised = f"rank {rank} of {len(procs)} raised:\n{payload}"
+            died = _died_first(procs, outcomes, rank)
+            raise RankError(f"{died}; then {raised}" if died else raised)
         outcomes[rank] = pickle.loads(payload)
     return outcomes[0]
+
+
+def _died_first(procs: list, outcomes: dict[int, Any], raised: int, within_s: float = 1.0) -> str:
+    """Which other rank died, if one did (within ``within_s``): a rank's death breaks the group, so the
+    error another rank then raises (a closed connection, say) is its consequence, not its cause."""
+    deadline = time.monotonic() + within_s
+    for rank, p in enumerate(procs):
+        if rank != raised and rank not in outcomes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.exitcode not in (0, None):
+                return _death(procs, rank)
+    return ""
+
+
+def _death(procs: list, rank: int) -> str:
+    return f"rank {rank} of {len(procs)} died (exit code {procs[rank].exitcode}) before it reported"
 
 
 def _check_alive(procs: list, outcomes: dict[int, Any], deadline: float) -> None:
     for rank, p in enumerate(procs):
         if rank not in outcomes and not p.is_alive() and p.exitcode not in (0, None):
-            raise RankError(f"rank {rank} of {len(procs)} died (exit code {p.exitcode}) before it reported")
+            raise RankError(_death(procs, rank))
     if time.monotonic() > deadline:
         waiting = [r for r in range(len(procs)) if r not in outcomes]
         raise RankError(f"ranks {waiting} of {len(procs)} did not finish within the time limit: "
