@@ -227,12 +227,13 @@ def time_limit(seconds: float, error: type[BaseException] = Overtime) -> Iterato
             or 0 < outer_s <= seconds):
         yield
         return
-    start, outer_handler, restored = time.monotonic(), signal.getsignal(signal.SIGALRM), []
+    start, outer_handler, restored = time.monotonic(), signal.getsignal(signal.SIGALRM), False
 
     def restore() -> None:  # once: after this limit fired, leaving its block must not re-arm the outer one
+        nonlocal restored
         if restored:
             return
-        restored.append(True)
+        restored = True
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer_handler)
         if outer_s:

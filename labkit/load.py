@@ -249,7 +249,7 @@ def load(name: str | None = None, device: torch.device | str | None = None,
     kind, where = _source(name)
     device = as_device(device) if device is not None else get_device()
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype={dtype!r} must be a torch dtype, e.g. torch.float16, not a string")
+        raise ValueError(f"dtype={dtype!r} must be a torch dtype, e.g. torch.float16, not a {type(dtype).__name__}")
     if kind == "shape":
         return build_shape(where, device, dtype), None
     if kind == "labkit":

@@ -52,7 +52,9 @@ def generation_prompts(prompts: Sequence[Sequence[int]], new_tokens: int, vocab_
     check_ints(new_tokens=new_tokens)
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens} must be at least 1")
-    if not prompts:
+    if isinstance(prompts, Tensor):
+        raise ValueError("prompts must be a list of lists of token ids, not a tensor (tensor.tolist() makes one)")
+    if len(prompts) == 0:
         raise ValueError("there must be a prompt (got 0)")
     ids = [as_token_ids(prompt, vocab_size) for prompt in prompts]
     room = max_seq_len - new_tokens + 1

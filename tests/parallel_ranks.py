@@ -55,4 +55,3 @@ def environment_variable(rank: Rank, name: str) -> str | None:
 def environment_to_file(path: str, name: str) -> None:
     """Write what this process's environment holds under ``name`` (or "-") to ``path``."""
     Path(path).write_text(os.environ.get(name, "-"))
-

@@ -158,9 +158,19 @@ def test_layouts_that_do_not_split_are_refused_by_name():
         tensor.generate("gqa", PROMPTS, 4, world_size=3)  # before any rank starts: no RankError
     for prompts, new_tokens, world_size, message in [
             ([], 4, 2, r"there must be a prompt \(got 0\)"), ([[1, 10**6]], 4, 2, "outside the vocabulary"),
+            (torch.tensor([[1, 2]]), 4, 2, "not a tensor"),
             (PROMPTS, 0, 2, "new_tokens=0 must be at least 1"), (PROMPTS, 4, 2.0, "world_size=2.0 must be an int")]:
         with pytest.raises(ValueError, match=message):  # each before any rank starts
             tensor.generate("gqa", prompts, new_tokens, world_size=world_size)
+
+
+def test_a_prompt_at_the_context_limit_passes_the_check_and_runs_through_both_caches():
+    """The longest prompt the check lets through fits the ranks' caches too (the last token is never fed)."""
+    config, new_tokens = load("gqa", device="cpu")[0].config, 2
+    prompt = [1, 2] * ((config.max_seq_len - new_tokens + 1) // 2) + [3] * ((config.max_seq_len - new_tokens + 1) % 2)
+    runs = [tensor.generate("gqa", [prompt], new_tokens, world_size=2, cache=cache, timeout_s=120)
+            for cache in ("contiguous", "paged")]
+    assert runs[0]["outputs"] == runs[1]["outputs"] and len(runs[0]["outputs"][0]) == new_tokens
 
 
 def test_shard_heads_keep_every_query_head_with_its_kv_head():

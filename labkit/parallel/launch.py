@@ -119,16 +119,22 @@ def _collect(procs: list, results, deadline: float) -> Any:
     return outcomes[0]
 
 
-def _died_first(procs: list, outcomes: dict[int, Any], raised: int, within_s: float = 1.0) -> str:
-    """Which other rank died, if one did (within ``within_s``): a rank's death breaks the group, so the
-    error another rank then raises (a closed connection, say) is its consequence, not its cause."""
+def _died_first(procs: list, outcomes: dict[int, Any], raised: int, within_s: float = 0.25) -> str:
+    """Which other rank has died, if one has (its exit seen within ``within_s``): a rank's death breaks
+    the group, so an error another rank raises then (a closed connection, say) is taken for its
+    consequence. Inferred from the order, not observed: a death the error caused would be named too."""
     deadline = time.monotonic() + within_s
     for rank, p in enumerate(procs):
         if rank != raised and rank not in outcomes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.exitcode not in (0, None):
+            if _died(p):
                 return _death(procs, rank)
     return ""
+
+
+def _died(p: Any) -> bool:
+    """The process has ended with an error (0: it ended well; None: it still runs)."""
+    return p.exitcode not in (0, None)
 
 
 def _death(procs: list, rank: int) -> str:
@@ -137,7 +143,7 @@ def _death(procs: list, rank: int) -> str:
 
 def _check_alive(procs: list, outcomes: dict[int, Any], deadline: float) -> None:
     for rank, p in enumerate(procs):
-        if rank not in outcomes and not p.is_alive() and p.exitcode not in (0, None):
+        if rank not in outcomes and not p.is_alive() and _died(p):
             raise RankError(_death(procs, rank))
     if time.monotonic() > deadline:
         waiting = [r for r in range(len(procs)) if r not in outcomes]

@@ -47,8 +47,8 @@ from labkit.memory import blocks_for, shape_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens, parameter_bytes
 from labkit.parallel.launch import Rank, launch
 from labkit.shapes import DTYPE_NAMES
-from labkit.validate import check_ints, generation_prompts
 from labkit.simulate import CostModel
+from labkit.validate import check_ints, generation_prompts
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,8 @@ def _generate_rank(rank: Rank, name: str, prompts: list[list[int]], new_tokens: 
     shard = _shard(rank, name)
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     if cache == "contiguous":
-        caches = [ContiguousKVCache(shard.config, 1, len(p) + new_tokens, shard.dtype, shard.device) for p in prompts]
+        caches = [ContiguousKVCache(shard.config, 1, len(p) + new_tokens - 1, shard.dtype, shard.device)  # as stream
+                  for p in prompts]
         outputs = [list(stream(shard, p, params, cache=c)) for p, c in zip(prompts, caches)]
         kv_bytes = caches[0].nbytes
     else:
