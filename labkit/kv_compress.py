@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.model import (AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention,
-                          causal_mask)
+                          causal_mask, kv_layout)
 from labkit.validate import check_positions
 
 INT8_MAX = 127
@@ -78,6 +78,7 @@ class SinkCache:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         self.sinks, self.window, self.batch_size, self.max_seq_len = sinks, window, batch_size, config.max_seq_len
+        self.layout = kv_layout(config)
         empty = torch.zeros(batch_size, config.n_kv_heads, 0, config.head_dim, dtype=dtype, device=device)
         self.k = [empty] * config.n_layers
         self.v = [empty] * config.n_layers

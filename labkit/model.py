@@ -151,6 +151,12 @@ class ContiguousPlan(AttentionPlan):
     mask: Tensor | None
 
 
+def kv_layout(config: ModelConfig) -> tuple[int, int, int]:
+    """What a KV cache must match of the model it serves: (layers, KV heads, head dim). Each cache
+    keeps its model's as ``layout``, and the model checks it against its own at every call."""
+    return config.n_layers, config.n_kv_heads, config.head_dim
+
+
 def cache_length(config: ModelConfig, max_len: int | None) -> int:
     """The slots a cache of rows keeps per sequence: ``max_len``, checked, or the model's context."""
     length = config.max_seq_len if max_len is None else max_len
@@ -177,6 +183,7 @@ class ContiguousKVCache:
         check_ints(batch_size=batch_size)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1 (a row per sequence)")
+        self.layout = kv_layout(config)
         self.max_len = cache_length(config, max_len)
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -414,6 +421,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if plan is not None:
             positions = self._plan_positions(positions, plan)
+            self._check_layout(plan.cache)
         elif positions is None:
             if tokens.shape[1] > self.config.max_seq_len:
                 raise ValueError(f"{tokens.shape[1]} tokens are past the context limit "
@@ -430,6 +438,14 @@ class Transformer(nn.Module):
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
         return positions
+
+    def _check_layout(self, cache: KVCache) -> None:
+        """ValueError if ``cache`` was made for another model (another ``kv_layout``): the draft's cache
+        given to the target, say, whose keys would not fit it. A cache without a ``layout`` is not checked."""
+        layout = getattr(cache, "layout", None)
+        if layout is not None and layout != kv_layout(self.config):
+            raise ValueError(f"the cache was made for a model of (layers, KV heads, head dim) = {layout}, but this "
+                             f"model has {kv_layout(self.config)}: make the cache from this model's config")
 
     def _check_vocabulary(self, lowest: int, highest: int) -> None:
         """ValueError unless token ids ``lowest``..``highest`` are in the vocabulary (where no cache's

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from labkit.answers import answer_to
 from labkit.memory import blocks_for
-from labkit.model import AttentionPlan, ModelConfig, Transformer, causal_mask
+from labkit.model import AttentionPlan, ModelConfig, Transformer, causal_mask, kv_layout
 from labkit.paged_attention import DecodeKernel, attend_blocks, length_groups, slot_mapping
 from labkit.prefix_cache import Name, PrefixCache
 from labkit.validate import as_token_ids, check_ints, is_int
@@ -455,6 +455,7 @@ class PagedKVCache:
                  device: torch.device | str = "cpu", decode_kernel: DecodeKernel | None = None,
                  spare_block: bool = False) -> None:
         self.allocator, self.decode_kernel, self.max_seq_len = allocator, decode_kernel, config.max_seq_len
+        self.layout = kv_layout(config)
         # a spare block after the allocator's, which it never hands out: where the padding rows of a
         # CUDA graph's batch write (labkit.paged_graphs)
         self.spare_slot = allocator.num_blocks * allocator.block_size if spare_block else None
@@ -562,9 +563,6 @@ class PagedKVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, plan: PagedPlan) -> Tensor:
         """Write the step's new keys and values ``[1, n_kv_heads, total, head_dim]`` at their slots,
         then the attention output ``[1, n_heads, total, head_dim]`` of its queries."""
-        if layer >= self.k.shape[0]:
-            raise ValueError(f"the model runs layer {layer}, but this cache has layers 0..{self.k.shape[0] - 1}: "
-                             "build it from the model's own config")
         q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [total, heads, dim]
         self.k[layer].flatten(0, 1)[plan.slots] = k.type_as(self.k)
         self.v[layer].flatten(0, 1)[plan.slots] = v.type_as(self.v)

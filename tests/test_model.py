@@ -37,6 +37,24 @@ def _through(model, tokens, positions, cache):
     return model(tokens, plan=cache.plan(positions))
 
 
+def test_a_cache_made_for_another_model_is_refused_before_any_key_is_written():
+    from labkit.kv_compress import SinkCache
+    from labkit.paged import BlockAllocator, PagedKVCache, step_logits
+    from labkit.static_cache import StaticKVCache
+
+    model, other = _model(n_kv_heads=2), _model(n_kv_heads=1)  # the draft's cache given to the target, say
+    refused = r"made for a model of \(layers, KV heads, head dim\) = \(\d+, 1, \d+\), but this model has \(\d+, 2, \d+\)"
+    contiguous = ContiguousKVCache(other.config, 1)
+    for cache in (contiguous, StaticKVCache(other.config, 1), SinkCache(other.config)):
+        with pytest.raises(ValueError, match=refused):
+            model(torch.tensor([[1, 2]]), plan=cache.plan(torch.tensor([[0, 1]])))
+    assert not contiguous.k.any()  # refused before the first layer wrote its keys
+    paged = PagedKVCache(other.config, BlockAllocator(8, 4))
+    paged.allocator.add_sequence("a", [1, 2])
+    with pytest.raises(ValueError, match=refused):
+        step_logits(model, paged, [("a", 0, 2)], [1, 2])
+
+
 def test_positions_past_the_context_are_refused():
     model = _model()
     with pytest.raises(ValueError, match="positions 63..64 .*max_seq_len"):
