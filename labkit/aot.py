@@ -257,6 +257,7 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
     if model.device.type != "cpu":
         raise ValueError(f"aot_step compiles for a CPU; on {model.device} use CUDA graphs "
                          "(labkit.cuda_graphs, or labkit.compile, whose mode records them on a GPU)")
+    model.check_cache(cache)
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
         return eager_step(model, cache)

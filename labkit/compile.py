@@ -140,6 +140,7 @@ def compile_step(model: Transformer, cache: StaticKVCache) -> CompiledStep | Ste
     """The one-token decode step of ``model`` on ``cache`` compiled whole (``mode_for`` its device)
     and warmed up. Where it cannot compile (no C++ compiler on a CPU, or the compiler fails), a
     warning says why and the eager step comes back instead."""
+    model.check_cache(cache)
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
         return eager_step(model, cache)

@@ -421,7 +421,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if plan is not None:
             positions = self._plan_positions(positions, plan)
-            self._check_layout(plan.cache)
+            self.check_cache(plan.cache)
         elif positions is None:
             if tokens.shape[1] > self.config.max_seq_len:
                 raise ValueError(f"{tokens.shape[1]} tokens are past the context limit "
@@ -439,9 +439,10 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
         return positions
 
-    def _check_layout(self, cache: KVCache) -> None:
+    def check_cache(self, cache: KVCache) -> None:
         """ValueError if ``cache`` was made for another model (another ``kv_layout``): the draft's cache
-        given to the target, say, whose keys would not fit it. A cache without a ``layout`` is not checked."""
+        given to the target, say, whose keys would not fit it. A cache without a ``layout`` is not checked.
+        Every call with a plan checks its cache; a compiler checks it first, as its failure would hide why."""
         layout = getattr(cache, "layout", None)
         if layout is not None and layout != kv_layout(self.config):
             raise ValueError(f"the cache was made for a model of (layers, KV heads, head dim) = {layout}, but this "

@@ -38,7 +38,8 @@ class StaticPagedDecode:
         if cache.spare_slot is None:
             raise ValueError("a graphed decode step pads its batch with rows that write to the cache's spare "
                              "block: build the cache with PagedKVCache(..., spare_block=True)")
-        self.model, self.cache, self.rows = model, cache, rows
+        model.check_cache(cache)
+        self.model, self.cache, self.rows, self.layout = model, cache, rows, cache.layout  # it stands in the plan
         block_size, device = cache.allocator.block_size, model.device
         self.width = blocks_for(model.config.max_seq_len, block_size)
         self.tokens = torch.zeros(1, rows, dtype=torch.long, device=device)

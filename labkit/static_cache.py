@@ -91,6 +91,7 @@ class StaticKVCache:
         buffers, so that ``torch.export`` sees them as state it may write)."""
         view = object.__new__(StaticKVCache)
         view.max_len, view.k, view.v, view.key_slots, view.rows = self.max_len, k, v, key_slots, rows
+        view.layout = self.layout
         return view
 
     @answer_to("ex08.1")

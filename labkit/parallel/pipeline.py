@@ -94,7 +94,9 @@ class Stage:
 
     @property
     def config(self) -> ModelConfig:
-        """The model's sizes with this stage's layers: what its cache is made for."""
+        """The model's sizes with this stage's layers: what its cache is made for. Its layout is not the
+        whole model's, so a stage runs its layers through ``model.layers``, which does not check the
+        cache's layout; ``model(...)`` would refuse the stage's cache."""
         return replace(self.model.config, n_layers=len(self.layers))
 
     @property
