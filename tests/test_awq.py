@@ -89,6 +89,7 @@ def test_awq_model_needs_calibration_by_name(small):
 
 def test_awq_model_is_the_folded_model_rounded_and_beats_rtn_on_outliers(small, calibration):
     quantized = quantize_model(small, SCHEME, "awq", calibration)
+    assert sum(isinstance(m, QuantLinear) for m in quantized.modules()) == 2 * len(KINDS)  # else the loop checks none
     folded = copy.deepcopy(small)
     scale_model(folded, calibration, SCHEME)
     rounded = quantize_model(folded, SCHEME)

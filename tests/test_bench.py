@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +16,13 @@ from labkit.bench import (Comparison, Timing, alternate, compare, format_seconds
 
 def test_measure_warms_up_then_times_each_repeat():
     calls = []
-    timing = measure(lambda: calls.append(1), warmup=3, repeats=7, device="cpu", label="noop")
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.05 if len(calls) <= 3 else 0.005)  # the warm-up calls are the slow ones
+    timing = measure(fn, warmup=3, repeats=7, device="cpu", label="noop")
     assert len(calls) == 10
-    assert len(timing.times_s) == 7 and all(t >= 0 for t in timing.times_s)
+    assert len(timing.times_s) == 7 and all(0.005 <= t < 0.05 for t in timing.times_s), timing.times_s
     assert timing.device.startswith("cpu") and timing.label == "noop"
 
 
@@ -54,8 +59,8 @@ def test_statistics_match_an_independent_computation():
 
 
 def test_speedup_is_the_ratio_of_medians():
-    slow, fast = Timing("slow", "cpu", (2.0, 2.0, 2.0)), Timing("fast", "cpu", (0.5, 0.5, 0.5))
-    assert Comparison(slow, fast).speedup == pytest.approx(4.0)
+    slow, fast = Timing("slow", "cpu", (1.5, 2.0, 9.0)), Timing("fast", "cpu", (0.25, 0.5, 0.6))
+    assert Comparison(slow, fast).speedup == pytest.approx(4.0)  # of the means 9.3x, of the minima 6x
     assert "4.00x" in str(Comparison(slow, fast))
 
 

@@ -60,9 +60,14 @@ def test_a_llama3_config_with_rope_scaling_gets_its_compiled_function():
     assert function is compiling._compiled_decode(llama3, StaticKVCache(config, 1, 256), None)
 
 
-def test_compiled_generation_is_the_eager_generation(model):
+def test_compiled_generation_is_the_eager_generation(model, monkeypatch):
+    from labkit import generate
+
+    made, real = [], generate.static_decoder
+    monkeypatch.setattr(generate, "static_decoder", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     params = SamplingParams(max_new_tokens=20, stop_at_eos=False)
     assert list(stream(model, [3, 4, 5], params, compiled=True)) == list(stream(model, [3, 4, 5], params))
+    assert [type(step) for _, step in made] == [compiling.CompiledStep]  # compiled: not the eager fallback
 
 
 def test_without_a_compiler_the_step_runs_eagerly_and_says_why(model, monkeypatch):
@@ -171,8 +176,9 @@ def test_a_compiled_draft_drafts_what_the_eager_draft_does(model):
     params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
     rounds = {}
     for compiled in (False, True):
-        stats = SpeculationStats(k=4)
-        list(speculative_stream(model, ModelDrafter(draft, compiled=compiled), [3, 4, 5], params, k=4, stats=stats))
+        stats, drafter = SpeculationStats(k=4), ModelDrafter(draft, compiled=compiled)
+        list(speculative_stream(model, drafter, [3, 4, 5], params, k=4, stats=stats))
         rounds[compiled] = stats.rounds
+    assert isinstance(drafter.step, compiling.CompiledStep)  # the second drafter compiled: not the eager fallback
     assert rounds[True] == rounds[False]
     assert any(0 < r.accepted < 4 for r in rounds[True]), "no round rolled back: the test would not cover it"

@@ -14,7 +14,7 @@ import labkit
 from labkit.early_exit import (RoundCosts, _rounds, best_exit, exit_agreement, exit_logits, round_costs,
                                self_speculative_stream, verify_step)
 from labkit.exercises.lab01 import random_model
-from labkit.generate import SamplingParams, sampling_probs, stream
+from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
 from labkit.speculative import SpeculationStats, continuation_prompts
 
@@ -159,7 +159,9 @@ def test_sampling_matches_the_target():
     prompt = [1, 2, 0, 1]
     with torch.no_grad():
         contexts = [[*prompt, *t] for t in [()] + [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]]
-        p = {tuple(c[len(prompt):]): sampling_probs(target(torch.tensor([c]))[0, -1], params) for c in contexts}
+        # the target's own distribution, written out: not labkit's sampling_probs, which the stream samples with
+        p = {tuple(c[len(prompt):]): torch.softmax(target(torch.tensor([c]))[0, -1].double() / params.temperature, -1)
+             for c in contexts}
     exact = torch.tensor([p[()][a] * p[(a,)][b] * p[(a, b)][c] for a in range(3) for b in range(3) for c in range(3)])
     counts, stats = torch.zeros(27), SpeculationStats(1)
     for seed in range(2000):
