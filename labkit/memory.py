@@ -26,7 +26,7 @@ from typing import Sequence
 from labkit.answers import answer_to
 from labkit.hardware import Hardware
 from labkit.model import ModelConfig
-from labkit.validate import check_ints
+from labkit.validate import check_counts
 
 GIB = 2**30
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -149,9 +149,7 @@ def fragmentation(lengths: Sequence[int], context: int, block_size: int) -> dict
     allocation of ``context`` slots each, held by paged blocks, and the share of each not used."""
     if not lengths or min(lengths) < 1 or max(lengths) > context:
         raise ValueError(f"lengths must be a non-empty list of 1..context={context} tokens")
-    check_ints(block_size=block_size)
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be at least 1 token")
+    check_counts(block_size=block_size)
     used = sum(lengths)
     reserved = len(lengths) * context
     held = sum(blocks_for(n, block_size) for n in lengths) * block_size

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from labkit.validate import check_ints, check_positions
+from labkit.validate import check_counts, check_positions
 
 
 @dataclass(frozen=True)
@@ -180,9 +180,7 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        check_ints(batch_size=batch_size)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1 (a row per sequence)")
+        check_counts(batch_size=batch_size)  # a row per sequence
         self.layout = kv_layout(config)
         self.max_len = cache_length(config, max_len)
         shape = (config.n_layers, batch_size, config.n_kv_heads, self.max_len, config.head_dim)

@@ -38,7 +38,7 @@ from labkit.memory import blocks_for
 from labkit.model import AttentionPlan, ModelConfig, Transformer, causal_mask, kv_layout
 from labkit.paged_attention import DecodeKernel, attend_blocks, length_groups, slot_mapping
 from labkit.prefix_cache import Name, PrefixCache
-from labkit.validate import as_token_ids, check_ints, is_int
+from labkit.validate import as_token_ids, check_counts, check_ints, is_int
 
 class Run(NamedTuple):
     """A step's work for one sequence: its tokens at positions start .. start + count - 1."""
@@ -83,9 +83,7 @@ class BlockPool:
     allocate, free, fork, and copy on write."""
 
     def __init__(self, num_blocks: int) -> None:
-        check_ints(num_blocks=num_blocks)
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks} must be at least 1")
+        check_counts(num_blocks=num_blocks)
         self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self.ref_count = [0] * num_blocks
@@ -201,9 +199,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
-        check_ints(block_size=block_size)
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be at least 1")
+        check_counts(block_size=block_size)
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.prefix = PrefixCache(self.pool, block_size) if prefix_caching else None
@@ -383,9 +379,8 @@ class BlockAllocator:
 def sequences_that_fit(lengths: Sequence[int], memory_slots: int, block_size: int) -> int:
     """How many of the sequences, in order, a pool of ``memory_slots`` token slots holds at once:
     a real ``BlockAllocator`` of that size, filled until it runs out of blocks."""
-    check_ints(block_size=block_size, memory_slots=memory_slots)
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be at least 1")
+    check_ints(memory_slots=memory_slots)
+    check_counts(block_size=block_size)
     if (bad := next((n for n in lengths if n < 1), None)) is not None:
         raise ValueError(f"a sequence of {bad} tokens: every length must be at least 1")
     if memory_slots < block_size:

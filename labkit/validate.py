@@ -24,6 +24,14 @@ def check_ints(**values: object) -> None:
             raise ValueError(f"{name}={value!r} must be an int")
 
 
+def check_counts(**values: object) -> None:
+    """ValueError naming the first of ``values`` that is not an int of at least 1 (a count of things)."""
+    check_ints(**values)
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+
+
 def check_positions(positions: Tensor) -> None:
     """TypeError unless ``positions`` is a ``[batch, T]`` tensor, what a cache of rows plans a step from."""
     if not isinstance(positions, Tensor) or positions.dim() != 2:
@@ -49,9 +57,7 @@ def generation_prompts(prompts: Sequence[Sequence[int]], new_tokens: int, vocab_
     """``prompts`` as lists of token ids of a vocabulary of ``vocab_size``, each fitting a context of
     ``max_seq_len`` with ``new_tokens`` (at least 1) new ones: a ValueError naming the first problem,
     before a generation that runs elsewhere (in other processes) starts."""
-    check_ints(new_tokens=new_tokens)
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens={new_tokens} must be at least 1")
+    check_counts(new_tokens=new_tokens)
     if isinstance(prompts, Tensor):
         raise ValueError("prompts must be a list of lists of token ids, not a tensor (tensor.tolist() makes one)")
     if len(prompts) == 0:

@@ -43,7 +43,7 @@ from labkit.load import load
 from labkit.metrics import summarize
 from labkit.model import ContiguousKVCache, Transformer
 from labkit.parallel.launch import Rank, launch
-from labkit.validate import check_ints
+from labkit.validate import check_counts
 from labkit.workload import make_workload, uniform
 
 PREFILL, DECODE = 0, 1  # ranks
@@ -120,9 +120,7 @@ def run_colocated(model_name: str, requests: Sequence[Request], num_blocks: int,
     second thread barely speeds this model's small matmuls (a decode step's not at all) and waits
     on a core that other work holds. Compare at equal output throughput: a workload that both
     serve as fast as it arrives. Each engine has ``num_blocks`` blocks, as the decode rank has."""
-    check_ints(instances=instances)
-    if instances < 1:
-        raise ValueError(f"instances={instances} must be at least 1")
+    check_counts(instances=instances)
     config = replace(config, chunked_prefill=chunked_prefill)
     requests = _checked(model_name, requests, num_blocks, block_size, config, dtype, eos_id)
     args = (model_name, requests, num_blocks, block_size, config, dtype, eos_id)

@@ -48,7 +48,7 @@ from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_to
 from labkit.parallel.launch import Rank, launch
 from labkit.shapes import DTYPE_NAMES
 from labkit.simulate import CostModel
-from labkit.validate import check_ints, generation_prompts
+from labkit.validate import check_counts, generation_prompts
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,7 @@ class ShardConfig(ModelConfig):
 
 def check_layout(config: ModelConfig, world_size: int) -> None:
     """A ValueError naming what does not divide, unless ``config`` splits over ``world_size`` ranks."""
-    check_ints(world_size=world_size)
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
+    check_counts(world_size=world_size)
     kv = config.n_kv_heads
     problems = [f"n_heads={config.n_heads} is not a multiple of world_size={world_size}"
                 if config.n_heads % world_size else "",
