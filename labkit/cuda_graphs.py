@@ -107,6 +107,7 @@ class GraphedStep:
 
     def __init__(self, model: Transformer, cache: StaticKVCache, pool: tuple | None = None,
                  decode: Decode = decode_static) -> None:
+        model.check_cache(cache)  # before recording: a compiled decode's failure would hide why
         require_cuda(model.device)
         self.model, self.cache, self.decode = model, cache, decode
         shape = (cache.batch_size, 1)

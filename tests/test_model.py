@@ -58,11 +58,12 @@ def test_a_cache_made_for_another_model_is_refused_before_any_key_is_written():
 def test_a_compiler_refuses_a_cache_of_another_model_by_name_and_a_view_keeps_its_layout():
     from labkit.aot import aot_step
     from labkit.compile import compile_step
+    from labkit.cuda_graphs import GraphedStep
     from labkit.model import kv_layout
     from labkit.static_cache import StaticKVCache
 
     model, other = _model(n_kv_heads=2), _model(n_kv_heads=1)
-    for build in (compile_step, aot_step):  # its failure to compile would hide why: the check comes first
+    for build in (compile_step, aot_step, GraphedStep):  # a failure to compile would hide why: the check comes first
         with pytest.raises(ValueError, match="made for a model of"):
             build(model, StaticKVCache(other.config, 1))
     assert StaticKVCache(other.config, 2).first_rows(1).layout == kv_layout(other.config)  # a view is checked too
