@@ -36,7 +36,8 @@ import sys
 import tempfile
 import time
 
-import torch
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: the profiler printed its start and stop lines
+import torch  # noqa: E402
 
 import labkit
 from labkit import cost
