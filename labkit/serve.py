@@ -3,7 +3,8 @@
     python -m labkit.serve --model target [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 A request's way through it: the JSON body is checked field by field (a 400 that names the field and
-what it may be, or names a field the server does not take; a 404 for a model it does not serve), its
+what it may be, or names a field the server does not take; a 404 for a model it does not serve; a
+413 for a body larger than any request to the model needs, before it is read whole), its
 prompt tokenized, and a ``Request`` handed to the ``AsyncEngine``, whose engine puts it in the
 continuous batch: an engine in a process of its own (``--engine process``, the default, as vLLM's
 V1), so that the HTTP side's Python never holds the GIL the engine's steps need.
@@ -53,6 +54,7 @@ from labkit.generate import SamplingParams, eos_id_of
 from labkit.serve_metrics import CONTENT_TYPE, ServerMetrics
 
 RETRY_AFTER_S = 1
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
@@ -82,6 +84,19 @@ class ServedModel:
     max_seq_len: int
     chat_template: str | None = None
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a text cannot fit the context, whatever its tokens: each token spells
+        at most as many characters as the vocabulary's longest (a byte-level one: as many bytes), so a
+        longer text is refused before the tokenizer spends seconds on it."""
+        return self.max_seq_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body worth reading: a prompt of ``max_prompt_chars`` characters, each escaped
+        in JSON (at most 12 bytes: a surrogate pair's two \\uXXXX), and room for the other fields."""
+        return 12 * self.max_prompt_chars + (1 << 20)
+
 
 @dataclass
 class Completion:
@@ -97,14 +112,24 @@ class Completion:
 # checking a request body ----------------------------------------------------------------------------
 
 
+def _shown(value: Any) -> str:
+    """A field's value as the client wrote it in JSON (true, "8", NaN), not Python's spelling, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
     value = body.get(name, default)
     value = default if value is None else value
     if (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)
             or not (low < value if open_low else low <= value) or not value <= high):
         where = f"in ({low}, {high}]" if open_low else f"from {low} to {high}"
-        problem = "is out of range" if isinstance(value, Real) and not isinstance(value, bool) else "is not a number"
-        raise APIError(f"{name}={value!r} {problem}: it must be a number {where}", name)
+        number = isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)
+        problem = "is out of range" if number else "is not a number"
+        raise APIError(f"{name}={_shown(value)} {problem}: it must be a number {where}", name)
     return float(value)
 
 
@@ -113,14 +138,14 @@ def _integer(body: dict, name: str, default: int | None, low: int) -> int | None
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise APIError(f"{name}={value!r} is invalid: it must be an integer of at least {low}", name)
+        raise APIError(f"{name}={_shown(value)} is invalid: it must be an integer of at least {low}", name)
     return value
 
 
 def _flag(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool) and value is not None:
-        raise APIError(f"{name}={value!r} must be true or false", name)
+        raise APIError(f"{name}={_shown(value)} must be true or false", name)
     return bool(value)
 
 
@@ -130,6 +155,7 @@ def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one, as the openai client may send it
     if isinstance(prompt, str):
+        _check_text(prompt, served)
         ids = served.tokenizer.encode(prompt).ids
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < served.vocab_size]
@@ -145,14 +171,27 @@ def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
     return ids
 
 
+def _check_text(text: str, served: ServedModel) -> None:
+    """APIError for a text no tokenizer should see: past ``max_prompt_chars``, or holding a lone UTF-16
+    surrogate (JSON's "\\ud800" alone), which is no character and cannot be encoded."""
+    if len(text) > served.max_prompt_chars:
+        raise APIError(f"the prompt has {len(text):,} characters: the context of {served.max_seq_len} tokens holds at "
+                       f"most {served.max_prompt_chars:,} of this model's tokenizer", "prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(f"the prompt holds a lone UTF-16 surrogate at character {error.start} (JSON's \\ud800 to "
+                       "\\udfff without its pair), which is no character: send the text as UTF-8", "prompt") from None
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if not isinstance(stop, (str, list, type(None))):
-        raise APIError(f"stop={stop!r} must be a string or a list of strings", "stop")
+        raise APIError(f"stop={_shown(stop)} must be a string or a list of strings", "stop")
     try:
         return StopStrings([] if stop is None else stop).stops
     except ValueError as error:
-        raise APIError(f"stop={stop!r} is invalid: {error}", "stop") from None
+        raise APIError(f"stop={_shown(stop)} is invalid: {error}", "stop") from None
 
 
 # The fields each endpoint takes. Any other is refused by name, as OpenAI's API refuses it, so that an
@@ -178,11 +217,15 @@ def _check_known(body: dict, endpoint: str) -> None:
                        "fields only at their defaults)", unknown[0])
 
 
+def _is_one(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 1)  # true == 1 in Python, not in JSON
+
+
 def _check_unsupported(body: dict, endpoint: str) -> None:
-    if body.get("n") not in (None, 1):
-        raise APIError(f"n={body['n']!r}: this server returns one completion per request, n must be 1", "n")
-    if body.get("best_of") not in (None, 1):
-        raise APIError(f"best_of={body['best_of']!r} is not supported: leave it out or set it to 1", "best_of")
+    if not _is_one(body.get("n")):
+        raise APIError(f"n={_shown(body['n'])}: this server returns one completion per request, n must be 1", "n")
+    if not _is_one(body.get("best_of")):
+        raise APIError(f"best_of={_shown(body['best_of'])} is not supported: leave it out or set it to 1", "best_of")
     if body.get("response_format") not in (None, {"type": "text"}):
         raise APIError("response_format is not supported by this server: leave it out (plain text)", "response_format")
     for name in sorted(DEFAULT_ONLY[endpoint] - {"n", "best_of", "response_format"}):
@@ -199,6 +242,8 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
     if not isinstance(body, dict):
         raise APIError("the body must be a JSON object")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(f"model={_shown(model)} must be a string, the name of the model", "model")
     if model not in (None, served.name):
         raise APIError(f"the model {model!r} does not exist: this server serves {served.name!r}", "model",
                        status=404)  # as OpenAI's API and vLLM answer
@@ -209,18 +254,38 @@ def parse_completion(body: Any, served: ServedModel, prompt: list[int] | None = 
     room = served.max_seq_len - len(ids) + 1  # the last new token is never fed back
     if room < 1:
         raise APIError(f"the prompt has {len(ids)} tokens, more than the context of {served.max_seq_len}", "prompt")
-    max_tokens = _integer(body, max_tokens_field, 16, 1)
+    max_tokens = _integer(body, max_tokens_field, DEFAULT_MAX_TOKENS, 1)
     if max_tokens > room:
-        raise APIError(f"{max_tokens_field}={max_tokens} is too many: the prompt's {len(ids)} tokens leave room for "
-                       f"at most {room} in a context of {served.max_seq_len}", max_tokens_field)
-    options = body.get("stream_options") or {}
+        given = "" if body.get(max_tokens_field) is not None else " (the default, as the request gives none)"
+        raise APIError(f"{max_tokens_field}={max_tokens}{given} is too many: the prompt's {len(ids)} tokens leave "
+                       f"room for at most {room} in a context of {served.max_seq_len}", max_tokens_field)
+    if not isinstance(body.get("user"), (str, type(None))):
+        raise APIError(f"user={_shown(body['user'])} must be a string", "user")
+    stream = _flag(body, "stream")
+    return Completion(ids, _sampling(body, max_tokens), _stops(body), stream, _include_usage(body, stream))
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options in (None, {}):
+        return False
     if not isinstance(options, dict):
-        raise APIError(f"stream_options={options!r} must be an object such as {{\"include_usage\": true}}",
+        raise APIError(f"stream_options={_shown(options)} must be an object such as {{\"include_usage\": true}}",
                        "stream_options")
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-                            seed=_integer(body, "seed", None, 0), stop_at_eos=not _flag(body, "ignore_eos"))
-    return Completion(ids, params, _stops(body), _flag(body, "stream"), _flag(options, "include_usage"))
+    if not stream:
+        raise APIError("stream_options is only for a streamed request: set stream to true, or leave it out",
+                       "stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise APIError(f"stream_options has {unknown[0]!r}, which this server does not take (it takes "
+                       "include_usage)", "stream_options")
+    return _flag(options, "include_usage")
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                          top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+                          seed=_integer(body, "seed", None, 0), stop_at_eos=not _flag(body, "ignore_eos"))
 
 
 def chat_prompt(body: Any, served: ServedModel) -> list[int]:
@@ -230,10 +295,9 @@ def chat_prompt(body: Any, served: ServedModel) -> list[int]:
                        "with a chat_template, nor a chat_template.jinja), so it cannot take chat messages: send a "
                        "prompt to /v1/completions instead", "messages")
     messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+    if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list of {\"role\": str, \"content\": str}", "messages")
+    messages = [_plain_message(m, i) for i, m in enumerate(messages)]
     from jinja2 import TemplateError
 
     try:
@@ -244,12 +308,36 @@ def chat_prompt(body: Any, served: ServedModel) -> list[int]:
     return _prompt_ids(text, served)
 
 
+def _plain_message(message: Any, index: int) -> dict:
+    """A message as a template takes it, its content one string: OpenAI's list of text parts joined
+    (as vLLM joins them, by newlines), null (an assistant's turn that called a tool) as empty."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "\n".join(part["text"] for part in content)
+    elif content is None and isinstance(message, dict) and "content" in message:
+        content = ""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(content, str):
+        raise APIError(f"messages[{index}] must be {{\"role\": str, \"content\": str}} (or content a list of "
+                       "{\"type\": \"text\", \"text\": str} parts: this server takes text only)", "messages")
+    return {**message, "content": content}
+
+
+def _raise_exception(message: str) -> None:
+    """What Hugging Face's templates call to refuse messages (a role out of turn, say)."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
 @functools.cache
 def _template(source: str) -> Any:
     """A chat template, compiled once, in Jinja's sandbox (a template is code from the model's folder)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment().from_string(source)
+    environment = ImmutableSandboxedEnvironment()
+    environment.globals["raise_exception"] = _raise_exception
+    return environment.from_string(source)
 
 
 # generating -------------------------------------------------------------------------------------
@@ -389,14 +477,16 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
 
     async def complete(request: HTTPRequest, chat: bool) -> Response:
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return APIError(f"the body is not valid JSON: {error}").response()
+            body = json.loads(await _body(request, served.max_body_bytes))
+        except APIError as error:
+            return error.response()
+        except (ValueError, RecursionError) as error:  # JSON's own errors, and ints too long or lists too deep
+            return APIError(f"the body is not valid JSON: {str(error) or type(error).__name__}").response()
         responder = Responder(served, chat)
         try:
             prompt = chat_prompt(body, served) if chat else None
-            completion = parse_completion(body, served, prompt, "max_tokens" if not chat or "max_tokens" in body
-                                          else "max_completion_tokens")
+            completion = parse_completion(body, served, prompt, "max_tokens" if not chat or body.get("max_tokens")
+                                          is not None else "max_completion_tokens")
             request_id = f"{responder.prefix}-{uuid.uuid4().hex}"
             parts = pieces(engine, metrics, served, request_id, completion)
         except APIError as error:
@@ -436,6 +526,21 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _body(request: HTTPRequest, limit: int) -> bytes:
+    """The request's body, or a 413 as soon as it passes ``limit`` bytes (before it is all read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(f"the body has {int(declared):,} bytes, more than a request to this model needs "
+                       f"({limit:,} at most)", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"the body passes {limit:,} bytes, more than a request to this model needs", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _unless_disconnected(request: HTTPRequest, answer: Awaitable[Response]) -> Response:

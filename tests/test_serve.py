@@ -34,7 +34,7 @@ from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of, stream
 from labkit.load import save_checkpoint
 from labkit.model import ModelConfig, Transformer, forward_tokens
-from labkit.serve import APIError, ServedModel, _alive, parse_completion
+from labkit.serve import APIError, ServedModel, _alive, chat_prompt, parse_completion
 
 from tiny_models import one_torch_thread
 
@@ -451,7 +451,8 @@ def test_a_client_gone_before_its_answer_aborts_the_request_streamed_or_not(http
     aborted_before = metric(settled_metrics(http, target.url), ABORTED)
     body = jobs[0].body(max_tokens=800)  # seconds of work, were it not aborted
     with pytest.raises(httpx.ReadTimeout):  # the client waits 0.3 s for the whole answer
-        http.post(target.url + "/v1/completions", json=body | {"stream": False}, timeout=httpx.Timeout(30.0, read=0.3))
+        http.post(target.url + "/v1/completions", json=body | {"stream": False, "stream_options": None},
+                  timeout=httpx.Timeout(30.0, read=0.3))
     with http.stream("POST", target.url + "/v1/completions", json=body) as response:
         assert response.status_code == 200  # the headers come at once; the client leaves before any event
     text = settled_metrics(http, target.url, lambda text: metric(text, ABORTED) >= aborted_before + 2)
@@ -528,8 +529,26 @@ BAD = {  # case: (path, body, param at fault, words the message must hold)
     "negative temperature": ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature",
                              ["temperature=-0.5", "is out of range", "from 0.0 to 2.0"]),
     "temperature a word": ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature",
-                           ["temperature='hot'", "is not a number"]),
+                           ['temperature="hot"', "is not a number"]),  # as JSON spells it, not Python
+    "temperature NaN": ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature",
+                        ["temperature=NaN", "is not a number"]),
     "n 2": ("/v1/completions", {"prompt": "x", "n": 2}, "n", ["n=2", "n must be 1"]),
+    "n true": ("/v1/completions", {"prompt": "x", "n": True}, "n", ["n=true", "n must be 1"]),  # True == 1 in Python
+    "an integer of 5,000 digits": ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None,
+                                   ["not valid JSON", "digits"]),
+    "lists nested 100,000 deep": ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+                                  ["not valid JSON"]),
+    "a lone surrogate": ("/v1/completions", b'{"prompt": "def \\ud800", "max_tokens": 1}', "prompt",
+                         ["lone UTF-16 surrogate at character 4"]),
+    "model a number": ("/v1/completions", {"prompt": "x", "model": 5}, "model", ["model=5 must be a string"]),
+    "user a number": ("/v1/completions", {"prompt": "x", "user": 5}, "user", ["user=5 must be a string"]),
+    "stream_options unstreamed": ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+                                  "stream_options", ["only for a streamed request"]),
+    "an unknown stream option": ("/v1/completions", {"prompt": "x", "stream": True,
+                                                     "stream_options": {"include_usage": True, "every_token": True}},
+                                 "stream_options", ["'every_token'", "takes include_usage"]),
+    "max_tokens by default past the context": ("/v1/completions", {"prompt": [1] * 1020}, "max_tokens",
+                                               ["max_tokens=16 (the default", "at most 5"]),
     "vLLM's top_k": ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k",
                      ["unrecognized request field 'top_k'", "would otherwise ignore it", "uses ignore_eos, max_tokens"]),
     "a chat field on completions": ("/v1/completions", {"prompt": "x", "messages": []}, "messages",
@@ -554,6 +573,27 @@ def test_bad_input_gets_a_400_naming_the_problem_and_the_server_keeps_serving(ht
     assert all(word in error["message"] for word in words), error["message"]
     good = post(http, target, {"prompt": "def f(", "max_tokens": 2})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_text_too_long_for_any_context_is_refused_before_it_is_tokenized_and_a_body_past_that_is_413(
+        http, target, target_model):
+    """The target's tokenizer spells at most L characters a token: a text of more than 1,024 L
+    characters cannot fit, and is refused before the tokenizer sees it (3 s for 4 MB of text, on the
+    server's event loop); a body past what such a prompt needs is refused before it is read whole."""
+    _, tokenizer = target_model
+    longest = max(map(len, tokenizer.get_vocab()))
+    served = ServedModel("target", tokenizer, 4096, 1024)
+    assert served.max_prompt_chars == 1024 * longest
+    response = post(http, target, {"prompt": "ab" * (512 * longest) + "c", "max_tokens": 1})
+    assert response.status_code == 400, response.text  # by characters: tokenized, it would say "tokens"
+    assert f"has {1024 * longest + 1:,} characters: the context of 1024 tokens holds at most" in response.json()[
+        "error"]["message"]
+    assert post(http, target, {"prompt": "def f(", "max_tokens": 1}).status_code == 200
+    too_big = b'{"prompt": "' + b"x" * served.max_body_bytes + b'"}'
+    response = post(http, target, too_big)
+    assert response.status_code == 413 and "more than a request to this model needs" in response.json()["error"][
+        "message"], response.text
+    assert post(http, target, {"prompt": "def f(", "max_tokens": 1}).status_code == 200
 
 
 def test_a_full_queue_answers_503_with_retry_after(http, fleet):
@@ -616,6 +656,25 @@ def test_each_endpoint_takes_its_own_prompt_field_and_refuses_the_others(tiny_fo
         parse_completion(chat | {"max_tokens": 9}, served, prompt=[1, 2])
 
 
+def test_chat_messages_take_openais_text_parts_and_null_content_and_a_templates_own_refusal(tiny_folder):
+    _, tokenizer = labkit.load(str(tiny_folder), device="cpu")
+    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('the first turn must be the user') }}"
+                "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    served = ServedModel("tiny", tokenizer, tokenizer.get_vocab_size(), 512, chat_template=template)
+    parts = [{"type": "text", "text": "A sort,"}, {"type": "text", "text": "please."}]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Go on."}]
+    expected = "user: A sort,\nplease.\nassistant: \nuser: Go on.\n"  # parts joined by newlines, as vLLM joins them
+    assert chat_prompt({"messages": messages}, served) == tokenizer.encode(expected).ids
+    with pytest.raises(APIError, match="template failed on these messages: the first turn must be the user"):
+        chat_prompt({"messages": [{"role": "assistant", "content": "hi"}]}, served)
+    for content in ([{"type": "image_url", "image_url": {"url": "x"}}], 5):
+        with pytest.raises(APIError, match=r"messages\[0\] must be .*text only"):
+            chat_prompt({"messages": [{"role": "user", "content": content}]}, served)
+    with pytest.raises(APIError, match=r"messages\[1\] must be"):
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, served)
+
+
 def test_chat_completions_through_the_models_template_have_openais_chat_shape(http, fleet, tiny_folder):
     server = fleet.get("tiny")
     model, tokenizer = labkit.load(str(tiny_folder), device="cpu")
@@ -634,6 +693,9 @@ def test_chat_completions_through_the_models_template_have_openais_chat_shape(ht
                                 "logprobs": None, "finish_reason": reason}]
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(expected),
                              "total_tokens": len(ids) + len(expected)}
+    capped = post(http, server, {"messages": messages, "max_tokens": None, "max_completion_tokens": 3,
+                                 "ignore_eos": True}, "/v1/chat/completions")  # a null max_tokens is no max_tokens
+    assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 3, capped.text
 
     with openai_client(server) as client:
         whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
