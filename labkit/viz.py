@@ -90,7 +90,8 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
         ax.add_patch(Rectangle((col, -row), 0.92, 0.92, facecolor=color, edgecolor="0.3",
                                hatch="///" if state == "shared" else None))
         label = f"{block}\n×{shared[block]}" if state == "shared" else str(block)
-        ax.text(col + 0.46, -row + 0.46, label, ha="center", va="center", fontsize=7)
+        ax.text(col + 0.46, -row + 0.46, label, ha="center", va="center", fontsize=7,
+                bbox=dict(fc="white", ec="none", pad=0.5) if state == "shared" else None)  # no hatch through it
     handles = [Patch(facecolor=colour_of(seq), edgecolor="0.3", label=str(seq)) for seq in tables]
     for state, style, label in [("shared", dict(facecolor="white", hatch="///"), "shared (×holders)"),
                                 ("cached", dict(facecolor="0.8"), "cached (free)")]:
@@ -173,7 +174,8 @@ def plot_pipeline_timeline(timeline: Sequence[Piece], title: str = "", ax: Axes 
         ax.barh(p.rank, p.end - p.start, left=p.start, height=0.85, color=PALETTE[p.micro_batch % len(PALETTE)],
                 lw=0, hatch="////" if decoding and p.step == 0 else None, edgecolor="white")
         if p.end - p.start > (end - begin) / 60:  # a label only where it fits
-            ax.text((p.start + p.end) / 2, p.rank, str(p.micro_batch), ha="center", va="center", fontsize=7)
+            ax.text((p.start + p.end) / 2, p.rank, str(p.micro_batch), ha="center", va="center", fontsize=7,
+                    bbox=dict(fc="white", ec="none", pad=0.5) if decoding and p.step == 0 else None)  # over the hatch
     micro_batches = sorted({p.micro_batch for p in timeline})
     prefill = [p for p in timeline if p.step == 0]
     measured, formula = measured_bubble(prefill, ranks), bubble_fraction(ranks, len(micro_batches))
