@@ -81,7 +81,7 @@ def load_checkpoint(folder: str | Path, device: torch.device | None = None,
     """A model saved by ``save_checkpoint``."""
     folder = Path(folder).expanduser()
     config = _folder_config(folder, "labkit")
-    return _build(config, load_file(str(folder / "model.safetensors")), device or get_device(), dtype)
+    return _build(config, load_file(str(_weight_files(folder, "labkit")[0])), device or get_device(), dtype)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -173,14 +173,28 @@ def save_hf(model: Transformer, folder: str | Path, tokenizer: Tokenizer | None 
         tokenizer.save(str(folder / "tokenizer.json"))
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+def _weight_files(folder: Path, kind: str) -> list[Path]:
+    """The safetensors files of a labkit (``kind`` "labkit": model.safetensors) or Hugging Face ("hf":
+    every shard) folder; FileNotFoundError, naming what the folder holds, where there are none."""
+    files = [folder / "model.safetensors"] if kind == "labkit" else sorted(folder.glob("*.safetensors"))
+    files = [file for file in files if file.exists()]
     if not files:
-        found = ", ".join(p.name for p in folder.iterdir())
-        raise FileNotFoundError(f"no .safetensors weights in {folder} (found: {found}); "
-                                "labkit never loads pickled .bin checkpoints")
+        found = ", ".join(sorted(p.name for p in folder.iterdir()))
+        raise FileNotFoundError(f"no {'model' if kind == 'labkit' else '*'}.safetensors weights in {folder} (found: "
+                                f"{found}); labkit never loads pickled .bin checkpoints")
+    return files
+
+
+def weight_files(name: str | None = None) -> list[Path]:
+    """The files of weights ``load(name)`` reads, without reading them ([] for a ``shape:``, whose
+    weights are random); FileNotFoundError where the folder has none."""
+    kind, where = _source(name)
+    return [] if kind == "shape" else _weight_files(where, kind)
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _weight_files(folder, "hf"):
         tensors.update(load_file(str(file)))
     return tensors
 

@@ -50,6 +50,7 @@ import torch
 
 from labkit.corpus import functions
 from labkit.metrics import latency_figures, request_metrics
+from labkit.validate import option_in
 from labkit.workload import poisson_arrivals, uniform
 
 PERCENTILES = (50, 90, 99)
@@ -345,26 +346,31 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m labkit.loadgen URL``: load a completions server with corpus prompts, print the report."""
     parser = argparse.ArgumentParser(prog="python -m labkit.loadgen", description=main.__doc__)
     parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--requests", type=int, required=True)
+    count, positive = option_in(int, 1), option_in(float, 0.0, above=True)
+    parser.add_argument("--requests", type=count, required=True)
     load = parser.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second (open loop)")
-    load.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
+    load.add_argument("--rate", type=positive, help="Poisson arrivals, requests per second (open loop)")
+    load.add_argument("--concurrency", type=count, help="requests kept in flight (closed loop)")
     parser.add_argument("--exact-rate", action="store_true",
                         help="scale the random gaps so that the arrivals make exactly --rate (a short run's would stray)")
-    parser.add_argument("--min-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--shared-prefix-chars", type=int, default=0,
+    parser.add_argument("--min-tokens", type=count, default=16, help="output tokens, uniform from min to max")
+    parser.add_argument("--max-tokens", type=count, default=256)
+    parser.add_argument("--shared-prefix-chars", type=option_in(int, 0), default=0,
                         help="start every prompt with one shared system prompt of this many characters")
     parser.add_argument("--no-stream", action="store_true")
     parser.add_argument("--model")
-    parser.add_argument("--slo-ttft-ms", type=float)
-    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--slo-ttft-ms", type=positive)
+    parser.add_argument("--slo-tpot-ms", type=positive)
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0, help="prompts; seed + 1: output lengths; seed + 2: arrivals")
-    parser.add_argument("--timeout-s", type=float, default=RUN_TIMEOUT_S, help="for the whole run")
-    parser.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
+    parser.add_argument("--timeout-s", type=positive, default=RUN_TIMEOUT_S, help="for the whole run")
+    parser.add_argument("--request-timeout-s", type=positive, default=REQUEST_TIMEOUT_S)
     parser.add_argument("--json", type=Path, help="also write the summary and every record here")
     args = parser.parse_args(argv)
+    if args.min_tokens > args.max_tokens:
+        parser.error(f"--min-tokens {args.min_tokens} is more than --max-tokens {args.max_tokens}: lower it too")
+    if args.json and not args.json.parent.is_dir():  # found now, not after the run, whose records it would lose
+        parser.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
     prefix = system_prompt(args.shared_prefix_chars) if args.shared_prefix_chars else None
     bodies = completion_bodies(corpus_prompts(args.requests, args.seed, prefix),
                                output_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed + 1),

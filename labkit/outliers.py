@@ -243,8 +243,8 @@ on {stats['machine']}, torch {torch.__version__}, {stats['date']}, in {stats['se
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="The target with planted outlier channels: measure it and "
-                                                 "print (or write) its card.")
+    parser = argparse.ArgumentParser(prog="python -m labkit.outliers", description="The target with planted outlier "
+                                     "channels: measure it and print (or write) its card.")
     parser.add_argument("--card", action="store_true", help="write checkpoints/target-outliers/MODEL_CARD.md")
     parser.add_argument("--windows", type=int, default=128, help="validation windows of 256 tokens")
     parser.add_argument("--calibration", type=int, default=32, help="GPTQ and AWQ calibration windows of 256 tokens")

@@ -106,14 +106,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the student copies go (default: notebooks)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if notebooks/ is stale")
     args = parser.parse_args(argv)
+    if not args.solutions.is_dir():
+        parser.error(f"--solutions {args.solutions} is not a folder of instructor notebooks")
+    if args.notebooks.resolve() == args.solutions.resolve():  # the stubs would overwrite the answers
+        parser.error(f"--notebooks {args.notebooks} is the --solutions folder: the student copies would replace the "
+                     "instructor notebooks")
+    if args.notebooks.exists() and not args.notebooks.is_dir():
+        parser.error(f"--notebooks {args.notebooks} is a file, not a folder")
     if args.check:
         problems = stale(args.solutions, args.notebooks)
         for line in problems:
             print(line)
-        print("notebooks/ is stale: run python -m labkit.release" if problems else "notebooks/ is up to date")
+        print(f"{args.notebooks} is stale: run python -m labkit.release" if problems
+              else f"{args.notebooks} is up to date")
         return 1 if problems else 0
+    plan = planned(args.solutions, args.notebooks)  # before any folder is made: no instructor notebook, no folder
     args.notebooks.mkdir(parents=True, exist_ok=True)
-    for path, text in planned(args.solutions, args.notebooks).items():
+    for path, text in plan.items():
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path}")
     return 0

@@ -52,6 +52,7 @@ from labkit.detokenize import IncrementalDetokenizer, StopStrings
 from labkit.engine import Engine, Request, SchedulerConfig
 from labkit.generate import SamplingParams, eos_id_of
 from labkit.serve_metrics import CONTENT_TYPE, ServerMetrics
+from labkit.validate import option_in
 
 RETRY_AFTER_S = 1
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -583,10 +584,11 @@ def decode_kernel(name: str):  # noqa: ANN201 - a DecodeKernel or None
 def build_engine(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
     """The engine the command line asks for (``--engine``: in a process of its own, or in a thread of
     this one), and what it serves (read here without the weights)."""
-    from labkit.load import CHECKPOINTS, load_config, load_tokenizer
+    from labkit.load import CHECKPOINTS, load_config, load_tokenizer, weight_files
 
     try:
         config, tokenizer = load_config(args.model), load_tokenizer(args.model)
+        weight_files(args.model)  # here: the engine's process would report a missing file with its traceback
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"--model {args.model}: {error}") from None
     if tokenizer is None:
@@ -634,8 +636,9 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
-        if self.started:  # bound: say where (not before, when the port might be taken)
-            print(f"labkit serves {self.engine_name} on http://{self.config.host}:{self.config.port}", flush=True)
+        if self.started:  # bound: say where (not before, when the port might be taken); --port 0's real port
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            print(f"labkit serves {self.engine_name} on http://{self.config.host}:{port}", flush=True)
 
     async def serve(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -674,6 +677,12 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
+def _key(text: str) -> str:
+    if not text.strip():  # an unset variable ("$KEY") would otherwise turn the check off
+        raise argparse.ArgumentTypeError("an empty key would let every request in: give a key, or leave the option out")
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m labkit.serve", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -681,14 +690,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--served-name", help="the model's name in the API (when left out: the model's folder name)")
     add("--host", default="127.0.0.1",
         help="the address to listen on; 0.0.0.0 opens the server to the network (default: %(default)s)")
-    add("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
-    add("--api-key", help="the bearer key /v1/ requests must carry (when left out: $LABKIT_API_KEY if set, else none)")
+    add("--port", type=option_in(int, 0, 65535), default=8000,
+        help="the port to listen on; 0: a free one, printed (default: %(default)s)")
+    add("--api-key", type=_key,
+        help="the bearer key /v1/ requests must carry (when left out: $LABKIT_API_KEY if set, else none)")
     add("--device", help="cpu or cuda (when left out: the best there is)")
-    add("--num-blocks", type=int, default=512, help="KV-cache blocks in the pool (default: %(default)s)")
-    add("--block-size", type=int, default=16, help="tokens per KV-cache block (default: %(default)s)")
-    add("--max-num-seqs", type=int, default=32, help="most sequences in a step's batch (default: %(default)s)")
-    add("--max-num-batched-tokens", type=int, default=512, help="most tokens in a step (default: %(default)s)")
-    add("--max-waiting", type=int, default=256,
+    add("--num-blocks", type=option_in(int, 1), default=512, help="KV-cache blocks in the pool (default: %(default)s)")
+    add("--block-size", type=option_in(int, 1), default=16, help="tokens per KV-cache block (default: %(default)s)")
+    add("--max-num-seqs", type=option_in(int, 1), default=32,
+        help="most sequences in a step's batch (default: %(default)s)")
+    add("--max-num-batched-tokens", type=option_in(int, 1), default=512,
+        help="most tokens in a step (default: %(default)s)")
+    add("--max-waiting", type=option_in(int, 1), default=256,
         help="requests queued beyond the batch before a 503 (default: %(default)s)")
     add("--no-prefix-caching", action="store_true", help="recompute every prompt")
     add("--decode-kernel", choices=("none", "cpp", "triton"), default="none",
@@ -696,7 +709,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--engine", choices=("process", "thread"), default="process",
         help="where the engine steps: a process of its own, which shares no GIL with the HTTP side, or a "
              "thread of the server's (default: %(default)s)")
-    add("--drain", type=float, default=2.0, help="seconds running requests get on SIGTERM (default: %(default)s)")
+    add("--drain", type=option_in(float, 0.0), default=2.0,
+        help="seconds running requests get on SIGTERM (default: %(default)s)")
     add("--parent-pid", type=int, help="exit when this process is gone")
     return parser.parse_args(argv)
 

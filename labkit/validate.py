@@ -3,8 +3,10 @@ operands of an attention function or kernel), with errors that name the problem.
 checked, values are trusted: a forward pass does not check again what admission checked."""
 from __future__ import annotations
 
+import argparse
+import math
 from numbers import Integral
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,6 +17,23 @@ def is_int(value: object) -> bool:
     # a plain int first: the check of Integral, an abstract class, takes a microsecond, and the engine
     # checks a count for every running request at every step, and every token of a block it names
     return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
+
+
+def option_in(kind: type, low: float, high: float = math.inf, above: bool = False) -> Callable[[str], Any]:
+    """A command-line option's type (argparse's ``type=``): a ``kind`` (int or float) from ``low``
+    (``above``: more than ``low``) to ``high``, else the option's own error, which names it (exit
+    code 2), before anything starts."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (low < value if above else low <= value) or not value <= high:  # NaN too
+            where = f"more than {low}" if above else f"of at least {low}"
+            where += f" and at most {high}" if high < math.inf else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'} {where}")
+        return value
+    return parse
 
 
 def check_ints(**values: object) -> None:

@@ -380,3 +380,18 @@ def test_command_line_end_to_end(server, tmp_path, capsys):
 
     saved = json.loads(failed.read_text(), parse_constant=no_nan)  # strict JSON: no NaN nor Infinity
     assert saved["summary"]["mean_ttft_ms"] is None and saved["summary"]["failed"] == 1
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--requests", "0", "--rate", "1"], "--requests: '0' is not an int of at least 1"),
+    (["--requests", "4", "--rate", "0"], "--rate: '0' is not a number more than 0.0"),
+    (["--requests", "4", "--rate", "nan"], "--rate: 'nan' is not a number more than 0.0"),
+    (["--requests", "4", "--concurrency", "0"], "--concurrency: '0' is not an int of at least 1"),
+    (["--requests", "4", "--rate", "2", "--max-tokens", "4"], "--min-tokens 16 is more than --max-tokens 4"),
+    (["--requests", "4", "--rate", "2", "--shared-prefix-chars", "-5"], "'-5' is not an int of at least 0"),
+    (["--requests", "4", "--rate", "2", "--json", "/nonexistent/run.json"], "its folder /nonexistent does not exist"),
+])
+def test_command_line_refuses_bad_options_by_name_before_sending_anything(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as stop:  # a URL where nothing listens: a run would report failures instead
+        main([unserved_url(), *argv])
+    assert stop.value.code == 2 and complaint in capsys.readouterr().err

@@ -147,3 +147,22 @@ def test_check_reports_stale_and_orphan_notebooks(root, tmp_path, capsys):
     assert any("99_orphan.ipynb has no instructor notebook" in p for p in problems)
     assert main(paths) == 0 and main(["--check", *paths]) == 1  # the orphan is reported, not deleted
     assert "out of date" not in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_release_into_its_own_solutions_or_from_no_solutions_is_refused_and_writes_nothing(root, tmp_path, capsys):
+    shutil.copytree(root / "solutions", tmp_path / "solutions")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "solutions").glob("*.ipynb")}
+    for args, complaint in [(["--notebooks", str(tmp_path / "solutions" / ".")], "is the --solutions folder"),
+                            (["--notebooks", str(tmp_path / "missing" / "deep")], None),
+                            (["--notebooks", str(tmp_path / "solutions" / "00_welcome.ipynb")], "is a file")]:
+        args = ["--solutions", str(tmp_path / "solutions"), *args]
+        if complaint is None:  # a folder that does not exist yet is made
+            assert main(args) == 0 and (tmp_path / "missing" / "deep" / "00_welcome.ipynb").exists()
+            continue
+        with pytest.raises(SystemExit) as stop:
+            main(args)
+        assert stop.value.code == 2 and complaint in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "solutions").glob("*.ipynb")} == before
+    with pytest.raises(SystemExit):
+        main(["--solutions", str(tmp_path / "nowhere"), "--notebooks", str(tmp_path / "out")])
+    assert "is not a folder of instructor notebooks" in capsys.readouterr().err and not (tmp_path / "out").exists()

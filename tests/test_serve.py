@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -419,6 +420,42 @@ def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tin
     assert events[-1]["error"]["type"] == "internal_error" and "a kernel crashed" in events[-1]["error"]["message"]
     assert served_after.status_code == 200 and served_after.json()["usage"]["completion_tokens"] == 4
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--max-num-seqs", "0"], "--max-num-seqs: '0' is not an int of at least 1"),
+    (["--num-blocks", "1.5"], "--num-blocks: '1.5' is not an int of at least 1"),
+    (["--port", "70000"], "--port: '70000' is not an int of at least 0 and at most 65535"),
+    (["--drain", "-1"], "--drain: '-1' is not a number of at least 0.0"),
+    (["--api-key", ""], "an empty key would let every request in"),  # "$KEY" with KEY unset: no check at all
+])
+def test_the_command_line_refuses_bad_settings_by_name_before_anything_starts(argv, complaint, capsys):
+    from labkit.serve import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    assert stop.value.code == 2 and complaint in capsys.readouterr().err
+
+
+def test_a_model_folder_of_pickled_weights_is_refused_before_the_engine_process_starts(tiny_folder, tmp_path):
+    from labkit.serve import build_engine, parse_args
+
+    shutil.copy(tiny_folder / "config.json", tmp_path / "config.json")  # labkit's config, the lab's tokenizer
+    (tmp_path / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(SystemExit, match="no model.safetensors weights in .*pytorch_model.bin.*never loads pickled"):
+        build_engine(parse_args(["--model", str(tmp_path), "--device", "cpu"]))
+
+
+def test_port_0_serves_on_a_free_port_and_says_which(tiny_folder):
+    server = subprocess.Popen([sys.executable, "-m", "labkit.serve", "--model", str(tiny_folder), "--port", "0",
+                               "--device", "cpu", "--engine", "thread"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # uvicorn logs at warning level: this is the server's first line
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)$", line.strip()).group(1))
+        assert port > 0 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def test_the_command_lines_engine_in_a_thread_serves_the_offline_greedy_tokens(tiny_folder):
