@@ -369,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.min_tokens > args.max_tokens:
         parser.error(f"--min-tokens {args.min_tokens} is more than --max-tokens {args.max_tokens}: lower it too")
-    if args.json and not args.json.parent.is_dir():  # found now, not after the run, whose records it would lose
-        parser.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    if args.json and (args.json.is_dir() or not args.json.parent.is_dir()):  # now, not after the run and its records
+        parser.error(f"--json {args.json}: " + ("a folder: name a file in it" if args.json.is_dir() else
+                                                 f"its folder {args.json.parent} does not exist"))
     prefix = system_prompt(args.shared_prefix_chars) if args.shared_prefix_chars else None
     bodies = completion_bodies(corpus_prompts(args.requests, args.seed, prefix),
                                output_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed + 1),

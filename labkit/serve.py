@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import secrets
 import signal
@@ -117,18 +116,17 @@ def _shown(value: Any) -> str:
     """A field's value as the client wrote it in JSON (true, "8", NaN), not Python's spelling, cut short."""
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError, RecursionError):  # lists nested a little less deep than json.loads allows
+        text = type(value).__name__
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
     value = body.get(name, default)
     value = default if value is None else value
-    if (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)
-            or not (low < value if open_low else low <= value) or not value <= high):
+    number = isinstance(value, Real) and not isinstance(value, bool) and value == value  # NaN is not itself
+    if not number or not (low < value if open_low else low <= value) or not value <= high:  # exact for any int
         where = f"in ({low}, {high}]" if open_low else f"from {low} to {high}"
-        number = isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)
         problem = "is out of range" if number else "is not a number"
         raise APIError(f"{name}={_shown(value)} {problem}: it must be a number {where}", name)
     return float(value)
@@ -173,16 +171,21 @@ def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
 
 
 def _check_text(text: str, served: ServedModel) -> None:
-    """APIError for a text no tokenizer should see: past ``max_prompt_chars``, or holding a lone UTF-16
-    surrogate (JSON's "\\ud800" alone), which is no character and cannot be encoded."""
+    """APIError for a text no tokenizer should see: past ``max_prompt_chars`` (a chat's text: its
+    messages through the template, whose characters are theirs and the template's)."""
     if len(text) > served.max_prompt_chars:
         raise APIError(f"the prompt has {len(text):,} characters: the context of {served.max_seq_len} tokens holds at "
                        f"most {served.max_prompt_chars:,} of this model's tokenizer", "prompt")
+    _check_encodable(text, "the prompt", "prompt")
+
+
+def _check_encodable(text: str, what: str, field: str) -> None:
+    """APIError where ``text`` holds a lone UTF-16 surrogate (JSON's "\\ud800" alone): no character."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise APIError(f"the prompt holds a lone UTF-16 surrogate at character {error.start} (JSON's \\ud800 to "
-                       "\\udfff without its pair), which is no character: send the text as UTF-8", "prompt") from None
+        raise APIError(f"{what} holds a lone UTF-16 surrogate at character {error.start} (JSON's \\ud800 to \\udfff "
+                       "without its pair), which is no character: send the text as UTF-8", field) from None
 
 
 def _stops(body: dict) -> list[str]:
@@ -321,6 +324,7 @@ def _plain_message(message: Any, index: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(content, str):
         raise APIError(f"messages[{index}] must be {{\"role\": str, \"content\": str}} (or content a list of "
                        "{\"type\": \"text\", \"text\": str} parts: this server takes text only)", "messages")
+    _check_encodable(content, f"messages[{index}]'s content", "messages")
     return {**message, "content": content}
 
 
@@ -683,6 +687,14 @@ def _key(text: str) -> str:
     return text
 
 
+def _key_of_environment() -> str | None:
+    key = os.environ.get("LABKIT_API_KEY")
+    if key is not None and not key.strip():  # set, but to nothing: as --api-key "", no check at all
+        raise SystemExit("LABKIT_API_KEY is set but empty, which would let every request in: give it a key, or "
+                         "unset it")
+    return key
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m labkit.serve", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -717,8 +729,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    key = args.api_key or _key_of_environment()  # before the engine starts
     engine, served = build_engine(args)
-    app = create_app(engine, served, args.api_key or os.environ.get("LABKIT_API_KEY"), args.drain)
+    app = create_app(engine, served, key, args.drain)
     try:
         Server(app, args.host, args.port, args.drain, args.parent_pid).run()
     except KeyboardInterrupt:  # a second Ctrl-C, while draining

@@ -28,7 +28,8 @@ def option_in(kind: type, low: float, high: float = math.inf, above: bool = Fals
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not (low < value if above else low <= value) or not value <= high:  # NaN too
+        if (value is None or not math.isfinite(value)  # nan and inf too
+                or not (low < value if above else low <= value) or not value <= high):
             where = f"more than {low}" if above else f"of at least {low}"
             where += f" and at most {high}" if high < math.inf else ""
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'} {where}")

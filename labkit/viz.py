@@ -12,12 +12,21 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from labkit.engine import StepRecord
 from labkit.hardware import Hardware
 from labkit.parallel.pipeline import Piece, bubble_fraction, measured_bubble
 from labkit.tree import check_tree, children, tree_mask
+
+
+def plain_log(*axes, subs: Sequence[float] = (1, 2, 5)) -> None:
+    """Number log-scale axes (``ax.xaxis``, ``ax.yaxis``) at ``subs`` times each power of ten (1, 2, 5,
+    10, 20, ...) as plain numbers, not powers of ten."""
+    for axis in axes:
+        axis.set_major_locator(LogLocator(subs=subs))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
 
 
 def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, float]] = (),

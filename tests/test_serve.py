@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -281,9 +281,9 @@ def openai_client(server: BackgroundServer, api_key: str = "none") -> openai.Ope
     return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, timeout=30.0, max_retries=0)
 
 
-def post(http: httpx.Client, server: BackgroundServer, body: dict | bytes, path: str = "/v1/completions",
-         **kwargs) -> httpx.Response:
-    content = {"content": body} if isinstance(body, bytes) else {"json": body}
+def post(http: httpx.Client, server: BackgroundServer, body: dict | bytes | Iterator[bytes],
+         path: str = "/v1/completions", **kwargs) -> httpx.Response:
+    content = {"json": body} if isinstance(body, dict) else {"content": body}  # bytes, or chunks sent chunked
     return http.post(server.url + path, **content, **kwargs)
 
 
@@ -437,6 +437,15 @@ def test_the_command_line_refuses_bad_settings_by_name_before_anything_starts(ar
     assert stop.value.code == 2 and complaint in capsys.readouterr().err
 
 
+def test_an_empty_key_in_the_environment_is_refused_before_the_engine_starts(monkeypatch, capsys):
+    from labkit import serve
+
+    monkeypatch.setenv("LABKIT_API_KEY", " ")
+    monkeypatch.setattr(serve, "build_engine", lambda args: pytest.fail("the engine was built first"))
+    with pytest.raises(SystemExit, match="LABKIT_API_KEY is set but empty"):
+        serve.main([])
+
+
 def test_a_model_folder_of_pickled_weights_is_refused_before_the_engine_process_starts(tiny_folder, tmp_path):
     from labkit.serve import build_engine, parse_args
 
@@ -569,6 +578,8 @@ BAD = {  # case: (path, body, param at fault, words the message must hold)
                            ['temperature="hot"', "is not a number"]),  # as JSON spells it, not Python
     "temperature NaN": ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature",
                         ["temperature=NaN", "is not a number"]),
+    "temperature of 400 digits": ("/v1/completions", {"prompt": "x", "temperature": 10 ** 400}, "temperature",
+                                  ["is out of range"]),  # too large for a float: compared as an int
     "n 2": ("/v1/completions", {"prompt": "x", "n": 2}, "n", ["n=2", "n must be 1"]),
     "n true": ("/v1/completions", {"prompt": "x", "n": True}, "n", ["n=true", "n must be 1"]),  # True == 1 in Python
     "an integer of 5,000 digits": ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None,
@@ -630,6 +641,8 @@ def test_a_text_too_long_for_any_context_is_refused_before_it_is_tokenized_and_a
     response = post(http, target, too_big)
     assert response.status_code == 413 and "more than a request to this model needs" in response.json()["error"][
         "message"], response.text
+    chunked = post(http, target, (too_big[i:i + (1 << 16)] for i in range(0, len(too_big), 1 << 16)))  # no length
+    assert chunked.status_code == 413 and "the body passes" in chunked.json()["error"]["message"], chunked.text
     assert post(http, target, {"prompt": "def f(", "max_tokens": 1}).status_code == 200
 
 
@@ -710,6 +723,9 @@ def test_chat_messages_take_openais_text_parts_and_null_content_and_a_templates_
             chat_prompt({"messages": [{"role": "user", "content": content}]}, served)
     with pytest.raises(APIError, match=r"messages\[1\] must be"):
         chat_prompt({"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}, served)
+    with pytest.raises(APIError, match=r"messages\[1\]'s content holds a lone UTF-16 surrogate at character 3"):
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "why\ud800"}]},
+                    served)
 
 
 def test_chat_completions_through_the_models_template_have_openais_chat_shape(http, fleet, tiny_folder):
