@@ -25,9 +25,6 @@ compiles the same step starts in a fraction of the first one's time.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 import time
 import types
 import warnings
@@ -38,6 +35,7 @@ import torch
 from torch import Tensor
 
 from labkit.cuda_graphs import GraphedStep, require_cuda
+from labkit.kernels.cpp_build import missing_compiler
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache, decode_static, static_length
 
@@ -72,14 +70,8 @@ def failure_line(error: BaseException) -> str:
 def compiler_problem(device: torch.device | str) -> str | None:
     """Why ``torch.compile`` cannot run on ``device`` here, or None when it can: on a CPU,
     inductor writes C++ and needs a compiler to build it."""
-    if torch.device(device).type != "cpu":
-        return None
-    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    if any(c and shutil.which(c) for c in candidates):
-        return None
-    fix = "xcode-select --install" if sys.platform == "darwin" else "sudo apt install g++"
-    return (f"torch.compile on a CPU builds C++ and no C++ compiler was found (tried g++, c++, clang++ "
-            f"and $CXX); install one ({fix}). Until then the step runs eagerly.")
+    missing = missing_compiler() if torch.device(device).type == "cpu" else None
+    return f"torch.compile on a CPU builds C++ and {missing}. Until then the step runs eagerly." if missing else None
 
 
 def cache_dir() -> str:

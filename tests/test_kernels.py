@@ -447,6 +447,15 @@ def test_cpu_paged_decode_without_a_compiler_says_what_it_needs(tmp_path):
     assert "needs a C++ compiler with OpenMP" in ran.stdout, ran.stdout + ran.stderr
 
 
+def test_without_any_compiler_on_the_path_the_build_says_so_at_once(tmp_path):
+    """No $CXX, g++, c++ nor clang++ (a laptop without build tools): one line that names the missing
+    compiler, not torch's page about an incompatible compiler and a failed ninja build."""
+    ran = _python("from labkit.kernels.paged_decode_cpu import build\ntry:\n    build()\n"
+                  "except RuntimeError as e:\n    print(e)", PATH=str(tmp_path), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "no C++ compiler was found (tried g++, c++, clang++ and $CXX)" in ran.stdout, ran.stdout + ran.stderr
+    assert "the engine runs without it (decode_kernel=None)" in ran.stdout and "WARNING" not in ran.stderr
+
+
 def test_a_cpu_without_vector_extensions_gets_its_own_correct_build(tmp_path):
     """The operator is compiled for the vector instructions torch uses on the CPU, and cached in a
     folder named after them: a machine that has none of them (here, torch told to act as one)

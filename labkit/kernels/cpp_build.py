@@ -42,6 +42,14 @@ def build_directory(name: str) -> Path:
     return Path(root) / f"{name}-{version}-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
+def missing_compiler() -> str | None:
+    """None where a C++ compiler is on the PATH ($CXX, g++, c++ or clang++), else what to install."""
+    if any(c and shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++")):
+        return None
+    fix = "xcode-select --install" if sys.platform == "darwin" else "sudo apt install g++"
+    return f"no C++ compiler was found (tried g++, c++, clang++ and $CXX); install one ({fix})"
+
+
 def build_operator(name: str, source: Path, operator: str, what: str, without: str, verbose: bool = False) -> None:
     """Compile ``source`` into the library ``name`` (or load its cached build), once per process,
     unless ``torch.ops.labkit.<operator>`` exists already. RuntimeError, saying why, where it cannot be
@@ -53,6 +61,9 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):  # a venv used without activating it
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     folder = build_directory(name)
+    missing = missing_compiler()
+    if missing and not (folder / f"{name}.so").exists():  # said at once: torch's builder prints a page of warning
+        raise RuntimeError(f"could not build labkit's {what} ({source.name}): {missing}; {without}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         flags = FLAGS + VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])

@@ -38,7 +38,7 @@ def build(verbose: bool = False) -> None:
     """Compile (or load the cached build of) the operator, once per process; RuntimeError, saying
     why, where it cannot be built."""
     cpp_build.build_operator(NAME, SOURCE, "paged_decode", "C++ paged decode operator",
-                             "the engine needs neither without a decode_kernel", verbose)
+                             "the engine runs without it (decode_kernel=None)", verbose)
 
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
