@@ -15,10 +15,15 @@ from labkit.model import ContiguousKVCache
 from exercise_cells import fails, mistake
 
 
-def failure(ex_id, fn):
-    """The result of a check that must fail, and the hint of the case it failed on."""
+TEXTBOOK, MHA_RUN = "the textbook example: 10-token prompt, 100 new tokens", "MHA random model, 3-token prompt"
+
+
+def failure(ex_id, fn, label):
+    """The result of a check that must fail first at the case whose label starts with ``label``, and that
+    case's hint, which the message shows."""
     result = run_cases(get(ex_id), fn)
     assert result.status == FAILED, result.verdict()
+    assert result.failed_case.startswith(label), (label, result.message)
     case = next(c for c in get(ex_id).cases() if c.label == result.failed_case)
     assert case.hint in result.message
     return result, case.hint
@@ -29,7 +34,8 @@ def test_ex01_1_counts_are_ints_and_a_float_answer_fails():
     divides = lambda p, n: (n * p + n * (n - 1) / 2, p + n - 1)  # / where // was meant
     result = run_cases(get("ex01.1"), divides)
     assert result.status == FAILED, result.verdict()
-    assert "naive: expected a whole number, an int (5950), got float 5950.0" in result.message, result.message
+    assert f"case 1 ({TEXTBOOK}): naive: expected a whole number, an int (5950), got float 5950.0" in result.message, \
+        result.message
     # the value is right: the message says what to do, so no case hint (and no recipe) comes with it
     assert not result.failed_case and not any(c.hint in result.message for c in get("ex01.1").cases())
 
@@ -40,9 +46,9 @@ def test_ex01_1_counts_are_ints_and_a_float_answer_fails():
 ])
 def test_ex01_1_a_loop_over_the_steps_fails_on_the_big_case_in_its_own_time(loops):
     start = time.perf_counter()
-    result, hint = failure("ex01.1", loops)
+    result, hint = failure("ex01.1", loops, "300 million new tokens")
     assert time.perf_counter() - start < 30
-    assert result.passed == result.total - 1 and result.failed_case.startswith("300 million new tokens")
+    assert result.passed == result.total - 1
     assert "stopped after 1 s" in result.message and "closed form" in hint
 
 
@@ -51,7 +57,7 @@ def test_ex01_1_a_loop_over_the_steps_fails_on_the_big_case_in_its_own_time(loop
     lambda p, n: (n * p + n * (n - 1) // 2, p + n),  # the cached loop feeds the last token back in
 ])
 def test_ex01_1_feeding_the_last_token_back_gets_the_hint_about_the_last_token(slip):
-    result, hint = failure("ex01.1", slip)
+    result, hint = failure("ex01.1", slip, TEXTBOOK)
     assert "never fed back" in hint and "6,050 and 110" in hint
     assert "naive" in result.message or "cached: expected 109, got 110" in result.message
 
@@ -67,30 +73,31 @@ def test_ex01_2_plausible_mistakes_get_the_hint_of_what_they_got_wrong():
     tiled = lambda x, g: x.repeat(1, g, 1, 1)  # KV head j % kv serves query head j: wrong
     right_scale, no_scale = (lambda q: 1 / math.sqrt(q.shape[-1])), (lambda q: 1.0)
 
-    result, hint = failure("ex01.2", attend(right_scale, tiled))
-    assert 0 < result.passed < result.total and "GQA" in result.failed_case and "consecutive blocks" in hint
-    result, hint = failure("ex01.2", attend(no_scale, interleave))
-    assert result.failed_case.startswith("MHA: 4") and "divided by sqrt(head_dim)" in hint
+    result, hint = failure("ex01.2", attend(right_scale, tiled), "GQA: 8 query heads share 2 KV heads")
+    assert 0 < result.passed < result.total and "consecutive blocks of g query heads, not every other head" in hint
+    result, hint = failure("ex01.2", attend(no_scale, interleave), "MHA: 4")
+    assert "divided by sqrt(head_dim)" in hint
 
     def over_the_query(q, k_new, v_new, k_cache, v_cache):  # the softmax over the single query: every weight 1
         keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
         keys, values = interleave(keys, q.shape[1] // keys.shape[1]), interleave(values, q.shape[1] // keys.shape[1])
         return (q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-2) @ values, keys, values
-    result, hint = failure("ex01.2", over_the_query)
-    assert result.failed_case.startswith("MHA, head_dim 1") and "the softmax's axis" in hint
+    result, hint = failure("ex01.2", over_the_query, "MHA, head_dim 1")
+    assert "the softmax's axis" in hint
 
     def old_keys_only(q, k_new, v_new, k_cache, v_cache):  # attends to the cache before the new token joins it
         keys, values = interleave(k_cache, q.shape[1] // k_cache.shape[1]), interleave(v_cache, q.shape[1] // k_cache.shape[1])
         out = (q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ values
         return out, torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
-    result, hint = failure("ex01.2", old_keys_only)
-    assert result.failed_case.startswith("empty cache") and "including the new one" in hint
+    result, hint = failure("ex01.2", old_keys_only, "empty cache")
+    assert "including the new one" in hint
 
     def forgets_to_append(q, k_new, v_new, k_cache, v_cache):
         out, _, _ = get_reference()(q, k_new, v_new, k_cache, v_cache)
         return out, k_cache, v_cache
-    result, _ = failure("ex01.2", forgets_to_append)
+    result, hint = failure("ex01.2", forgets_to_append, "empty cache")
     assert "k_cache: " in result.message and "torch.Size([1, 4, 1, 16])" in result.message, result.message
+    assert "return the caches with them appended" in hint
 
 
 def get_reference():
@@ -122,17 +129,17 @@ def test_ex01_3_the_solution_passes_with_a_cache_of_p_plus_n_minus_1_positions()
 def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
     def naive(model, prompt, new_tokens):  # right tokens, no cache
         return list(stream(model, prompt, SamplingParams(new_tokens, stop_at_eos=False), use_cache=False))
-    result, hint = failure("ex01.3", naive)
+    result, hint = failure("ex01.3", naive, MHA_RUN)
     assert "cached generation makes" in result.message and "the prompt goes in once" in hint
 
-    result, hint = failure("ex01.3", loop(feed_last_back=True, room=0))  # one call too many
+    result, hint = failure("ex01.3", loop(feed_last_back=True, room=0), MHA_RUN)  # one call too many
     assert "calls of [3, 1, 1, 1, 1, '...'] tokens (15 in all)" in result.message, result.message
     assert "never fed back" in hint
 
-    result, hint = failure("ex01.3", loop(first_decode_position=1, room=0))  # decode starts at P + 1
+    result, hint = failure("ex01.3", loop(first_decode_position=1, room=0), MHA_RUN)  # decode starts at P + 1
     assert "next position (P, P+1, ...)" in hint, result.message
 
-    result, hint = failure("ex01.3", loop(room=-2))  # a cache one position short
+    result, hint = failure("ex01.3", loop(room=-2), MHA_RUN)  # a cache one position short
     assert "does not fit a cache of max_len=13" in result.message and "never fed back" in hint, result.message
 
 
@@ -141,8 +148,8 @@ def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
     (lambda m, t, p, c: m(t, p, c.plan(p)), "a plan carries its positions"),
 ])
 def test_ex01_3_the_forward_call_written_wrongly_is_explained(call, says):
-    result = run_cases(get("ex01.3"), loop(call))
-    assert result.status == FAILED and says in result.message, result.message
+    result, _ = failure("ex01.3", loop(call), MHA_RUN)  # the error says what to do; the case's hint does not
+    assert f"case 1 ({MHA_RUN}, 12 new tokens): raised " in result.message and says in result.message, result.message
 
 
 def test_a_step_that_scales_the_query_in_place_fails(root):

@@ -75,6 +75,11 @@ def test_ex07_2_an_error_inside_the_kernel_names_its_line(root):
                                                                    "mask=(keys[:, None] < S) & (dims[None, :]"),
                                               "flash_attention_kernel"))
     assert result.status == FAILED and "of your flash_attention_kernel; raised in" in result.message, result.message
+    # the first case fails, at tl.dot(q, k_t); its hint names the shapes of the loads too
+    assert result.failed_case == WHOLE_TILES + ", not causal: whole tiles, nothing to mask", result.message
+    assert f"case 1 ({WHOLE_TILES}, not causal: whole tiles, nothing to mask): raised " in result.message
+    assert "An error in tl.dot about its dimensions is a load's shape: the keys' tile is loaded transposed" in \
+        result.message, result.message
 
 
 def test_labkits_own_kernel_is_refused_though_triton_wraps_it():

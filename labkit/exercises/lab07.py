@@ -106,7 +106,9 @@ def _kernel_cases() -> list[Scenario]:
          "no score is masked here, so this case tests the update alone. The scores are in log2 units (scaled "
          "by scale_log2e): alpha and p are tl.exp2 of differences, not tl.exp. The running state goes from "
          "one tile to the next: l_i and acc multiplied by alpha before the tile's terms are added, and m_i, "
-         "l_i and acc set to their new values at the end of each step"),
+         "l_i and acc set to their new values at the end of each step. An error in tl.dot about its dimensions "
+         "is a load's shape: the keys' tile is loaded transposed, [head dim, keys] (dims down, keys across), "
+         "so that tl.dot(q, k_t) is [queries, keys], while the values' tile is [keys, head dim]"),
         ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
          "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
          "loads (other=0.0), the key load and the value load"),
