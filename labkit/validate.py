@@ -28,11 +28,12 @@ def option_in(kind: type, low: float, high: float = math.inf, above: bool = Fals
             value = kind(text)
         except ValueError:
             value = None
-        if (value is None or not math.isfinite(value)  # nan and inf too
+        if (value is None or (isinstance(value, float) and not math.isfinite(value))  # nan and inf; any int compares
                 or not (low < value if above else low <= value) or not value <= high):
             where = f"more than {low}" if above else f"of at least {low}"
             where += f" and at most {high}" if high < math.inf else ""
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'} {where}")
+            kind_name = "an int" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind_name} {where}")
         return value
     return parse
 

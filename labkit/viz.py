@@ -1,4 +1,4 @@
-"""Plots shared by the notebooks. Each returns its matplotlib Figure."""
+"""Plots shared by the notebooks. Each plot_ function returns its matplotlib Figure; plain_log numbers axes."""
 from __future__ import annotations
 
 import html

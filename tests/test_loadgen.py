@@ -384,9 +384,9 @@ def test_command_line_end_to_end(server, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, complaint", [
     (["--requests", "0", "--rate", "1"], "--requests: '0' is not an int of at least 1"),
-    (["--requests", "4", "--rate", "0"], "--rate: '0' is not a number more than 0.0"),
-    (["--requests", "4", "--rate", "nan"], "--rate: 'nan' is not a number more than 0.0"),
-    (["--requests", "4", "--rate", "inf"], "--rate: 'inf' is not a number more than 0.0"),  # arrivals all NaN
+    (["--requests", "4", "--rate", "0"], "--rate: '0' is not a finite number more than 0.0"),
+    (["--requests", "4", "--rate", "nan"], "--rate: 'nan' is not a finite number more than 0.0"),
+    (["--requests", "4", "--rate", "inf"], "--rate: 'inf' is not a finite number more than 0.0"),  # arrivals all NaN
     (["--requests", "4", "--rate", "2", "--json", "/tmp"], "--json /tmp: a folder"),
     (["--requests", "4", "--concurrency", "0"], "--concurrency: '0' is not an int of at least 1"),
     (["--requests", "4", "--rate", "2", "--max-tokens", "4"], "--min-tokens 16 is more than --max-tokens 4"),

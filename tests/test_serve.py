@@ -426,7 +426,8 @@ def test_an_engine_failure_is_an_openai_error_and_the_next_request_is_served(tin
     (["--max-num-seqs", "0"], "--max-num-seqs: '0' is not an int of at least 1"),
     (["--num-blocks", "1.5"], "--num-blocks: '1.5' is not an int of at least 1"),
     (["--port", "70000"], "--port: '70000' is not an int of at least 0 and at most 65535"),
-    (["--drain", "-1"], "--drain: '-1' is not a number of at least 0.0"),
+    (["--port", "9" * 400], "is not an int of at least 0 and at most 65535"),  # past a float: compared as an int
+    (["--drain", "-1"], "--drain: '-1' is not a finite number of at least 0.0"),
     (["--api-key", ""], "an empty key would let every request in"),  # "$KEY" with KEY unset: no check at all
 ])
 def test_the_command_line_refuses_bad_settings_by_name_before_anything_starts(argv, complaint, capsys):

@@ -74,7 +74,7 @@ def build(verbose: bool = False) -> None:
     """Compile (or load the cached build of) the operator, once per process; RuntimeError, saying
     why, where it cannot be built."""
     cpp_build.build_operator(NAME, SOURCE, "int4_matmul", "C++ INT4 matmul operator",
-                             "QuantLinear runs without it: it dequantizes in PyTorch", verbose)
+                             "QuantLinear runs without it", verbose)
 
 
 def int4_matmul_cpu(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int) -> Tensor:
