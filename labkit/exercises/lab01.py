@@ -105,7 +105,7 @@ def _generate_cases() -> list[Case]:
         ("MHA random model, 3-token prompt, 12 new tokens", random_model(4, 4, seed=0), [5, 17, 3], 12,
          "the prompt goes in once, at positions 0..P-1, and its last logits give the first new token; then each call "
          "feeds only the newest token, at the next position (P, P+1, ...): N new tokens take N calls, because the "
-         "last new token is never fed back"),
+         "last new token is never fed back, so the cache holds P + N - 1 positions, not fewer"),
         ("GQA random model, 1-token prompt, 20 new tokens", random_model(8, 2, seed=1), [42], 20,
          "a one-token prompt: the prefill is a single token at position 0, and the first decode step's token sits at "
          "position 1; the cache must have room for every position the model is fed"),
