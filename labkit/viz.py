@@ -20,6 +20,9 @@ from labkit.parallel.pipeline import Piece, bubble_fraction, measured_bubble
 from labkit.tree import check_tree, children, tree_mask
 
 
+HATCH_LABEL_BOX = dict(fc="white", ec="none", pad=0.5)  # behind a label on a hatched patch: no hatch through it
+
+
 def plain_log(*axes, subs: Sequence[float] = (1, 2, 5)) -> None:
     """Number log-scale axes (``ax.xaxis``, ``ax.yaxis``) at ``subs`` times each power of ten (1, 2, 5,
     10, 20, ...) as plain numbers, not powers of ten."""
@@ -100,7 +103,7 @@ def plot_block_pool(tables: Mapping[Hashable, Sequence[int]], states: Sequence[s
                                hatch="///" if state == "shared" else None))
         label = f"{block}\n×{shared[block]}" if state == "shared" else str(block)
         ax.text(col + 0.46, -row + 0.46, label, ha="center", va="center", fontsize=7,
-                bbox=dict(fc="white", ec="none", pad=0.5) if state == "shared" else None)  # no hatch through it
+                bbox=HATCH_LABEL_BOX if state == "shared" else None)
     handles = [Patch(facecolor=colour_of(seq), edgecolor="0.3", label=str(seq)) for seq in tables]
     for state, style, label in [("shared", dict(facecolor="white", hatch="///"), "shared (×holders)"),
                                 ("cached", dict(facecolor="0.8"), "cached (free)")]:
@@ -184,7 +187,7 @@ def plot_pipeline_timeline(timeline: Sequence[Piece], title: str = "", ax: Axes 
                 lw=0, hatch="////" if decoding and p.step == 0 else None, edgecolor="white")
         if p.end - p.start > (end - begin) / 60:  # a label only where it fits
             ax.text((p.start + p.end) / 2, p.rank, str(p.micro_batch), ha="center", va="center", fontsize=7,
-                    bbox=dict(fc="white", ec="none", pad=0.5) if decoding and p.step == 0 else None)  # over the hatch
+                    bbox=HATCH_LABEL_BOX if decoding and p.step == 0 else None)
     micro_batches = sorted({p.micro_batch for p in timeline})
     prefill = [p for p in timeline if p.step == 0]
     measured, formula = measured_bubble(prefill, ranks), bubble_fraction(ranks, len(micro_batches))
