@@ -8,7 +8,8 @@
    eager decode step on the contiguous cache (``generate.decode_step``: what every earlier
    notebook times), the same step eager on the static cache, the static step compiled
    (``labkit.compile``; on CUDA ``mode="reduce-overhead"``), on a CPU compiled ahead of time
-   (``labkit.aot``: no guard check and no Python wrapper left) and, on CUDA, recorded by hand as
+   (``labkit.aot``: no guard check and no Python wrapper left), once with the library's matrix
+   products and once with products Inductor generates (``labkit.row_products``) and, on CUDA, recorded by hand as
    a CUDA graph (``labkit.cuda_graphs``), eager and compiled (``compile.graphed_compiled_step``:
    Inductor's fused kernels with neither guards nor wrapper). Each step's bytes (weights, KV read
    and written: ``cost.forward_bytes``) over its median time, against a copy of that many bytes
@@ -18,8 +19,8 @@
    CPU, the same for the step compiled ahead of time, whose second build loads a package).
    With ``--profile``, each step's time split by kind under ``torch.profiler``: matrix products,
    attention, TorchDynamo's guard check, Inductor's generated code, the rest.
-3. Greedy output of 64 tokens: eager, compiled, (CPU) compiled ahead of time and (CUDA) graphed
-   must be identical.
+3. Greedy output of 64 tokens: eager, compiled, (CPU) compiled ahead of time, both ways, and
+   (CUDA) graphed must be identical.
 4. On CUDA only: the engine, eager against CUDA graphs per batch bucket (32 requests at once);
    and ``--shape`` (random weights, bf16): eager against graphed decode and the fraction of the
    datasheet bandwidth, notebook 01's naive against cached generation of ``--new-tokens``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import subprocess
 import sys
@@ -41,7 +43,7 @@ import torch  # noqa: E402
 
 import labkit
 from labkit import cost
-from labkit.aot import AOTStep
+from labkit.aot import PRODUCTS, AOTStep, aot_step
 from labkit.bench import alternate, format_seconds
 from labkit.compile import (cache_dir, compiler_problem, eager_step, failure_line, graphed_compiled_step,
                             inductor_start_up, one_row_cache, static_decoder)
@@ -65,10 +67,13 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     steps = {"eager static": lambda: eager(tokens, positions), "compiled": lambda: compiled(tokens, positions)}
     built = {"compile_s": getattr(compiled, "compile_s", float("nan"))}
     if model.device.type == "cpu":
-        _, ahead = static_decoder(model, context + 1, ahead_of_time=True)
-        steps["ahead of time"] = lambda: ahead(tokens, positions)
-        built["aot"] = ("; ahead of time: could not build, the row runs eagerly" if not isinstance(ahead, AOTStep) else
-                        f"; ahead of time {ahead.build_s:.1f} s" + (" (its package, from disk)" * ahead.from_disk))
+        built["aot"] = ""
+        for products in PRODUCTS:
+            ahead = aot_step(model, one_row_cache(model, context + 1), products=products)
+            steps[f"ahead of time, {products}"] = functools.partial(ahead, tokens, positions)
+            built["aot"] += (f"; ahead of time, {products}: " + ("could not build, the row runs eagerly"
+                             if not isinstance(ahead, AOTStep) else f"{ahead.build_s:.1f} s" +
+                             (" (its package, from disk)" * ahead.from_disk)))
     if graphs:
         _, graphed = static_decoder(model, context + 1, use_cuda_graphs=True)
         steps["CUDA graph"] = lambda: graphed(tokens, positions)
@@ -109,7 +114,7 @@ def profile_split(steps: dict, device: torch.device, calls: int = 50) -> None:
         split = dict.fromkeys([*KINDS, "rest"], 0.0)
         for row in prof.key_averages():
             split[kind_of(row.key)] += (row.self_device_time_total if gpu else row.self_cpu_time_total) / calls / 1e3
-        print(f"  {label:<18}{'GPU busy' if gpu else 'CPU'} {sum(split.values()):.3f} ms per step: " +
+        print(f"  {label:<{LABEL}}{'GPU busy' if gpu else 'CPU'} {sum(split.values()):.3f} ms per step: " +
               ", ".join(f"{k} {v:.3f}" for k, v in split.items() if v or k == "rest"))
 
 
@@ -126,6 +131,9 @@ def reference_bandwidth(device: torch.device, step_bytes: float) -> tuple[float,
     return measure_bandwidth(device, int(step_bytes) // 2, repeats=20), f"copy of {step_bytes / 1e6:.0f} MB"
 
 
+LABEL = 26  # the width of a row's label
+
+
 def time_model(name: str, model: Transformer, context: int, repeats: int, profiled: bool = False) -> None:
     device, config = model.device, model.config
     built = static_steps(model, context, device.type == "cuda")
@@ -137,23 +145,25 @@ def time_model(name: str, model: Transformer, context: int, repeats: int, profil
     base = timings["eager contiguous"].median_s
     print(f"\n{name}: {model.num_parameters():,} parameters, {str(model.dtype)[6:]}, context {context}, "
           f"{step_bytes / 1e6:.1f} MB per step; compile {built['compile_s']:.1f} s{built.get('aot', '')}")
-    print(f"{'':<18}{'median':>10}{'min':>10}{'tokens/s':>10}{'speedup':>9}{'of bound':>10}   bound: "
+    print(f"{'':<{LABEL}}{'median':>10}{'min':>10}{'tokens/s':>10}{'speedup':>9}{'of bound':>10}   bound: "
           f"{against}, {bandwidth / 1e9:.0f} GB/s")
     for label, t in timings.items():
-        print(f"{label:<18}{format_seconds(t.median_s):>10}{format_seconds(t.min_s):>10}{1 / t.median_s:>10.0f}"
+        print(f"{label:<{LABEL}}{format_seconds(t.median_s):>10}{format_seconds(t.min_s):>10}{1 / t.median_s:>10.0f}"
               f"{base / t.median_s:>8.2f}x{step_bytes / t.median_s / bandwidth:>10.2f}" + ("  (noisy)" * t.noisy))
     if profiled:
         print("where the time goes (ms per step, under the profiler, which slows what it records):")
-        profile_split({label: step for label, step in steps.items() if label != "ahead of time"}, device)
-        if "ahead of time" in steps:
-            print("  ahead of time     one call into its library, whose operators the profiler does not see")
+        profile_split({label: step for label, step in steps.items() if not label.startswith("ahead")}, device)
+        if any(label.startswith("ahead") for label in steps):
+            print(f"  {'ahead of time':<{LABEL}}one call into its library, whose operators the profiler does not see")
 
 
 def same_output(model: Transformer, prompt: list[int]) -> str:
     params = SamplingParams(max_new_tokens=64, stop_at_eos=False)
     runs = {"compiled": lambda: list(stream(model, prompt, params, compiled=True))}
     if model.device.type == "cpu":
-        runs["ahead of time"] = lambda: ahead_of_time_greedy(model, prompt, params.max_new_tokens)
+        for products in PRODUCTS:
+            runs[f"ahead of time, {products}"] = functools.partial(ahead_of_time_greedy, model, prompt,
+                                                                   params.max_new_tokens, products)
     if model.device.type == "cuda":
         runs["graphed"] = lambda: list(stream(model, prompt, params, use_cuda_graphs=True))
         runs["compiled + graph"] = lambda: graphed_compiled_greedy(model, prompt, params.max_new_tokens)
@@ -169,12 +179,12 @@ def _agreement(run, eager: list[int]) -> str:
         return f"failed ({failure_line(error)})"
 
 
-def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens with decode steps compiled ahead of time (``labkit.aot``), as
+def ahead_of_time_greedy(model: Transformer, prompt: list[int], new_tokens: int, products: str) -> list[int]:
+    """Greedy tokens with decode steps compiled ahead of time (``labkit.aot``) with ``products``, as
     ``stream(compiled=True)`` does with ``labkit.compile`` (``stream`` does not offer this step:
     each build keeps its cache for the life of the process)."""
-    return greedy_with(model, prompt, new_tokens, *static_decoder(model, len(prompt) + new_tokens,
-                                                                  ahead_of_time=True))
+    cache = one_row_cache(model, len(prompt) + new_tokens)
+    return greedy_with(model, prompt, new_tokens, cache, aot_step(model, cache, products=products))
 
 
 def graphed_compiled_greedy(model: Transformer, prompt: list[int], new_tokens: int) -> list[int]:
@@ -289,8 +299,8 @@ def main() -> None:
         if not args.skip_cold:
             cold, warm = compile_times(name, device)
             print(f"compile in a fresh process: {cold[0]:.1f} s with an empty inductor cache, {warm[0]:.1f} s "
-                  "with the first one's code on disk" + (f"; ahead of time {cold[1]:.1f} s, then {warm[1]:.2f} s "
-                                                         "(its package)" if len(cold) > 1 else ""))
+                  "with the first one's code on disk" + (f"; ahead of time (both products, timed) {cold[1]:.1f} s, "
+                                                         f"then {warm[1]:.2f} s (their packages)" if len(cold) > 1 else ""))
     if device.type == "cuda":
         gpu_scale(args.shape, args.new_tokens, args.repeats, args.profile)
 

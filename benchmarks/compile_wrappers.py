@@ -11,7 +11,9 @@ For each model, timed alternately at batch 1 after ``--context`` cached tokens:
 - the same with the guard check skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``:
   unsafe in general, since a model of other modules would run this graph without a check; the
   row pays for entering and leaving that stance at each call, a few microseconds);
-- compiled ahead of time (``labkit.aot``): no TorchDynamo at all.
+- compiled ahead of time (``labkit.aot``): no TorchDynamo at all; with the library's matrix
+  products, as every other row has (its products written by Inductor instead are
+  ``benchmarks/compile.py``'s and ``benchmarks/row_products.py``'s subject).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def time_model(name: str, context: int, repeats: int) -> None:
     steps = {"compiled": compile_step(model, cache()),
              "C++ wrapper": cpp_wrapped(model, cache(), skip_guards=False),
              "C++ wrapper, no guards": cpp_wrapped(model, cache(), skip_guards=True),
-             "ahead of time": aot_step(model, cache())}
+             "ahead of time": aot_step(model, cache(), products="library")}
     timings = alternate({"eager": decode_step(model, context),
                          **{label: (lambda s=step: s(tokens, positions)) for label, step in steps.items()}},
                         warmup=5, repeats=repeats)

@@ -17,7 +17,7 @@ steps, rotary positions and attention included, against the eager step.
 - The library reads the model's own weights and writes the cache's own tensors: each is handed to
   it as a user-managed constant (a pointer, no copy), and the package holds none of them. So the
   eager prefill and the compiled steps share one cache, as with ``labkit.compile``, and a weight
-  updated in place is seen. A weight given new memory (``model.to``, ``p.data = ...``) makes the
+  updated in place is seen (with the library's products; see below for Inductor's own). A weight given new memory (``model.to``, ``p.data = ...``) makes the
   step refuse to run; one replaced by a new tensor object (``load_state_dict(assign=True)``) is
   not seen: build the step again. torch's runtime keeps the tensors it was handed alive for the
   rest of the process, so build a step once and reuse it, as an engine does (which is why
@@ -31,12 +31,20 @@ steps, rotary positions and attention included, against the eager step.
   modules the step's code comes from. A later build with the same key loads it instead, and
   builds it again if it cannot be loaded or disagrees with eager. The folder keeps the
   ``KEEP`` packages used last.
+- The matrix products, two ways (``products``). ``"library"``: as ``torch.compile`` leaves them,
+  calls into the BLAS library on the model's own weights. ``"generated"``: each one-row product
+  rewritten into a loop Inductor generates (``labkit.row_products``), reading copies of the
+  projection weights laid out by rows, which the step holds (a second copy of those weights in
+  memory; an update in place of the model's weight is then not seen by the step). Which is faster
+  depends on the CPU, so the default, ``"faster"``, builds both, times them, and keeps the faster
+  (``AOTStep.timings``; the other's library stays loaded, holding what it was handed).
 - CPU only. On a GPU, CUDA graphs remove the same costs and the kernel launches besides
   (``labkit.cuda_graphs``, or ``torch.compile``'s ``mode="reduce-overhead"``).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import os
@@ -46,22 +54,27 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from labkit import compile as compile_code, model as model_code, quant as quant_code
+from labkit import compile as compile_code, model as model_code, quant as quant_code, row_products as row_products_code
 from labkit import static_cache as static_cache_code, validate as validate_code
-from labkit.compile import Step, cache_dir, compiler_problem, decode_static, eager_step, failure_line
+from labkit.bench import alternate
+from labkit.compile import Step, cache_dir, compiler_problem, eager_step, failure_line
 from labkit.device import device_name
 from labkit.kernels import int4_linear as int4_code
 from labkit.model import Transformer
+from labkit.row_products import OneRowProducts, row_major_copies
 from labkit.static_cache import StaticKVCache
 
 # the modules a step's graph comes from, this one included (the export's arguments)
-SOURCES = (model_code, static_cache_code, compile_code, quant_code, int4_code, validate_code, sys.modules[__name__])
+SOURCES = (model_code, static_cache_code, compile_code, quant_code, int4_code, validate_code, row_products_code,
+           sys.modules[__name__])
+PRODUCTS = ("library", "generated")  # how a step's matrix products are made (see the docstring)
+TIMED_STEPS = 20  # steps of each kind a "faster" build times, alternately, to choose
 KEEP = 16  # packages kept in a folder, the ones used last
 CHECKED_POSITIONS = 2  # steps the build's check runs: position 0, then 1 (rotation, and attention over two slots)
 _LOADING = threading.Lock()  # held while TMPDIR points at a load's own folder: one load at a time
@@ -69,12 +82,19 @@ _LOADING = threading.Lock()  # held while TMPDIR points at a load's own folder: 
 
 class DecodeModule(nn.Module):
     """The decode step as a module whose parameters are the model's weights and whose buffers are
-    the cache's tensors and the rotary table: what ``torch.export`` captures, the cache as state
-    the step writes."""
+    the cache's tensors and the rotary table (and, for generated products, the weights' copies laid
+    out by rows, which stand in for the model's in its projections): what ``torch.export`` captures,
+    the cache as state the step writes."""
 
-    def __init__(self, model: Transformer, cache: StaticKVCache) -> None:
+    def __init__(self, model: Transformer, cache: StaticKVCache, products: str = "library") -> None:
         super().__init__()
-        self.model, self.cache = model, cache
+        if products not in PRODUCTS:
+            raise ValueError(f"products={products!r}: choose one of {PRODUCTS}")
+        self.model, self.cache, self.products = model, cache, products
+        copies = row_major_copies(model) if products == "generated" else {}
+        self.by_rows = {name: f"rows{i}" for i, name in enumerate(copies)}  # a weight's name -> its copy's
+        for name, copy in copies.items():
+            self.register_buffer(self.by_rows[name], copy, persistent=False)
         for i, (k, v) in enumerate(zip(cache.k, cache.v)):
             self.register_buffer(f"k{i}", k, persistent=False)
             self.register_buffer(f"v{i}", v, persistent=False)
@@ -87,8 +107,10 @@ class DecodeModule(nn.Module):
         cache = self.cache.with_tensors([getattr(self, f"k{i}") for i in layers],
                                         [getattr(self, f"v{i}") for i in layers], self.key_slots, self.rows)
         table, self.model.rope = self.model.rope, self.rope  # traced as this module's buffer, not baked in
-        try:
-            return decode_static(self.model, cache, tokens, positions)
+        weights = {name: getattr(self, copy) for name, copy in self.by_rows.items()}
+        try:  # decode_static's call, the copies standing in for the model's weights (a tied one under both names)
+            return torch.func.functional_call(self.model, weights, (tokens,), {"plan": cache.plan(positions)},
+                                              tie_weights=True, strict=False)
         finally:
             self.model.rope = table
 
@@ -111,6 +133,12 @@ class AOTStep:
     from_disk: bool
     handed: list[tuple[Tensor, int]]  # what the library was given, and where its memory was
     build_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # a "faster" build's median seconds per step, by products
+
+    @property
+    def products(self) -> str:
+        """How this step's matrix products are made: ``"library"`` or ``"generated"``."""
+        return self.module.products
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         shape = (self.module.cache.batch_size, 1)
@@ -126,10 +154,11 @@ class AOTStep:
             return self.runner(tokens.contiguous(), positions.contiguous())
 
 
-def package_key(model: Transformer, cache: StaticKVCache) -> str:
+def package_key(module: DecodeModule) -> str:
     """What a package depends on, hashed: a package built under another key may compute something else."""
-    layout = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in DecodeModule(model, cache).state().items()]
-    parts = (str(model), repr(model.config), layout, device_name("cpu"), torch.backends.cpu.get_cpu_capability(),
+    model = module.model
+    layout = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in module.state().items()]
+    parts = (str(model), repr(model.config), module.products, layout, device_name("cpu"), torch.backends.cpu.get_cpu_capability(),
              torch.__version__, [inspect.getsource(code) for code in SOURCES])  # device_name: the CPU and threads
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -139,8 +168,10 @@ def _export_and_compile(module: DecodeModule, path: Path) -> None:
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own, in export
         program = torch.export.export(module, (tokens, torch.full_like(tokens, -1)), strict=False)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        configs = {"aot_inductor.package_constants_in_so": False}
+        if module.products == "generated":
+            configs["post_grad_custom_post_pass"] = OneRowProducts()
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
 
 
 def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
@@ -231,7 +262,7 @@ def _prune(folder: Path) -> None:
 
 def _build(module: DecodeModule, folder: Path) -> AOTStep:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{package_key(module.model, module.cache)}.pt2"
+    path = folder / f"{package_key(module)}.pt2"
     if step := _from_disk(module, path):
         return step
     start = time.perf_counter()
@@ -249,21 +280,60 @@ def _build(module: DecodeModule, folder: Path) -> AOTStep:
     return step
 
 
-def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None = None) -> AOTStep | Step:
+def _faster(steps: list[AOTStep]) -> AOTStep:
+    """The step that ran faster, ``TIMED_STEPS`` of each timed alternately on padding (which
+    writes only the cache's spare slot), with every step's median in its ``timings``."""
+    batch = steps[0].module.cache.batch_size
+    tokens = torch.zeros(batch, 1, dtype=torch.long)
+    positions = torch.full_like(tokens, -1)
+    timed = alternate({step.products: functools.partial(step, tokens, positions) for step in steps},
+                      warmup=3, repeats=TIMED_STEPS, device="cpu")
+    best = min(steps, key=lambda step: timed[step.products].median_s)
+    best.timings = {products: timing.median_s for products, timing in timed.items()}
+    return best
+
+
+def _build_each(model: Transformer, cache: StaticKVCache, folder: Path, kinds: tuple[str, ...]) -> list[AOTStep]:
+    """A step for each kind of products that builds; a warning for each that does not, which
+    says what runs instead (the eager step when none builds)."""
+    steps, failures = [], []
+    for kind in kinds:
+        try:
+            steps.append(_build(DecodeModule(model, cache, kind), folder))
+        except Exception as error:  # export and Inductor raise many kinds; each is said, and the other kind kept
+            failures.append(f"{failure_line(error)}" + f" ({kind} products)" * (len(kinds) > 1))
+    if failures and not steps:
+        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {'; '.join(failures)}", stacklevel=3)
+    elif failures:
+        warnings.warn(f"compiling ahead of time failed with one kind of products, so the step keeps the "
+                      f"{steps[0].products} products: {failures[0]}", stacklevel=3)
+    return steps
+
+
+def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None = None,
+             products: str = "faster") -> AOTStep | Step:
     """The one-token decode step of ``model`` on ``cache``, compiled ahead of time, its package
-    kept in ``folder`` (default: ``labkit_aot`` in Inductor's cache folder). Where it cannot be
-    built (no C++ compiler, or the export, the compiler or the check fails), a warning says why and
-    the eager step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
+    kept in ``folder`` (default: ``labkit_aot`` in Inductor's cache folder), its matrix products
+    made by the library, ``"generated"`` by Inductor, or (``"faster"``) both ways and the faster
+    kept, whose ``build_s`` then counts both builds and the timing. Where it cannot be built (no C++
+    compiler, or the export, the compiler or the check fails), a warning says why and the eager
+    step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
     if model.device.type != "cpu":
         raise ValueError(f"aot_step compiles for a CPU; on {model.device} use CUDA graphs "
                          "(labkit.cuda_graphs, or labkit.compile, whose mode records them on a GPU)")
+    if products not in (*PRODUCTS, "faster"):
+        raise ValueError(f"products={products!r}: choose one of {(*PRODUCTS, 'faster')}")
     model.check_cache(cache)
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
         return eager_step(model, cache)
     folder = Path(folder) if folder is not None else Path(cache_dir()) / "labkit_aot"
-    try:
-        return _build(DecodeModule(model, cache), folder)
-    except Exception as error:  # export and Inductor raise many kinds; each leaves the eager step, said
-        warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {failure_line(error)}", stacklevel=2)
+    start = time.perf_counter()
+    steps = _build_each(model, cache, folder, PRODUCTS if products == "faster" else (products,))
+    if not steps:
         return eager_step(model, cache)
+    if len(steps) == 1:
+        return steps[0]
+    best = _faster(steps)
+    best.build_s, best.from_disk = time.perf_counter() - start, all(step.from_disk for step in steps)
+    return best

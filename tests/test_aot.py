@@ -42,6 +42,11 @@ def _padding() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.full_like(tokens, -1)
 
 
+def _library_step(model: Transformer, cache: StaticKVCache, folder=None):
+    """A step whose matrix products are the library's: it reads the model's own weights."""
+    return aot.aot_step(model, cache, folder, products="library")
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("aot")
@@ -50,7 +55,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(folder):
     model = _model(0)
-    return model, aot.aot_step(model, _cache(), folder)
+    return model, _library_step(model, _cache(), folder)
 
 
 def test_the_step_gives_the_eager_logits_and_writes_its_own_cache(built):
@@ -75,7 +80,7 @@ def test_a_build_leaves_a_filled_cache_as_it_was_and_decodes_after_an_eager_pref
     for c in (cache, reference):
         forward = model(prompt, plan=c.plan(torch.arange(3).expand(2, 3)))
     before = [t.clone() for t in cache.k + cache.v]
-    step = aot.aot_step(model, cache, folder)
+    step = _library_step(model, cache, folder)
     assert step.from_disk and all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, before))
     eager = eager_step(model, reference)
     tokens = forward[:, -1:].argmax(-1)
@@ -92,7 +97,7 @@ import os, signal, sys
 sys.path.insert(0, {tests!r})
 from labkit import aot
 from test_aot import _cache, _model
-step = aot.aot_step(_model(0), _cache(), {folder!r})
+step = aot.aot_step(_model(0), _cache(), {folder!r}, products="library")
 assert step.from_disk, "built again"
 print(sorted(os.listdir(os.environ["TMPDIR"])), flush=True)  # what the load left
 os.kill(os.getpid(), signal.SIGKILL)  # as a notebook's kernel is stopped: no destructor runs
@@ -114,7 +119,7 @@ def test_loading_leaves_no_unpacked_package_behind_even_in_a_process_killed_afte
 
 def test_tied_embeddings_are_read_under_both_names(folder):
     model = _model(4)
-    step = aot.aot_step(model, _cache(), folder)
+    step = _library_step(model, _cache(), folder)
     assert step.from_disk and model.lm_head.weight is model.embed.weight
     with torch.no_grad():
         model.embed.weight.mul_(3)  # the LM head too: one tensor
@@ -123,7 +128,7 @@ def test_tied_embeddings_are_read_under_both_names(folder):
 
 def test_a_model_of_the_same_shapes_loads_the_package_and_computes_with_its_own_weights(built, folder):
     other = _model(1)
-    step = aot.aot_step(other, _cache(), folder)
+    step = _library_step(other, _cache(), folder)
     assert step.from_disk and step.path == built[1].path
     eager = eager_step(other, _cache())
     for tokens, positions in _steps():
@@ -132,7 +137,7 @@ def test_a_model_of_the_same_shapes_loads_the_package_and_computes_with_its_own_
 
 def test_a_weight_updated_in_place_is_seen(folder):
     model = _model(2)
-    step = aot.aot_step(model, _cache(), folder)
+    step = _library_step(model, _cache(), folder)
     before = step(*_padding()).clone()
     with torch.no_grad():
         model.norm.weight.mul_(2)
@@ -156,28 +161,28 @@ def test_a_package_whose_attention_disagrees_with_the_eager_step_is_removed(buil
     monkeypatch.setattr(static_cache, "attention", lambda *args: 2 * attention(*args))
     _no_builds(monkeypatch)
     with pytest.warns(UserWarning, match="no build in this test"):
-        step = aot.aot_step(_model(0), _cache(), tmp_path)
+        step = _library_step(_model(0), _cache(), tmp_path)
     assert not isinstance(step, aot.AOTStep) and not list(tmp_path.iterdir())
 
 
 def test_a_corrupt_package_is_removed_not_loaded(tmp_path, monkeypatch):
-    path = tmp_path / f"{aot.package_key(_model(0), _cache())}.pt2"
+    path = tmp_path / f"{aot.package_key(aot.DecodeModule(_model(0), _cache()))}.pt2"
     path.write_bytes(b"PK\x03\x04 cut short")
     _no_builds(monkeypatch)
     with pytest.warns(UserWarning, match="no build in this test"):
-        aot.aot_step(_model(0), _cache(), tmp_path)
+        _library_step(_model(0), _cache(), tmp_path)
     assert not path.exists()
 
 
 def test_a_weight_given_new_memory_makes_the_step_refuse(folder):
     model = _model(3)
-    step = aot.aot_step(model, _cache(), folder)
+    step = _library_step(model, _cache(), folder)
     step(*_padding())
     model.norm.weight.data = model.norm.weight.data.clone()
     with pytest.raises(RuntimeError, match="new memory since it was built .* build the step again"):
         step(*_padding())
     model = _model(3)
-    step = aot.aot_step(model, _cache(), folder)
+    step = _library_step(model, _cache(), folder)
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match="new memory"):
         step(*_padding())
@@ -200,22 +205,27 @@ def test_other_shapes_and_dtypes_are_refused_naming_the_ones_compiled_for(built)
         step(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int32))
 
 
+def _key(model: Transformer, cache: StaticKVCache, products: str = "library") -> str:
+    return aot.package_key(aot.DecodeModule(model, cache, products))
+
+
 def test_the_key_holds_what_the_package_depends_on_and_not_the_weights():
-    key = aot.package_key(_model(0), _cache())
-    assert aot.package_key(_model(1), _cache()) == key
-    assert aot.package_key(_model(0), StaticKVCache(CONFIG, 1, LENGTH)) != key
-    assert aot.package_key(_model(0), StaticKVCache(CONFIG, BATCH, 2 * LENGTH)) != key
-    assert aot.package_key(_model(0).to(torch.float64), StaticKVCache(CONFIG, BATCH, LENGTH, torch.float64)) != key
-    assert aot.package_key(_model(0), StaticKVCache(CONFIG, BATCH, LENGTH, torch.bfloat16)) != key  # the cache's dtype
+    key = _key(_model(0), _cache())
+    assert _key(_model(1), _cache()) == key
+    assert _key(_model(0), StaticKVCache(CONFIG, 1, LENGTH)) != key
+    assert _key(_model(0), StaticKVCache(CONFIG, BATCH, 2 * LENGTH)) != key
+    assert _key(_model(0).to(torch.float64), StaticKVCache(CONFIG, BATCH, LENGTH, torch.float64)) != key
+    assert _key(_model(0), StaticKVCache(CONFIG, BATCH, LENGTH, torch.bfloat16)) != key  # the cache's dtype
     transposed = _model(0)
     weight = transposed.blocks[0].attn.wqkv.weight
     flipped = weight.data.contiguous() if not weight.is_contiguous() else weight.data.t().contiguous().t()
     weight.data = flipped  # the same values in the other memory order: other strides
-    assert aot.package_key(transposed, _cache()) != key
+    assert _key(transposed, _cache()) != key
+    assert _key(_model(0), _cache(), "generated") != key  # and the products
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert aot.package_key(_model(0), _cache()) != key  # a library built for one thread has no parallel loops
+        assert _key(_model(0), _cache()) != key  # a library built for one thread has no parallel loops
     finally:
         torch.set_num_threads(threads)
 
@@ -228,7 +238,7 @@ def test_a_gpu_model_is_refused_pointing_to_cuda_graphs():
 def test_without_a_compiler_the_step_runs_eagerly_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(aot, "compiler_problem", lambda device: "no C++ compiler was found")
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
-        step = aot.aot_step(_model(0), _cache(), tmp_path)
+        step = _library_step(_model(0), _cache(), tmp_path)
     assert not isinstance(step, aot.AOTStep)
     torch.testing.assert_close(step(*_padding()), eager_step(_model(0), _cache())(*_padding()))
 
@@ -240,7 +250,7 @@ def test_a_failed_build_runs_eagerly_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(aot, "_export_and_compile", fail)
     with pytest.warns(UserWarning, match="compiling ahead of time failed, so the step runs eagerly: "
                                          "RuntimeError: the linker ran out of disk"):
-        step = aot.aot_step(_model(0), _cache(), tmp_path)
+        step = _library_step(_model(0), _cache(), tmp_path)
     assert not isinstance(step, aot.AOTStep) and not list(tmp_path.iterdir())
 
 
@@ -277,3 +287,43 @@ def test_a_draft_compiled_ahead_of_time_drafts_what_the_eager_draft_does():
     step = drafters["ahead of time"].step
     assert isinstance(step, aot.AOTStep) and rounds["ahead of time"] == rounds["eager"]
     assert any(0 < r.accepted < 4 for r in rounds["eager"]), "no round rolled back: the test would not cover it"
+
+
+def test_generated_products_give_the_eager_logits_from_copies_of_the_weights_laid_out_by_rows(built, folder):
+    model = built[0]
+    step = aot.aot_step(model, _cache(), folder, products="generated")
+    assert isinstance(step, aot.AOTStep) and step.products == "generated" and step.path != built[1].path
+    eager = eager_step(model, _cache())
+    for tokens, positions in _steps():
+        torch.testing.assert_close(step(tokens, positions), eager(tokens, positions), rtol=1e-5, atol=1e-5)
+    copies = dict(step.module.named_buffers())
+    wqkv = model.blocks[0].attn.wqkv.weight
+    copy = copies[step.module.by_rows["blocks.0.attn.wqkv.weight"]]
+    assert wqkv.stride() != copy.stride() == (wqkv.shape[1], 1) and torch.equal(copy, wqkv)
+    assert len(step.module.by_rows) == CONFIG.n_layers * 4 + 1  # every projection and the (tied) LM head
+
+
+def test_faster_keeps_the_step_that_ran_faster_with_both_timings(built, folder):
+    model = built[0]
+    step = aot.aot_step(model, _cache(), folder)  # the default: both packages are on disk by now
+    assert step.from_disk and set(step.timings) == set(aot.PRODUCTS)
+    assert step.products == min(step.timings, key=step.timings.get)
+    torch.testing.assert_close(step(*_padding()), eager_step(model, _cache())(*_padding()), rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_products_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"products='fast': choose one of \('library', 'generated', 'faster'\)"):
+        aot.aot_step(_model(0), _cache(), products="fast")
+    with pytest.raises(ValueError, match=r"products='faster': choose one of \('library', 'generated'\)"):
+        aot.DecodeModule(_model(0), _cache(), "faster")
+
+
+def test_faster_keeps_the_kind_that_builds_and_says_why_the_other_did_not(built, tmp_path, monkeypatch):
+    shutil.copy(built[1].path, tmp_path)  # the library's package, on disk; the generated one must be built
+    def fail(module, path):
+        raise RuntimeError("the generated loop did not compile")
+    monkeypatch.setattr(aot, "_export_and_compile", fail)
+    with pytest.warns(UserWarning, match=r"failed with one kind of products, so the step keeps the library products: "
+                                         r"RuntimeError: the generated loop did not compile \(generated products\)"):
+        step = aot.aot_step(_model(0), _cache(), tmp_path)
+    assert isinstance(step, aot.AOTStep) and step.products == "library" and not step.timings
