@@ -85,6 +85,9 @@ def static_steps(model: Transformer, context: int, graphs: bool) -> dict:
     return {"steps": steps, **built}
 
 
+LABEL = 26  # the width of a row's label in the tables printed
+
+
 # what each profiler row is, by its name, the first kind that matches: attention first, because
 # some attention kernels carry a matmul library's name too (fmha_cutlassF_...)
 KINDS = {"attention": ("scaled_dot_product", "flash", "sdpa", "fmha"),
@@ -129,9 +132,6 @@ def reference_bandwidth(device: torch.device, step_bytes: float) -> tuple[float,
             preset = min(named, key=lambda p: abs(p.memory_bytes - memory))
             return preset.bandwidth, f"datasheet {preset.name}"
     return measure_bandwidth(device, int(step_bytes) // 2, repeats=20), f"copy of {step_bytes / 1e6:.0f} MB"
-
-
-LABEL = 26  # the width of a row's label
 
 
 def time_model(name: str, model: Transformer, context: int, repeats: int, profiled: bool = False) -> None:
@@ -298,9 +298,10 @@ def main() -> None:
             engine_graphs(model)
         if not args.skip_cold:
             cold, warm = compile_times(name, device)
+            ahead = (f"; ahead of time (both products, timed) {cold[1]:.1f} s, then {warm[1]:.2f} s (their packages)"
+                     if len(cold) > 1 else "")
             print(f"compile in a fresh process: {cold[0]:.1f} s with an empty inductor cache, {warm[0]:.1f} s "
-                  "with the first one's code on disk" + (f"; ahead of time (both products, timed) {cold[1]:.1f} s, "
-                                                         f"then {warm[1]:.2f} s (their packages)" if len(cold) > 1 else ""))
+                  f"with the first one's code on disk{ahead}")
     if device.type == "cuda":
         gpu_scale(args.shape, args.new_tokens, args.repeats, args.profile)
 

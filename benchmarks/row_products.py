@@ -11,8 +11,9 @@ alternately on torch's threads (``OMP_NUM_THREADS=1``, as BENCHMARKS.md runs it)
   copies laid out by rows;
 - a sum over the same weights: how fast this CPU reads those bytes at all.
 
-Inductor's row is one call of a compiled function, whose entry (its guards, its wrapper) costs
-tens of microseconds: nothing beside the target's milliseconds, a share of the draft's.
+Inductor's row is one call of a compiled function, and so includes entering it (its guards, its
+wrapper), which a step compiled ahead of time does not pay: it weighs on the draft's few tens of
+microseconds, not on the target's milliseconds.
 
 Each is printed as GB/s of weights read. The weights are the model's own, so whether they fit in
 the last-level cache is the model's size against this CPU's.

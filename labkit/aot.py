@@ -14,30 +14,33 @@ anything else. So ``AOTStep`` checks what it can cheaply before each call (the i
 dtypes; that no weight or cache tensor has been given new memory), and each build checks two real
 steps, rotary positions and attention included, against the eager step.
 
-- The library reads the model's own weights and writes the cache's own tensors: each is handed to
-  it as a user-managed constant (a pointer, no copy), and the package holds none of them. So the
-  eager prefill and the compiled steps share one cache, as with ``labkit.compile``, and a weight
-  updated in place is seen (with the library's products; see below for Inductor's own). A weight given new memory (``model.to``, ``p.data = ...``) makes the
-  step refuse to run; one replaced by a new tensor object (``load_state_dict(assign=True)``) is
-  not seen: build the step again. torch's runtime keeps the tensors it was handed alive for the
-  rest of the process, so build a step once and reuse it, as an engine does (which is why
-  ``generate.stream`` does not offer this step: it would build one per generation). While a step
+- The library reads the model's own weights (with the library's products; see below) and writes
+  the cache's own tensors: each is handed to it as a user-managed constant (a pointer, no copy),
+  and the package holds none of them. So the eager prefill and the compiled steps share one cache,
+  as with ``labkit.compile``, and a weight updated in place is seen. A weight given new memory
+  (``model.to``, ``p.data = ...``) makes the step refuse to run; one replaced by a new tensor
+  object (``load_state_dict(assign=True)``) is not seen: build the step again. torch's runtime
+  keeps the tensors it was handed alive for the rest of the process, so build a step once and
+  reuse it, as an engine does (which is why ``generate.stream`` does not offer this step: it
+  would build one per generation). While a step
   is being exported, the model's weights are swapped for stand-ins: do not use the model from
   another thread then.
 - A build compiles and links a whole library, which takes longer than ``torch.compile``. The
   package is kept on disk (under Inductor's cache folder) with a key of what it depends on: the
-  model's modules and config, the name, shape, stride and dtype of every weight and cache tensor,
-  the thread count, the CPU's model and instruction set, torch's version and the source of the
+  model's modules and config, the kind of products, the name, shape, stride and dtype of every
+  weight and cache tensor, the thread count, the CPU's model and instruction set, torch's version and the source of the
   modules the step's code comes from. A later build with the same key loads it instead, and
   builds it again if it cannot be loaded or disagrees with eager. The folder keeps the
   ``KEEP`` packages used last.
 - The matrix products, two ways (``products``). ``"library"``: as ``torch.compile`` leaves them,
-  calls into the BLAS library on the model's own weights. ``"generated"``: each one-row product
-  rewritten into a loop Inductor generates (``labkit.row_products``), reading copies of the
-  projection weights laid out by rows, which the step holds (a second copy of those weights in
-  memory; an update in place of the model's weight is then not seen by the step). Which is faster
-  depends on the CPU, so the default, ``"faster"``, builds both, times them, and keeps the faster
-  (``AOTStep.timings``; the other's library stays loaded, holding what it was handed).
+  calls into the BLAS library on the model's own weights. ``"generated"`` (a step of one row
+  only): each one-row product rewritten into a loop Inductor generates (``labkit.row_products``),
+  reading copies of the projection weights laid out by rows, which the step holds: a second copy
+  of those weights in memory. Such a step cannot see a projection weight updated in place, so it
+  refuses to run once one has been (or given new memory). Which is faster depends on the CPU, so
+  the default, ``"faster"``, builds a one-row step both ways, times them, and keeps the generated
+  one only if it is faster beyond noise (``AOTStep.timings``; the other's library stays loaded,
+  holding what it was handed); a step of several rows keeps the library's products.
 - CPU only. On a GPU, CUDA graphs remove the same costs and the kernel launches besides
   (``labkit.cuda_graphs``, or ``torch.compile``'s ``mode="reduce-overhead"``).
 """
@@ -62,7 +65,7 @@ from torch import Tensor, nn
 
 from labkit import compile as compile_code, model as model_code, quant as quant_code, row_products as row_products_code
 from labkit import static_cache as static_cache_code, validate as validate_code
-from labkit.bench import alternate
+from labkit.bench import alternate, not_faster
 from labkit.compile import Step, cache_dir, compiler_problem, eager_step, failure_line
 from labkit.device import device_name
 from labkit.kernels import int4_linear as int4_code
@@ -91,8 +94,11 @@ class DecodeModule(nn.Module):
         if products not in PRODUCTS:
             raise ValueError(f"products={products!r}: choose one of {PRODUCTS}")
         self.model, self.cache, self.products = model, cache, products
+        if products == "generated" and cache.batch_size != 1:
+            raise ValueError(f"generated products rewrite products of one row; this cache has {cache.batch_size} rows")
         copies = row_major_copies(model) if products == "generated" else {}
-        self.by_rows = {name: f"rows{i}" for i, name in enumerate(copies)}  # a weight's name -> its copy's
+        self.by_rows = {name: f"weight_rows{i}" for i, name in enumerate(copies)}  # a weight's name -> its copy's
+        self.copied = [model.get_parameter(name) for name in copies]  # what the copies were made from
         for name, copy in copies.items():
             self.register_buffer(self.by_rows[name], copy, persistent=False)
         for i, (k, v) in enumerate(zip(cache.k, cache.v)):
@@ -108,7 +114,8 @@ class DecodeModule(nn.Module):
                                         [getattr(self, f"v{i}") for i in layers], self.key_slots, self.rows)
         table, self.model.rope = self.model.rope, self.rope  # traced as this module's buffer, not baked in
         weights = {name: getattr(self, copy) for name, copy in self.by_rows.items()}
-        try:  # decode_static's call, the copies standing in for the model's weights (a tied one under both names)
+        # the call decode_static makes, the copies standing in for the model's weights (a tied one under both names)
+        try:
             return torch.func.functional_call(self.model, weights, (tokens,), {"plan": cache.plan(positions)},
                                               tie_weights=True, strict=False)
         finally:
@@ -132,6 +139,7 @@ class AOTStep:
     path: Path
     from_disk: bool
     handed: list[tuple[Tensor, int]]  # what the library was given, and where its memory was
+    copied: list[tuple[Tensor, int, int]]  # weights the step holds copies of: where their memory was, their version
     build_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # a "faster" build's median seconds per step, by products
 
@@ -150,6 +158,10 @@ class AOTStep:
         if any(tensor.data_ptr() != address for tensor, address in self.handed):
             raise RuntimeError("a weight or cache tensor of this step has new memory since it was built "
                                "(model.to, or p.data = ...): build the step again")
+        if any(t.data_ptr() != address or t._version != version for t, address, version in self.copied):
+            raise RuntimeError("a weight this step holds a copy of (its products are Inductor's, on copies laid out "
+                               "by rows) was updated in place or given new memory since it was built: build the "
+                               "step again")
         with torch.inference_mode():
             return self.runner(tokens.contiguous(), positions.contiguous())
 
@@ -158,7 +170,8 @@ def package_key(module: DecodeModule) -> str:
     """What a package depends on, hashed: a package built under another key may compute something else."""
     model = module.model
     layout = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in module.state().items()]
-    parts = (str(model), repr(model.config), module.products, layout, device_name("cpu"), torch.backends.cpu.get_cpu_capability(),
+    parts = (str(model), repr(model.config), module.products, layout, device_name("cpu"),
+             torch.backends.cpu.get_cpu_capability(),
              torch.__version__, [inspect.getsource(code) for code in SOURCES])  # device_name: the CPU and threads
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -185,7 +198,8 @@ def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
         raise RuntimeError(f"the package at {path} needs tensors this model does not have: {missing[:5]}")
     handed = {name: state[name] for name in runner.get_constant_fqns()}
     runner.load_constants(handed, check_full_update=True, user_managed=True)
-    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()])
+    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()],
+                   [(t, t.data_ptr(), t._version) for t in module.copied])
 
 
 @contextlib.contextmanager
@@ -280,28 +294,28 @@ def _build(module: DecodeModule, folder: Path) -> AOTStep:
     return step
 
 
-def _faster(steps: list[AOTStep]) -> AOTStep:
-    """The step that ran faster, ``TIMED_STEPS`` of each timed alternately on padding (which
-    writes only the cache's spare slot), with every step's median in its ``timings``."""
-    batch = steps[0].module.cache.batch_size
-    tokens = torch.zeros(batch, 1, dtype=torch.long)
+def _faster(library: AOTStep, generated: AOTStep) -> AOTStep:
+    """The generated step if it ran faster beyond noise, else the library's: ``TIMED_STEPS`` of
+    each timed alternately on padding (which writes only the cache's spare slot); both medians go
+    in the ``timings`` of the one kept."""
+    tokens = torch.zeros(1, 1, dtype=torch.long)
     positions = torch.full_like(tokens, -1)
-    timed = alternate({step.products: functools.partial(step, tokens, positions) for step in steps},
+    timed = alternate({step.products: functools.partial(step, tokens, positions) for step in (library, generated)},
                       warmup=3, repeats=TIMED_STEPS, device="cpu")
-    best = min(steps, key=lambda step: timed[step.products].median_s)
+    best = library if not_faster(timed["generated"], timed["library"]) else generated
     best.timings = {products: timing.median_s for products, timing in timed.items()}
     return best
 
 
-def _build_each(model: Transformer, cache: StaticKVCache, folder: Path, kinds: tuple[str, ...]) -> list[AOTStep]:
-    """A step for each kind of products that builds; a warning for each that does not, which
-    says what runs instead (the eager step when none builds)."""
+def _build_each(modules: list[DecodeModule], folder: Path) -> list[AOTStep]:
+    """A step for each module that builds; a warning for each that does not, which says what runs
+    instead (the eager step when none builds)."""
     steps, failures = [], []
-    for kind in kinds:
+    for module in modules:
         try:
-            steps.append(_build(DecodeModule(model, cache, kind), folder))
+            steps.append(_build(module, folder))
         except Exception as error:  # export and Inductor raise many kinds; each is said, and the other kind kept
-            failures.append(f"{failure_line(error)}" + f" ({kind} products)" * (len(kinds) > 1))
+            failures.append(f"{failure_line(error)}" + f" ({module.products} products)" * (len(modules) > 1))
     if failures and not steps:
         warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {'; '.join(failures)}", stacklevel=3)
     elif failures:
@@ -314,10 +328,12 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
              products: str = "faster") -> AOTStep | Step:
     """The one-token decode step of ``model`` on ``cache``, compiled ahead of time, its package
     kept in ``folder`` (default: ``labkit_aot`` in Inductor's cache folder), its matrix products
-    made by the library, ``"generated"`` by Inductor, or (``"faster"``) both ways and the faster
-    kept, whose ``build_s`` then counts both builds and the timing. Where it cannot be built (no C++
-    compiler, or the export, the compiler or the check fails), a warning says why and the eager
-    step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
+    made by the ``"library"``, ``"generated"`` by Inductor (a cache of one row only), or, by
+    default, the ``"faster"`` of the two: on a cache of one row both are built and timed, and the
+    one kept has both timings and a ``build_s`` that counts both builds and the timing (where one
+    kind fails to build, the other is kept, untimed, with a warning). Where no step can be built
+    (no C++ compiler, or the export, the compiler or the check fails), a warning says why and the
+    eager step comes back instead. On a GPU it refuses: CUDA graphs are the tool there."""
     if model.device.type != "cpu":
         raise ValueError(f"aot_step compiles for a CPU; on {model.device} use CUDA graphs "
                          "(labkit.cuda_graphs, or labkit.compile, whose mode records them on a GPU)")
@@ -329,11 +345,10 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
         return eager_step(model, cache)
     folder = Path(folder) if folder is not None else Path(cache_dir()) / "labkit_aot"
     start = time.perf_counter()
-    steps = _build_each(model, cache, folder, PRODUCTS if products == "faster" else (products,))
-    if not steps:
-        return eager_step(model, cache)
-    if len(steps) == 1:
-        return steps[0]
-    best = _faster(steps)
+    kinds = (products,) if products != "faster" else PRODUCTS if cache.batch_size == 1 else ("library",)
+    steps = _build_each([DecodeModule(model, cache, kind) for kind in kinds], folder)  # a bad kind raises here
+    if len(steps) < 2:
+        return steps[0] if steps else eager_step(model, cache)
+    best = _faster(*steps)
     best.build_s, best.from_disk = time.perf_counter() - start, all(step.from_disk for step in steps)
     return best

@@ -16,7 +16,9 @@ only to a weight whose rows are contiguous, and a step that wants it reads copie
 rows (``row_major_copies``), not the model's own weights.
 
 - ``OneRowProducts``: a graph pass for Inductor (``post_grad_custom_post_pass``) that rewrites
-  each product of a one-row input and a row-major weight.
+  each product of a one-row input and a row-major weight. Inductor has a rewrite of its own, off
+  by default (``post_grad_fusion_options["decompose_mm_pass"]``), that sums along the transposed
+  weight instead, across rows: on the lab's models it made the step slower (BENCHMARKS.md).
 - ``row_major_copies``: the model's projection weights, copied row by row, by parameter name.
 
 Whether the generated loop beats the library depends on the CPU, so ``labkit.aot`` builds a step
@@ -67,7 +69,12 @@ class OneRowProducts(CustomGraphPass):
 
 
 def row_major_copies(model: nn.Module) -> dict[str, Tensor]:
-    """A copy of each ``nn.Linear`` weight of ``model`` laid out row by row, by parameter name (a
-    tied weight under the first of its names)."""
-    return {f"{name}.weight": module.weight.detach().contiguous()
-            for name, module in model.named_modules(remove_duplicate=True) if isinstance(module, nn.Linear)}
+    """A copy of each ``nn.Linear`` weight of ``model`` laid out row by row, by the name of the
+    first ``nn.Linear`` that has it (a weight shared with an embedding, say, is copied once)."""
+    copies, seen = {}, set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            key = f"{name}.weight" if name else "weight"  # a model that is one Linear: its own weight
+            copies[key] = module.weight.detach().clone(memory_format=torch.contiguous_format)
+    return copies

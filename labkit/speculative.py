@@ -133,8 +133,10 @@ class ModelDrafter:
     With ``compiled``, the draft keeps a static cache and its one-token steps run compiled
     (``labkit.compile``): a small draft's step is almost all overhead, which compiling removes.
     With ``ahead_of_time`` (a CPU only), they run compiled ahead of time (``labkit.aot``), which
-    removes the guard check and the Python wrapper too; the step is built once per cache length and
-    reused by every generation. Catching up on several tokens (the prompt, or a bonus token) stays
+    removes the guard check and the Python wrapper too, and may make its matrix products its own,
+    on copies of the draft's weights (whichever is faster here; a step with copies refuses to run
+    once a weight has been changed); the step is built once per cache length and reused by every
+    generation. Catching up on several tokens (the prompt, or a bonus token) stays
     eager."""
 
     def __init__(self, model: Transformer, compiled: bool = False, ahead_of_time: bool = False) -> None:

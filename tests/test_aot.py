@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -221,7 +222,8 @@ def test_the_key_holds_what_the_package_depends_on_and_not_the_weights():
     flipped = weight.data.contiguous() if not weight.is_contiguous() else weight.data.t().contiguous().t()
     weight.data = flipped  # the same values in the other memory order: other strides
     assert _key(transposed, _cache()) != key
-    assert _key(_model(0), _cache(), "generated") != key  # and the products
+    one_row = StaticKVCache(CONFIG, 1, LENGTH)
+    assert _key(_model(0), one_row, "generated") != _key(_model(0), one_row)  # and the products
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -289,26 +291,75 @@ def test_a_draft_compiled_ahead_of_time_drafts_what_the_eager_draft_does():
     assert any(0 < r.accepted < 4 for r in rounds["eager"]), "no round rolled back: the test would not cover it"
 
 
-def test_generated_products_give_the_eager_logits_from_copies_of_the_weights_laid_out_by_rows(built, folder):
-    model = built[0]
-    step = aot.aot_step(model, _cache(), folder, products="generated")
-    assert isinstance(step, aot.AOTStep) and step.products == "generated" and step.path != built[1].path
-    eager = eager_step(model, _cache())
-    for tokens, positions in _steps():
+def _one_row() -> StaticKVCache:
+    return StaticKVCache(CONFIG, 1, LENGTH)
+
+
+def _library_products(path) -> int:
+    """How many calls into the library's matrix product the package's C++ makes."""
+    with zipfile.ZipFile(path) as package:
+        return sum(package.read(name).decode().count("aoti_torch_cpu_mm_out")
+                   for name in package.namelist() if name.endswith(".cpp"))
+
+
+@pytest.fixture(scope="module")
+def one_row(folder):
+    """A model's one-row step with generated products, then the default's choice (which loads that
+    package and builds the library's)."""
+    model = _model(0)
+    return model, aot.aot_step(model, _one_row(), folder, products="generated"), aot.aot_step(model, _one_row(), folder)
+
+
+def test_generated_products_replace_every_library_product_and_give_the_eager_logits(one_row, folder):
+    model, step, _ = one_row
+    assert isinstance(step, aot.AOTStep) and step.products == "generated"
+    eager = eager_step(model, _one_row())
+    for p in range(4):
+        tokens, positions = torch.tensor([[p + 1]]), torch.tensor([[p]])
         torch.testing.assert_close(step(tokens, positions), eager(tokens, positions), rtol=1e-5, atol=1e-5)
-    copies = dict(step.module.named_buffers())
+    library = folder / f"{aot.package_key(aot.DecodeModule(model, _one_row()))}.pt2"
+    assert _library_products(step.path) == 0 and _library_products(library) == CONFIG.n_layers * 4 + 1
     wqkv = model.blocks[0].attn.wqkv.weight
-    copy = copies[step.module.by_rows["blocks.0.attn.wqkv.weight"]]
+    copy = getattr(step.module, step.module.by_rows["blocks.0.attn.wqkv.weight"])
     assert wqkv.stride() != copy.stride() == (wqkv.shape[1], 1) and torch.equal(copy, wqkv)
-    assert len(step.module.by_rows) == CONFIG.n_layers * 4 + 1  # every projection and the (tied) LM head
 
 
-def test_faster_keeps_the_step_that_ran_faster_with_both_timings(built, folder):
-    model = built[0]
-    step = aot.aot_step(model, _cache(), folder)  # the default: both packages are on disk by now
-    assert step.from_disk and set(step.timings) == set(aot.PRODUCTS)
-    assert step.products == min(step.timings, key=step.timings.get)
-    torch.testing.assert_close(step(*_padding()), eager_step(model, _cache())(*_padding()), rtol=1e-5, atol=1e-5)
+def test_faster_times_both_kinds_on_one_row_and_keeps_the_library_on_several(one_row, folder):
+    model, _, step = one_row
+    assert isinstance(step, aot.AOTStep) and set(step.timings) == set(aot.PRODUCTS) and step.build_s > 0
+    torch.testing.assert_close(step(torch.tensor([[3]]), torch.tensor([[0]])),
+                               eager_step(model, _one_row())(torch.tensor([[3]]), torch.tensor([[0]])),
+                               rtol=1e-5, atol=1e-5)
+    several = aot.aot_step(model, _cache(), folder)
+    assert several.products == "library" and not several.timings
+
+
+def test_a_generated_step_refuses_once_a_weight_it_copied_has_changed(one_row, folder):
+    for change in ("in place", "new memory"):
+        model = _model(5)
+        step = aot.aot_step(model, _one_row(), folder, products="generated")
+        assert step.from_disk  # the shapes of one_row's: its package
+        step(torch.tensor([[3]]), torch.tensor([[0]]))
+        weight = model.blocks[1].mlp.down.weight
+        with torch.no_grad():
+            if change == "in place":
+                weight.mul_(2)
+            else:
+                weight.data = weight.data.clone()
+        with pytest.raises(RuntimeError, match="holds a copy of .* updated in place or given new memory"):
+            step(torch.tensor([[3]]), torch.tensor([[0]]))
+
+
+def test_faster_keeps_the_kind_that_builds_and_says_why_the_other_did_not(one_row, folder, tmp_path, monkeypatch):
+    model = one_row[0]
+    shutil.copy(folder / f"{aot.package_key(aot.DecodeModule(model, _one_row()))}.pt2", tmp_path)  # the library's
+    def fail(module, path):
+        raise RuntimeError("the generated loop did not compile")
+    monkeypatch.setattr(aot, "_export_and_compile", fail)
+    with pytest.warns(UserWarning, match=r"failed with one kind of products, so the step keeps the library products: "
+                                         r"RuntimeError: the generated loop did not compile \(generated products\)"):
+        step = aot.aot_step(model, _one_row(), tmp_path)
+    assert isinstance(step, aot.AOTStep) and step.products == "library" and not step.timings
 
 
 def test_unknown_products_are_refused_naming_the_choices():
@@ -316,14 +367,5 @@ def test_unknown_products_are_refused_naming_the_choices():
         aot.aot_step(_model(0), _cache(), products="fast")
     with pytest.raises(ValueError, match=r"products='faster': choose one of \('library', 'generated'\)"):
         aot.DecodeModule(_model(0), _cache(), "faster")
-
-
-def test_faster_keeps_the_kind_that_builds_and_says_why_the_other_did_not(built, tmp_path, monkeypatch):
-    shutil.copy(built[1].path, tmp_path)  # the library's package, on disk; the generated one must be built
-    def fail(module, path):
-        raise RuntimeError("the generated loop did not compile")
-    monkeypatch.setattr(aot, "_export_and_compile", fail)
-    with pytest.warns(UserWarning, match=r"failed with one kind of products, so the step keeps the library products: "
-                                         r"RuntimeError: the generated loop did not compile \(generated products\)"):
-        step = aot.aot_step(_model(0), _cache(), tmp_path)
-    assert isinstance(step, aot.AOTStep) and step.products == "library" and not step.timings
+    with pytest.raises(ValueError, match="generated products rewrite products of one row; this cache has 2 rows"):
+        aot.aot_step(_model(0), _cache(), products="generated")

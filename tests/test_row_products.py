@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from labkit.aot import DecodeModule
 from labkit.model import ModelConfig, Transformer
 from labkit.row_products import OneRowProducts, row_major_copies
 from labkit.static_cache import StaticKVCache, decode_static
@@ -42,20 +43,23 @@ def test_column_major_weights_and_several_rows_are_left_to_the_library():
 
 
 def test_every_projection_of_a_decode_step_is_rewritten_on_the_copies():
+    """labkit.aot's one-row step with generated products, compiled here with torch.compile."""
     torch.manual_seed(0)
     model = Transformer(CONFIG).eval()  # stores its weights transposed
     copies = row_major_copies(model)
     assert set(copies) == {name for name, p in model.named_parameters(remove_duplicate=False)
-                           if p.dim() == 2 and name != "embed.weight"}
+                           if p.dim() == 2 and name != "embed.weight"}  # the tied LM head under its Linear's name
     assert all(c.is_contiguous() and torch.equal(c, model.get_parameter(name)) for name, c in copies.items())
+    step, rewrite = _compiled(DecodeModule(model, StaticKVCache(CONFIG, 1, 8), "generated"))
     tokens, positions = torch.tensor([[5]]), torch.tensor([[0]])
-
-    def step(model, cache, tokens, positions):  # labkit.aot's step: decode_static's call, on the copies
-        return torch.func.functional_call(model, copies, (tokens,), {"plan": cache.plan(positions)}, tie_weights=True)
-
-    compiled, rewrite = _compiled(step)
     with torch.inference_mode():
-        torch.testing.assert_close(compiled(model, StaticKVCache(CONFIG, 1, 8), tokens, positions),
+        torch.testing.assert_close(step(tokens, positions),
                                    decode_static(model, StaticKVCache(CONFIG, 1, 8), tokens, positions),
                                    rtol=1e-5, atol=1e-5)
     assert rewrite.rewritten == len(copies) == CONFIG.n_layers * 4 + 1
+
+
+def test_copies_are_copies_even_of_weights_already_laid_out_by_rows():
+    layer = torch.nn.Linear(8, 4)
+    copy = row_major_copies(layer)["weight"]
+    assert copy.data_ptr() != layer.weight.data_ptr() and torch.equal(copy, layer.weight)
