@@ -47,12 +47,14 @@ def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
     return measure(decode_step(model, context, tokens), warmup=5, repeats=50, device="cpu").median_s
 
 
-def compiled_step_cost(model: torch.nn.Module, context: int = 128, ahead_of_time: bool = False) -> float:
+def compiled_step_cost(model: torch.nn.Module, context: int = 128, ahead_of_time: bool = False) -> tuple[float, str]:
     """Median seconds of one compiled (or compiled ahead of time) one-token step after ``context``
-    cached ones (static cache)."""
+    cached ones (static cache), and whose matrix products it runs (ahead of time, ``labkit.aot``
+    keeps the library's or Inductor's, the faster)."""
     _, step = static_decoder(model, context + 1, ahead_of_time=ahead_of_time)
     tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), context)
-    return measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s
+    return (measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s,
+            getattr(step, "products", "library"))
 
 
 def sweep(target, runs, prompts, params, repeats) -> dict[str, float]:
@@ -150,8 +152,8 @@ def main() -> None:
     print(f"\none forward call, relative to a target decode step ({one * 1e3:.2f} ms) at context 128:")
     print(f"  draft decode step: {step_cost(draft, 1) / one:.3f}")
     if args.compiled_draft or args.aot_draft:
-        cost = compiled_step_cost(draft, ahead_of_time=args.aot_draft)
-        print(f"  draft decode step, {draft_label(args).strip(' ()')}: {cost / one:.3f}")
+        cost, products = compiled_step_cost(draft, ahead_of_time=args.aot_draft)
+        print(f"  draft decode step, {draft_label(args).strip(' ()')}: {cost / one:.3f} ({products} matrix products)")
     tokens = sorted({k + 1 for k in args.ks} | {n + 1 for n in args.tree_sizes})
     print("  the target over n tokens (verifying k = n - 1 drafts or a tree of n - 1 candidates): "
           + ", ".join(f"n={n} {step_cost(target, n) / one:.2f}" for n in tokens))
