@@ -22,16 +22,15 @@ steps, rotary positions and attention included, against the eager step.
   object (``load_state_dict(assign=True)``) is not seen: build the step again. torch's runtime
   keeps the tensors it was handed alive for the rest of the process, so build a step once and
   reuse it, as an engine does (which is why ``generate.stream`` does not offer this step: it
-  would build one per generation). While a step
-  is being exported, the model's weights are swapped for stand-ins: do not use the model from
-  another thread then.
+  would build one per generation). While a step is being exported, the model's weights are
+  swapped for stand-ins: do not use the model from another thread then.
 - A build compiles and links a whole library, which takes longer than ``torch.compile``. The
   package is kept on disk (under Inductor's cache folder) with a key of what it depends on: the
   model's modules and config, the kind of products, the name, shape, stride and dtype of every
-  weight and cache tensor, the thread count, the CPU's model and instruction set, torch's version and the source of the
-  modules the step's code comes from. A later build with the same key loads it instead, and
-  builds it again if it cannot be loaded or disagrees with eager. The folder keeps the
-  ``KEEP`` packages used last.
+  weight and cache tensor, the thread count, the CPU's model and instruction set, torch's version
+  and the source of the modules the step's code comes from. A later build with the same key loads
+  it instead, and builds it again if it cannot be loaded or disagrees with eager. The folder keeps
+  the ``KEEP`` packages used last.
 - The matrix products, two ways (``products``). ``"library"``: as ``torch.compile`` leaves them,
   calls into the BLAS library on the model's own weights. ``"generated"`` (a step of one row
   only): each one-row product rewritten into a loop Inductor generates (``labkit.row_products``),
@@ -63,8 +62,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from labkit import compile as compile_code, model as model_code, quant as quant_code, row_products as row_products_code
-from labkit import static_cache as static_cache_code, validate as validate_code
+from labkit import compile as compile_code, model as model_code, quant as quant_code
+from labkit import row_products as row_products_code, static_cache as static_cache_code, validate as validate_code
 from labkit.bench import alternate, not_faster
 from labkit.compile import Step, cache_dir, compiler_problem, eager_step, failure_line
 from labkit.device import device_name
