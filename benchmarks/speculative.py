@@ -50,7 +50,7 @@ def step_cost(model: torch.nn.Module, tokens: int, context: int = 128) -> float:
 def compiled_step_cost(model: torch.nn.Module, context: int = 128, ahead_of_time: bool = False) -> tuple[float, str]:
     """Median seconds of one compiled (or compiled ahead of time) one-token step after ``context``
     cached ones (static cache), and whose matrix products it runs (ahead of time, ``labkit.aot``
-    keeps the library's or Inductor's, the faster)."""
+    may keep Inductor's in place of the library's)."""
     _, step = static_decoder(model, context + 1, ahead_of_time=ahead_of_time)
     tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), context)
     return (measure(lambda: step(tokens, positions), warmup=5, repeats=50, device="cpu").median_s,

@@ -36,7 +36,8 @@ steps, rotary positions and attention included, against the eager step.
   only): each one-row product rewritten into a loop Inductor generates (``labkit.row_products``),
   reading copies of the projection weights laid out by rows, which the step holds: a second copy
   of those weights in memory. Such a step cannot see a projection weight updated in place, so it
-  refuses to run once one has been (or given new memory). Which is faster depends on the CPU, so
+  refuses to run once one has been (through the weight itself: a write through ``p.data`` goes
+  unseen) or given new memory. Which is faster depends on the CPU, so
   the default, ``"faster"``, builds a one-row step both ways, times them, and keeps the generated
   one only if it is faster beyond noise (``AOTStep.timings``; the other's library stays loaded,
   holding what it was handed); a step of several rows keeps the library's products.
@@ -82,6 +83,17 @@ CHECKED_POSITIONS = 2  # steps the build's check runs: position 0, then 1 (rotat
 _LOADING = threading.Lock()  # held while TMPDIR points at a load's own folder: one load at a time
 
 
+def _check_rows(products: str, cache: StaticKVCache) -> None:
+    if products == "generated" and cache.batch_size != 1:
+        raise ValueError(f"generated products rewrite products of one row; this cache has {cache.batch_size} rows")
+
+
+def _version(tensor: Tensor) -> int:
+    """How many times ``tensor`` has been written in place (through itself: not through ``.data``);
+    -1 for a tensor made in inference mode, which keeps no count."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class DecodeModule(nn.Module):
     """The decode step as a module whose parameters are the model's weights and whose buffers are
     the cache's tensors and the rotary table (and, for generated products, the weights' copies laid
@@ -92,12 +104,12 @@ class DecodeModule(nn.Module):
         super().__init__()
         if products not in PRODUCTS:
             raise ValueError(f"products={products!r}: choose one of {PRODUCTS}")
+        _check_rows(products, cache)
         self.model, self.cache, self.products = model, cache, products
-        if products == "generated" and cache.batch_size != 1:
-            raise ValueError(f"generated products rewrite products of one row; this cache has {cache.batch_size} rows")
         copies = row_major_copies(model) if products == "generated" else {}
         self.by_rows = {name: f"weight_rows{i}" for i, name in enumerate(copies)}  # a weight's name -> its copy's
-        self.copied = [model.get_parameter(name) for name in copies]  # what the copies were made from
+        # what the copies were made from: each weight, where its memory was and its version then
+        self.copied = [(w, w.data_ptr(), _version(w)) for w in map(model.get_parameter, copies)]
         for name, copy in copies.items():
             self.register_buffer(self.by_rows[name], copy, persistent=False)
         for i, (k, v) in enumerate(zip(cache.k, cache.v)):
@@ -157,7 +169,7 @@ class AOTStep:
         if any(tensor.data_ptr() != address for tensor, address in self.handed):
             raise RuntimeError("a weight or cache tensor of this step has new memory since it was built "
                                "(model.to, or p.data = ...): build the step again")
-        if any(t.data_ptr() != address or t._version != version for t, address, version in self.copied):
+        if any(t.data_ptr() != address or _version(t) != version for t, address, version in self.copied):
             raise RuntimeError("a weight this step holds a copy of (its products are Inductor's, on copies laid out "
                                "by rows) was updated in place or given new memory since it was built: build the "
                                "step again")
@@ -197,8 +209,7 @@ def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
         raise RuntimeError(f"the package at {path} needs tensors this model does not have: {missing[:5]}")
     handed = {name: state[name] for name in runner.get_constant_fqns()}
     runner.load_constants(handed, check_full_update=True, user_managed=True)
-    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()],
-                   [(t, t.data_ptr(), t._version) for t in module.copied])
+    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()], module.copied)
 
 
 @contextlib.contextmanager
@@ -306,15 +317,15 @@ def _faster(library: AOTStep, generated: AOTStep) -> AOTStep:
     return best
 
 
-def _build_each(modules: list[DecodeModule], folder: Path) -> list[AOTStep]:
-    """A step for each module that builds; a warning for each that does not, which says what runs
-    instead (the eager step when none builds)."""
+def _build_each(model: Transformer, cache: StaticKVCache, folder: Path, kinds: tuple[str, ...]) -> list[AOTStep]:
+    """A step for each kind of products that builds; a warning for each that does not, which says
+    what runs instead (the eager step when none builds)."""
     steps, failures = [], []
-    for module in modules:
+    for kind in kinds:
         try:
-            steps.append(_build(module, folder))
+            steps.append(_build(DecodeModule(model, cache, kind), folder))
         except Exception as error:  # export and Inductor raise many kinds; each is said, and the other kind kept
-            failures.append(f"{failure_line(error)}" + f" ({module.products} products)" * (len(modules) > 1))
+            failures.append(f"{failure_line(error)}" + f" ({kind} products)" * (len(kinds) > 1))
     if failures and not steps:
         warnings.warn(f"compiling ahead of time failed, so the step runs eagerly: {'; '.join(failures)}", stacklevel=3)
     elif failures:
@@ -338,6 +349,7 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
                          "(labkit.cuda_graphs, or labkit.compile, whose mode records them on a GPU)")
     if products not in (*PRODUCTS, "faster"):
         raise ValueError(f"products={products!r}: choose one of {(*PRODUCTS, 'faster')}")
+    _check_rows(products, cache)
     model.check_cache(cache)
     if problem := compiler_problem(model.device):
         warnings.warn(problem, stacklevel=2)
@@ -345,7 +357,7 @@ def aot_step(model: Transformer, cache: StaticKVCache, folder: str | Path | None
     folder = Path(folder) if folder is not None else Path(cache_dir()) / "labkit_aot"
     start = time.perf_counter()
     kinds = (products,) if products != "faster" else PRODUCTS if cache.batch_size == 1 else ("library",)
-    steps = _build_each([DecodeModule(model, cache, kind) for kind in kinds], folder)  # a bad kind raises here
+    steps = _build_each(model, cache, folder, kinds)
     if len(steps) < 2:
         return steps[0] if steps else eager_step(model, cache)
     best = _faster(*steps)

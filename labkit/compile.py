@@ -175,7 +175,8 @@ def static_decoder(model: Transformer, tokens: int, use_cuda_graphs: bool = Fals
     """A static cache of one row for a sequence of ``tokens`` tokens (its length rounded up by
     ``static_length``) and its decode step, compiled, or with ``use_cuda_graphs`` recorded as a
     CUDA graph (``labkit.cuda_graphs``), or with ``ahead_of_time`` compiled ahead of time
-    (``labkit.aot``, a CPU only; its matrix products the library's or Inductor's, the faster). Each call makes a new cache, so on a GPU a new recording: a few
+    (``labkit.aot``, a CPU only; on one row, its matrix products Inductor's where they are faster
+    beyond noise, else the library's). Each call makes a new cache, so on a GPU a new recording: a few
     milliseconds, paid once per generation; ahead of time, a build that keeps its cache for the
     life of the process, so that one is made once and reused."""
     if use_cuda_graphs and ahead_of_time:

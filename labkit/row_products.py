@@ -21,8 +21,9 @@ rows (``row_major_copies``), not the model's own weights.
   weight instead, across rows: on the lab's models it made the step slower (BENCHMARKS.md).
 - ``row_major_copies``: the model's projection weights, copied row by row, by parameter name.
 
-Whether the generated loop beats the library depends on the CPU, so ``labkit.aot`` builds a step
-both ways and keeps the faster (``products="faster"``).
+Whether the generated loop beats the library depends on the CPU, so ``labkit.aot`` builds a
+one-row step both ways and keeps the generated one only if it is faster beyond noise
+(``products="faster"``).
 """
 from __future__ import annotations
 

@@ -134,10 +134,10 @@ class ModelDrafter:
     (``labkit.compile``): a small draft's step is almost all overhead, which compiling removes.
     With ``ahead_of_time`` (a CPU only), they run compiled ahead of time (``labkit.aot``), which
     removes the guard check and the Python wrapper too, and may make its matrix products its own,
-    on copies of the draft's weights (whichever is faster here; a step with copies refuses to run
-    once a weight has been changed); the step is built once per cache length and reused by every
-    generation. Catching up on several tokens (the prompt, or a bonus token) stays
-    eager."""
+    on copies of the draft's weights (where that is faster here; a step with copies refuses to run
+    once a weight has been changed in place or given new memory); the step is built once per cache
+    length and reused by every generation. Catching up on several tokens (the prompt, or a bonus
+    token) stays eager."""
 
     def __init__(self, model: Transformer, compiled: bool = False, ahead_of_time: bool = False) -> None:
         self.model, self.vocab_size = model, model.config.vocab_size

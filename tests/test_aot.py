@@ -369,3 +369,24 @@ def test_unknown_products_are_refused_naming_the_choices():
         aot.DecodeModule(_model(0), _cache(), "faster")
     with pytest.raises(ValueError, match="generated products rewrite products of one row; this cache has 2 rows"):
         aot.aot_step(_model(0), _cache(), products="generated")
+
+
+def test_faster_keeps_the_generated_step_only_when_it_is_faster_beyond_noise(monkeypatch):
+    """_faster's choice, on made-up timings: quartiles apart, overlapping, and the other way."""
+    from labkit.bench import Timing
+
+    class Step:  # what _faster reads of a step: its kind, and a call it hands to alternate
+        def __init__(self, products: str) -> None:
+            self.products, self.timings = products, {}
+
+        def __call__(self, *args) -> None:
+            return None
+
+    spread = lambda centre: tuple(centre * (1 + d) for d in (-0.02, -0.01, 0.0, 0.01, 0.02))
+    for library_s, generated_s, kept in ((1.0, 0.5, "generated"), (1.0, 0.99, "library"), (0.5, 1.0, "library")):
+        steps = [Step(kind) for kind in aot.PRODUCTS]
+        fake = {"library": Timing("library", "cpu", spread(library_s)),
+                "generated": Timing("generated", "cpu", spread(generated_s))}
+        monkeypatch.setattr(aot, "alternate", lambda fns, **kwargs: fake)
+        best = aot._faster(*steps)
+        assert best.products == kept and best.timings == {"library": library_s, "generated": generated_s}
