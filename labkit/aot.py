@@ -78,7 +78,7 @@ SOURCES = (model_code, static_cache_code, compile_code, quant_code, int4_code, v
            sys.modules[__name__])
 PRODUCTS = ("library", "generated")  # how a step's matrix products are made (see the docstring)
 TIMED_STEPS = 20  # steps of each kind a "faster" build times, alternately, to choose
-KEEP = 16  # packages kept in a folder, the ones used last
+KEEP = 32  # packages kept in a folder, the ones used last (a one-row step has two: one per kind of products)
 CHECKED_POSITIONS = 2  # steps the build's check runs: position 0, then 1 (rotation, and attention over two slots)
 _LOADING = threading.Lock()  # held while TMPDIR points at a load's own folder: one load at a time
 
