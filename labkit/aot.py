@@ -150,7 +150,6 @@ class AOTStep:
     path: Path
     from_disk: bool
     handed: list[tuple[Tensor, int]]  # what the library was given, and where its memory was
-    copied: list[tuple[Tensor, int, int]]  # weights the step holds copies of: where their memory was, their version
     build_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # a "faster" build's median seconds per step, by products
 
@@ -169,7 +168,7 @@ class AOTStep:
         if any(tensor.data_ptr() != address for tensor, address in self.handed):
             raise RuntimeError("a weight or cache tensor of this step has new memory since it was built "
                                "(model.to, or p.data = ...): build the step again")
-        if any(t.data_ptr() != address or _version(t) != version for t, address, version in self.copied):
+        if any(t.data_ptr() != address or _version(t) != version for t, address, version in self.module.copied):
             raise RuntimeError("a weight this step holds a copy of (its products are Inductor's, on copies laid out "
                                "by rows) was updated in place or given new memory since it was built: build the "
                                "step again")
@@ -209,7 +208,7 @@ def _load(module: DecodeModule, path: Path, from_disk: bool) -> AOTStep:
         raise RuntimeError(f"the package at {path} needs tensors this model does not have: {missing[:5]}")
     handed = {name: state[name] for name in runner.get_constant_fqns()}
     runner.load_constants(handed, check_full_update=True, user_managed=True)
-    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()], module.copied)
+    return AOTStep(module, runner, path, from_disk, [(t, t.data_ptr()) for t in handed.values()])
 
 
 @contextlib.contextmanager
