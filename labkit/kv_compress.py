@@ -34,7 +34,7 @@ from torch import Tensor
 
 from labkit.model import (AttentionPlan, ContiguousKVCache, ModelConfig, RowCache, Transformer, attention,
                           causal_mask, kv_layout)
-from labkit.validate import check_positions
+from labkit.validate import check_counts, check_positions
 
 INT8_MAX = 127
 
@@ -75,8 +75,7 @@ class SinkCache:
             raise ValueError(f"sinks={sinks} must be 0 (a plain sliding window) or more")
         if window < 1:
             raise ValueError(f"window={window} must be at least 1: a query always sees its own token")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        check_counts(batch_size=batch_size)
         self.sinks, self.window, self.batch_size, self.max_seq_len = sinks, window, batch_size, config.max_seq_len
         self.layout = kv_layout(config)
         empty = torch.zeros(batch_size, config.n_kv_heads, 0, config.head_dim, dtype=dtype, device=device)

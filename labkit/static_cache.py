@@ -29,7 +29,7 @@ from torch import Tensor
 
 from labkit.answers import answer_to
 from labkit.model import AttentionPlan, ModelConfig, Transformer, attention, cache_length, kv_layout
-from labkit.validate import check_positions
+from labkit.validate import check_counts, check_positions
 
 
 LENGTH_STEP = 256
@@ -64,8 +64,7 @@ class StaticKVCache:
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.max_len, self.layout = cache_length(config, max_len), kv_layout(config)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        check_counts(batch_size=batch_size)
         shape = (batch_size, config.n_kv_heads, self.max_len + 1, config.head_dim)
         # one tensor per layer, not one for all: a compiled step then writes each in place, where a
         # write into a slice of one shared tensor makes the compiler copy the whole cache, layer by layer
