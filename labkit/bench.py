@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from labkit.device import device_name, get_device, synchronize
+from labkit.validate import check_counts
 
 
 # a spread (IQR) above this fraction of the median is too large to read the median as "the" time:
@@ -198,8 +199,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 def _check_counts(warmup: int, repeats: int) -> None:
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be 0 or more")
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be at least 1")
+    check_counts(repeats=repeats)
 
 
 def measure(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, label: str = "fn",

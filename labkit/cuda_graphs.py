@@ -27,6 +27,7 @@ from torch import Tensor
 from labkit.answers import answer_to
 from labkit.model import Transformer
 from labkit.static_cache import StaticKVCache, decode_static
+from labkit.validate import check_counts
 
 
 def require_cuda(device: torch.device | str) -> None:
@@ -39,8 +40,7 @@ def require_cuda(device: torch.device | str) -> None:
 def buckets(max_batch: int) -> list[int]:
     """The batch sizes to record a graph for: 1, 2, 4, 8, then multiples of 16, up to and
     including the first that holds ``max_batch``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch={max_batch} must be at least 1")
+    check_counts(max_batch=max_batch)
     sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
     return sizes[:next(i for i, b in enumerate(sizes) if b >= max_batch) + 1]
 

@@ -163,8 +163,7 @@ def attention_on_first(model: Transformer, tokens: Tensor, first: int = 4) -> Te
     tokens = tokens[None] if tokens.dim() == 1 else tokens
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens must be [T] or [batch, T] with T >= 1, got shape {tuple(tokens.shape)}")
-    if first < 1:
-        raise ValueError(f"first={first} must be at least 1")
+    check_counts(first=first)
     probe = _FirstTokensProbe(first)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     with torch.no_grad():
@@ -245,8 +244,7 @@ def cached_perplexities(model: Transformer, texts: Tensor, cache: RowCache, chun
         raise ValueError(f"perplexity needs at least 2 tokens (one to read, one to predict), got {n}")
     if n > model.config.max_seq_len:
         raise ValueError(f"{n} tokens do not fit the context limit max_seq_len={model.config.max_seq_len}")
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be at least 1")
+    check_counts(chunk=chunk)
     nll = torch.zeros(batch, dtype=torch.float64)
     for start in range(0, n - 1, chunk):  # the last token is only predicted, never fed
         end = min(start + chunk, n - 1)

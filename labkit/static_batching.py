@@ -19,15 +19,14 @@ from torch import Tensor
 from labkit.engine import (FINISHED, RUNNING, Request, StepRecord, WallClock, check_fits, check_unique_ids,
                            is_finished, sample)
 from labkit.model import ContiguousKVCache, Transformer
-from labkit.validate import check_eos
+from labkit.validate import check_counts, check_eos
 
 
 def run_static(model: Transformer, requests: Iterable[Request], batch_size: int,
                eos_id: int | None = None) -> tuple[list[Request], list[StepRecord]]:
     """Serve ``requests`` in static batches of up to ``batch_size`` (see the module docstring).
     Returns the requests (in the order given) and the step log."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    check_counts(batch_size=batch_size)
     check_eos(eos_id, model.config.vocab_size)
     requests = list(requests)
     check_unique_ids(requests)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.spawning import check_importable, fork_server, main_not_rerun, process
+from labkit.validate import check_counts
 
 
 class RankError(RuntimeError):
@@ -76,8 +77,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s:
            threads: int | None = None, backend: str | None = None) -> Any:
     """Run ``fn(rank, *args)`` on ``world_size`` new processes in one group; rank 0's result.
     ``threads``: torch's threads per rank (default: ``default_threads``); ``backend``: see ``backend_for``."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
+    check_counts(world_size=world_size)
     check_importable(fn)
     backend, devices = backend_for(world_size, backend)
     threads = threads or default_threads(world_size)

@@ -40,7 +40,7 @@ from labkit.device import synchronize
 from labkit.load import load, load_config
 from labkit.model import AttentionPlan, ContiguousKVCache, ModelConfig, Transformer, parameter_bytes
 from labkit.parallel.launch import Rank, launch
-from labkit.validate import check_ints, generation_prompts
+from labkit.validate import check_counts, check_ints, generation_prompts
 
 
 @answer_to("ex10.3")
@@ -369,8 +369,7 @@ def measure_bubble(model: str, world_size: int = 2, micro_batches: Sequence[int]
         raise ValueError("micro_batches is empty: give the numbers of micro-batches to measure, e.g. (1, 2, 4, 8)")
     if not 1 <= length <= config.max_seq_len:
         raise ValueError(f"length={length} must be in 1..max_seq_len={config.max_seq_len}")
-    if passes < 1:
-        raise ValueError(f"passes={passes} must be at least 1")
+    check_counts(passes=passes)
     for count in counts:
         _check_layout(config, world_size, count, rows)
         if rows % count:
