@@ -14,7 +14,9 @@ result with its reason and the notebook it came from) and ``grades.csv`` (a row 
 column per exercise, a total per notebook when there are several, the total, and the exercises
 that did not pass, each with its status). A notebook whose lab cannot be told (no ``NN_`` prefix, no
 exercise cell, tagged or defining an exercise's function) is not graded: it is an entry of its own,
-named by its file, 0 points of 0, that says what would place it.
+named by its file, 0 points of 0, that says what would place it. The exit status is 0 when some
+exercise was graded, 1 when no notebook could be placed (the reports are written all the same),
+and 2 for a path that does not exist or holds no notebook.
 """
 from __future__ import annotations
 
@@ -587,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(book))
     json_path, csv_path = write_reports(book, args.out)
     print(f"\nwrote {json_path} and {csv_path}")
+    if not _columns(book):  # the reports say why of each file; the exit status, that nothing was graded
+        print("error: nothing was graded: no notebook's lab could be told (the reasons are above)", file=sys.stderr)
+        return 1
     return 0
 
 

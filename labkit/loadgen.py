@@ -32,6 +32,9 @@ shows the queue growing when the offered rate passes what the server can serve. 
 concurrency instead keeps C requests in flight: the closed loop that measures saturation.
 
     python -m labkit.loadgen http://127.0.0.1:8000 --requests 100 --rate 4 --slo-ttft-ms 500
+
+It exits with 0 when any request completed, the failures (a server that turns requests away under
+overload, say) counted in the report as measurements; with 1 when none did.
 """
 from __future__ import annotations
 

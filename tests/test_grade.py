@@ -13,8 +13,8 @@ import pytest
 from labkit import notebook
 from labkit.check import ExerciseFailed
 from labkit.exercises import EXERCISES, for_lab, get
-from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, table, this_notebook,
-                          write_reports)
+from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, main, table,
+                          this_notebook, write_reports)
 
 
 CORRECT_ROOFLINE = "def attainable_flops(i, p, b):\n    return min(p, i * b)\n"
@@ -525,3 +525,16 @@ def test_a_notebook_number_may_carry_a_letter():
     assert lab_of_name("03_paged-Copy1.ipynb") == "03"
     assert lab_of_name("06b_fast_quantized_decode.ipynb") == "06b"
     assert lab_of_name("notes.ipynb") is None and lab_of_name("6_x.ipynb") is None
+
+
+def test_the_command_exits_1_when_nothing_could_be_graded(tmp_path, capsys):
+    """Reports are written for a file that cannot be placed, and the exit status says nothing was graded; a
+    placed notebook beside it makes the status 0."""
+    (tmp_path / "notes.txt").write_text("not a notebook")
+    assert main([str(tmp_path / "notes.txt"), "--out", str(tmp_path / "grades")]) == 1
+    assert (tmp_path / "grades/grades.csv").is_file()
+    err = capsys.readouterr().err
+    assert "notes.txt is not a readable notebook" in err and "error: nothing was graded" in err
+    notebook.write({**NO_LAB, "cells": []}, tmp_path / "00_alice.ipynb")  # placed by its name; nothing runs
+    assert main([str(tmp_path / "notes.txt"), str(tmp_path / "00_alice.ipynb"), "--out", str(tmp_path / "g2")]) == 0
+    assert "nothing was graded" not in capsys.readouterr().err
