@@ -68,8 +68,15 @@ def test_lab08_advance_mistakes_fail():
         done = [bool(f) or t == eos_id for f, t in zip(finished.tolist(), tokens.tolist())]
         return torch.tensor([p if d else p + 1 for p, d in zip(positions.tolist(), done)]), torch.tensor(done)
 
+    def int_read(tokens, positions, finished, eos_id):  # captured (int of a count), but read on the host
+        finished = finished | (tokens == eos_id)
+        every = int(finished.sum()) // len(finished)
+        return torch.where(finished, positions, positions + 1 - every), finished
+
     compiles = "compiles whole"
     fails("ex08.2", item, compiles, "read into Python (.item(), .tolist()")
+    fails("ex08.2", int_read, compiles, "read into a Python number (int(...), float(...) or .item()) (line")
+    assert "of int_read: `every = int(finished.sum()) // len(finished)`)" in run_cases(get("ex08.2"), int_read).message
     assert "line" in run_cases(get("ex08.2"), item).message  # the line that stopped the capture
     fails("ex08.2", branch, compiles, "a Python if, while, and, or, or not decides on a tensor's value")
     fails("ex08.2", boolean_mask, compiles, "`positions[~finished] += 1`")

@@ -121,9 +121,12 @@ def _plan_cases() -> list[Case | Scenario]:
 
 
 def _unbacked(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes of a captured graph whose output shape depends on the data (an unbacked size)."""
+    """The nodes of a captured graph, in order, whose output depends on the data in a way the host must
+    learn: a number read from a tensor (``int(t)``, ``.item()``, traced as a symbol of unknown value),
+    or a tensor whose shape is such a number."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    return [node for node in gm.graph.nodes if isinstance(value := node.meta.get("example_value"), Tensor)
+    return [node for node in gm.graph.nodes
+            if isinstance(value := node.meta.get("example_value"), (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
             and free_unbacked_symbols(value)]
 
 
@@ -164,8 +167,9 @@ def _explain_break(error: Exception) -> str:
 def compiled_whole(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` compiled whole (``fullgraph=True``) by a backend that runs the captured graph as
     it is (no code generated: fast); an AssertionError in plain words on a graph break, or where the
-    graph holds an operation whose output shape depends on the data (a boolean mask as an index,
-    ``nonzero``): it compiles, but a CUDA graph cannot record it. A fresh copy of ``fn`` is compiled
+    graph reads a tensor's value into a number (``int(t)``, ``.item()``) or holds an operation whose
+    output shape depends on the data (a boolean mask as an index, ``nonzero``): it compiles, but a
+    CUDA graph cannot record it. A fresh copy of ``fn`` is compiled
     each time, so a function fixed since, or checked before, is traced again."""
     code = getattr(fn, "__code__", None)
     if isinstance(fn, types.FunctionType) and code is not None:
@@ -180,13 +184,21 @@ def compiled_whole(fn: Callable[..., Any], *args: Any) -> Any:
     except torch._dynamo.exc.TorchDynamoException as error:
         raise AssertionError(_explain_break(error)) from None
     if shaped:
-        where = _where(shaped[0].meta.get("stack_trace") or "")
-        raise AssertionError(
-            f"it compiles, but an operation{where} makes a tensor whose shape depends on the "
-            "values (how many entries of a mask are True): boolean-mask indexing and nonzero do that. The step then "
-            "waits for the host to learn the size, and a CUDA graph cannot record it. Keep every row and choose per "
-            "row with torch.where(condition, a, b)")
+        raise AssertionError(_explain_unbacked(shaped[0]))
     return result
+
+
+def _explain_unbacked(node: torch.fx.Node) -> str:
+    """What the first data-dependent node of a graph that compiled means, in plain words, with its line."""
+    where = _where(node.meta.get("stack_trace") or "")
+    if not isinstance(node.meta.get("example_value"), Tensor):
+        return (f"it compiles, but a tensor's value is read into a Python number (int(...), float(...) or "
+                f".item()){where}: the step then waits for the host to learn it, and a CUDA graph cannot record it. Keep it a "
+                "tensor: compare tensors with tensors, pick with torch.where")
+    return (f"it compiles, but an operation{where} makes a tensor whose shape depends on the values (how many "
+            "entries of a mask are True): boolean-mask indexing and nonzero do that. The step then waits for the host "
+            "to learn the size, and a CUDA graph cannot record it. Keep every row and choose per row with "
+            "torch.where(condition, a, b)")
 
 
 def _rows(tokens: list[int], positions: list[int], finished: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
