@@ -252,7 +252,12 @@ def test_assert_matches_compares_by_kind():
         assert_matches((1, 2), [1, 2, 3], 0, 0)
     slots = torch.tensor([[0, 1, 2, 3]])
     with pytest.raises(AssertionError, match=r"of int64, got .* of float32"):
+        assert_matches(slots.float() + 0.5, slots, 0, 0)
+    with pytest.raises(WrongType, match=r"the values are right, but of float32: expected int64 \(make it with "
+                                        r"dtype=torch.int64, or convert with .to\(torch.int64\)\)"):
         assert_matches(slots.float(), slots, 0, 0)
+    with pytest.raises(WrongType, match=r"of float32: expected bool"):  # a mask of 0. and 1.
+        assert_matches(torch.tensor([1.0, 0.0]), torch.tensor([True, False]), 0, 0)
     with pytest.raises(AssertionError, match=r"index \[0, 2\] expected 2, got 8 \(2 of 4 .*\n"
                                              r".*\[\[0, 1, 2, 3\]\]\n.*\[\[0, 1, 8, 9\]\]"):
         assert_matches(torch.tensor([[0, 1, 8, 9]]), slots, 0, 0)

@@ -232,7 +232,12 @@ def _name(dtype: torch.dtype) -> str:
 
 def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
     """Exact comparison (integers, codes, slots, masks): AssertionError naming what differs first, the
-    shape, the dtype, or the first wrong value, and how many are wrong (and both, if small)."""
+    shape, the dtype, or the first wrong value, and how many are wrong (and both, if small). Right
+    values in another dtype are a ``WrongType``: the case's hint, about the values, would mislead."""
+    if got.shape == expected.shape and got.dtype != expected.dtype and _same_values(got, expected):
+        raise WrongType(f"the values are right, but of {_name(got.dtype)}: expected {_name(expected.dtype)} "
+                        f"(make it with dtype=torch.{_name(expected.dtype)}, or convert with .to(torch."
+                        f"{_name(expected.dtype)}))")
     if got.shape != expected.shape or got.dtype != expected.dtype:
         raise AssertionError(f"expected shape {list(expected.shape)} of {_name(expected.dtype)}, got shape "
                              f"{list(got.shape)} of {_name(got.dtype)}")
@@ -242,6 +247,13 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
         both = f"\n    expected {expected.tolist()}\n    got      {got.tolist()}" if wrong.numel() <= 32 else ""
         raise AssertionError(f"at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
                              f"({int(wrong.sum())} of {wrong.numel()} values differ){both}")
+
+
+def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether two tensors of one shape hold the same numbers, whatever their dtypes (complex ones aside)."""
+    if got.is_complex() or expected.is_complex():
+        return False
+    return torch.equal(got.detach().cpu().double(), expected.cpu().double())
 
 
 def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
