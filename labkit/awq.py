@@ -67,6 +67,7 @@ def input_statistics(model: Transformer, calibration: Tensor, batch_size: int = 
     return {name: (abs_sum / rows, h / rows) for name, (abs_sum, h, rows) in sums.items()}
 
 
+@answer_to("ex06b.2")
 def output_error(weight: Tensor, w_hat: Tensor, h: Tensor, reference: Tensor | None = None) -> float:
     """||X W_hat^T - X W^T|| / ||X W^T||, from the inputs' Hessian H = 2 X^T X / n alone. ``reference``:
     ``squared_output(weight.float(), h)``, for a caller that sets many ``w_hat`` against one weight."""
@@ -80,12 +81,14 @@ def squared_output(weight: Tensor, h: Tensor) -> Tensor:
     return ((weight @ h) * weight).sum()
 
 
+@answer_to("ex06b.2")
 def rtn_scaled(weight: Tensor, s: Tensor, scheme: Scheme) -> Tensor:
     """The weight the layer has in effect once W diag(s) is rounded to nearest and its input divided
     by s: Q(W diag(s)) / s."""
     return dequantize(*quantize(weight.float() * s, scheme)) / s
 
 
+@answer_to("ex06b.2")
 def awq_scales(mean_abs: Tensor, alpha: float) -> Tensor:
     """s = mean|x|^alpha, divided by sqrt(max s * min s) so that the scales straddle 1."""
     s = mean_abs.float().pow(alpha).clamp(min=1e-4)

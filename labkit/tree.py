@@ -35,6 +35,7 @@ from labkit.model import ContiguousKVCache, ContiguousPlan
 from labkit.validate import is_int
 
 
+@answer_to("ex11.1")
 def check_tree(parents: Sequence[int], max_depth: int | None = None) -> list[int]:
     """The depth of each node, after checking that ``parents`` is a tree rooted at node 0 whose
     parents come before their children, at most ``max_depth`` deep (e.g. the number of heads)."""
@@ -106,6 +107,7 @@ def children(parents: Sequence[int]) -> list[list[int]]:
     return kids
 
 
+@answer_to("ex11.2")
 def walk(parents: Sequence[int], tokens: Sequence[int], logits: Tensor, params: SamplingParams,
          generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """The accepted branch (node indices after the root, in order) and the target's token after it.
@@ -139,6 +141,7 @@ def expected_accepted(parents: Sequence[int], accept: Sequence[float]) -> float:
     return sum(reach(parents, accept)[1:])
 
 
+@answer_to("ex11.3")
 def reach(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
     """The chance that node i is accepted, ``accept[i]`` times its ancestors' (the root's is 1)."""
     chance = [1.0] * len(parents)

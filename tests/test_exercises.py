@@ -6,7 +6,7 @@ import torch
 
 from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, ExerciseFailed, check, run_cases
 from labkit.exercises import EXERCISES, get
-from labkit.exercises.spec import WrongType, assert_matches
+from labkit.exercises.spec import SaysWhatToDo, WrongType, assert_matches
 from labkit.generate import SamplingParams
 
 from exercise_cells import cells, define, solution
@@ -246,6 +246,9 @@ def test_assert_matches_compares_by_kind():
                           ("1", 1), ((1, 2), (1, 2, 3)), ({"a": 1}, {"b": 1}), (False, True)]:
         with pytest.raises(AssertionError):
             assert_matches(got, expected, 1e-6, 1e-9)
+    with pytest.raises(SaysWhatToDo, match=r"exactly the keys \['tpot', 'ttft'\]: missing \['tpot'\]; extra "
+                                           r"\['goodput_fraction', 'n'\]"):  # named, not cut short
+        assert_matches({"ttft": 1, "goodput_fraction": 0.5, "n": 3}, {"ttft": 1, "tpot": 2}, 0, 0)
     with pytest.raises(AssertionError, match=r"list of 3 items, got 3 \(of type int\)"):
         assert_matches(3, [1, 2, 3], 0, 0)
     with pytest.raises(AssertionError, match=r"expected 3 items, got 2: \(1, 2\)"):
@@ -258,6 +261,12 @@ def test_assert_matches_compares_by_kind():
         assert_matches(slots.float(), slots, 0, 0)
     with pytest.raises(WrongType, match=r"of float32: expected bool"):  # a mask of 0. and 1.
         assert_matches(torch.tensor([1.0, 0.0]), torch.tensor([True, False]), 0, 0)
+    scales = torch.tensor([0.5, 1.0, 2.0])
+    with pytest.raises(WrongType, match=r"the values are right, but of float64: expected float32"):
+        assert_matches(scales.double() * (1 + 1e-9), scales, 1e-6, 1e-9)
+    with pytest.raises(AssertionError, match="dtype") as failure:  # wrong values too: not the right values
+        assert_matches(scales.double() * 2, scales, 1e-6, 1e-9)
+    assert not isinstance(failure.value, WrongType)
     with pytest.raises(AssertionError, match=r"index \[0, 2\] expected 2, got 8 \(2 of 4 .*\n"
                                              r".*\[\[0, 1, 2, 3\]\]\n.*\[\[0, 1, 8, 9\]\]"):
         assert_matches(torch.tensor([[0, 1, 8, 9]]), slots, 0, 0)
@@ -350,12 +359,48 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
                 weight, x.reshape(-1, x.shape[-1]).abs().mean(0), quant.hessian(x), scheme, grid)[:2],
              "labkit.awq.search_scales"),
             ("ex06b.3", lambda weight, u, scale, zero, bits: quant.gptq(weight, u.T @ u, quant.Scheme(bits, None))[0],
-             "labkit.quant.gptq")]:
+             "labkit.quant.gptq"),
+            ("ex06b.2", lambda weight, x, scheme, grid=20: _awq_from_parts(weight, x, scheme, grid),
+             "labkit.awq.awq_scales"),
+            ("ex11.1", lambda parents, start: (_tree_mask_by_hand(parents),
+                                               start + torch.tensor(tree.check_tree(parents))), "labkit.tree.check_tree"),
+            ("ex11.2", lambda parents, tokens, choices, start: _branch_by_walk(parents, tokens, choices, start),
+             "labkit.tree.walk"),
+            ("ex11.3", lambda parents, accept: (sum(tree.reach(parents, accept)[1:]),) * 2, "labkit.tree.reach")]:
         result = run_cases(get(ex_id), fn)
         assert result.status == FAILED and result.points == 0, (ex_id, result.message)
         assert result.message.endswith(f"your code calls labkit's {called}, which is labkit's answer to {ex_id}: write "
                                        "the exercise yourself, without it"), result.message  # and no hint after it
     assert cost.tokens_processed(3, 4) == (18, 6)  # outside a check, anyone may call it
+
+
+def _awq_from_parts(weight, x, scheme, grid):
+    """ex06b.2 from labkit's parts: its scales, its rounding and its error, the argmin alone written."""
+    from labkit import awq, quant
+    m, h = x.reshape(-1, x.shape[-1]).abs().mean(0), quant.hessian(x)
+    errors = [awq.output_error(weight, awq.rtn_scaled(weight, awq.awq_scales(m, k / grid), scheme), h)
+              for k in range(grid + 1)]
+    best = min(range(grid + 1), key=errors.__getitem__)
+    return awq.awq_scales(m, best / grid), best / grid
+
+
+def _tree_mask_by_hand(parents):
+    import torch
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents[1:], start=1):
+        mask[node] |= mask[parent]
+    return mask
+
+
+def _branch_by_walk(parents, tokens, choices, start):
+    """ex11.2 through labkit's walk, on logits whose argmax at node i is choices[i]."""
+    import torch
+
+    from labkit import tree
+    from labkit.generate import SamplingParams
+    logits = torch.nn.functional.one_hot(torch.tensor(choices), max([*tokens, *choices]) + 1).float()
+    branch, token = tree.walk(parents, tokens, logits, SamplingParams())
+    return branch, token, [start + node for node in [0, *branch]]
 
 
 def _zero_points(scales, zeros):

@@ -171,6 +171,9 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"expected a tensor, got {_short(got)}")
         if expected.is_floating_point() or expected.is_complex():
+            if got.dtype != expected.dtype and got.shape == expected.shape and got.is_floating_point() \
+                    and torch.allclose(got.detach().cpu().to(expected.dtype), expected.cpu(), rtol=rtol, atol=atol):
+                raise _wrong_dtype(got, expected)
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
         else:
             assert_equal_tensors(got, expected)
@@ -180,8 +183,13 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     elif isinstance(expected, (int, float)):
         _assert_number(got, expected, rtol, atol)
     elif isinstance(expected, dict):
-        if not isinstance(got, dict) or set(got) != set(expected):
+        if not isinstance(got, dict):
             raise AssertionError(f"expected a dict with keys {sorted(expected)}, got {_short(got)}")
+        if set(got) != set(expected):
+            missing, extra = [k for k in expected if k not in got], [k for k in got if k not in expected]
+            raise SaysWhatToDo(f"expected a dict with exactly the keys {sorted(expected)}: "
+                               + "; ".join([f"{label} {keys}" for label, keys in (("missing", missing), ("extra", extra))
+                                            if keys]))
         for key in expected:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
@@ -235,9 +243,7 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
     shape, the dtype, or the first wrong value, and how many are wrong (and both, if small). Right
     values in another dtype are a ``WrongType``: the case's hint, about the values, would mislead."""
     if got.shape == expected.shape and got.dtype != expected.dtype and _same_values(got, expected):
-        raise WrongType(f"the values are right, but of {_name(got.dtype)}: expected {_name(expected.dtype)} "
-                        f"(make it with dtype=torch.{_name(expected.dtype)}, or convert with .to(torch."
-                        f"{_name(expected.dtype)}))")
+        raise _wrong_dtype(got, expected)
     if got.shape != expected.shape or got.dtype != expected.dtype:
         raise AssertionError(f"expected shape {list(expected.shape)} of {_name(expected.dtype)}, got shape "
                              f"{list(got.shape)} of {_name(got.dtype)}")
@@ -247,6 +253,13 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
         both = f"\n    expected {expected.tolist()}\n    got      {got.tolist()}" if wrong.numel() <= 32 else ""
         raise AssertionError(f"at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
                              f"({int(wrong.sum())} of {wrong.numel()} values differ){both}")
+
+
+def _wrong_dtype(got: torch.Tensor, expected: torch.Tensor) -> WrongType:
+    """Right values in another dtype: the failure to raise, which says how to make the right one."""
+    want = _name(expected.dtype)
+    return WrongType(f"the values are right, but of {_name(got.dtype)}: expected {want} (make it with "
+                     f"dtype=torch.{want}, or convert with .to(torch.{want}))")
 
 
 def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
