@@ -204,8 +204,8 @@ KV_ONE = "kv_heads = [query_heads[0] // (n_heads // n_kv_heads)]"
      "got []: its query heads [0, 1] read KV heads [0] (query head h reads h // 4), which it does not hold. With "
      "more ranks (4) than KV heads (2) the KV heads cannot be split"),
     (KV_SHARE, "kv_heads = list(range(n_kv_heads))", "MHA on 2 ranks",
-     "every rank holds all 8 KV heads. That computes the right attention, but each rank caches keys and values its "
-     "query heads never read: 2 times the KV-cache memory"),
+     "every rank holds all 8 KV heads. Holding them all, a rank has the ones its query heads read, so attention "
+     "comes out right, but it caches keys and values those heads never read: 2 times the KV-cache memory"),
     (KV_ONE, "kv_heads = list(range(n_kv_heads))", "GQA on 4 ranks: 8 query heads, 2 KV heads",
      "2 times the KV-cache memory"),
     (KV_ONE, "kv_heads = [rank % n_kv_heads]", "GQA on 4 ranks: 8 query heads, 2 KV heads",
@@ -289,6 +289,9 @@ LLAMA = "Llama-3.2-1B, a 512-token prompt"
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 1e6", "that is in megabytes"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**20", "that is in MiB"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**30", "that is in GiB"),
+    # 32 // 8 = 4 = 8 / 2: the group size as the KV heads gives the keys alone's value too, and both are said
+    ("2 * n_layers * (n_heads // n_kv_heads) * head_dim * prompt_tokens * bytes_per_element",
+     "the factor 2; or that counts heads // kv_heads = 4 KV heads, the query heads that share one"),
 ])
 def test_lab10_shipped_bytes_mistakes_fail(root, wrong, hint):
     fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)

@@ -348,8 +348,8 @@ def _kv_why(got: list[int], kv: list[int], query: list[int], n_kv_heads: int, gr
     if missing:
         return f"{reads}; a rank must hold each KV head its query heads read"
     if got == list(range(n_kv_heads)) and world > 1:
-        return (f"every rank holds all {n_kv_heads} KV heads. That computes the right attention, but each rank "
-                f"caches keys and values its query heads never read: {n_kv_heads // len(kv)} times the KV-cache "
+        return (f"every rank holds all {n_kv_heads} KV heads. Holding them all, a rank has the ones its query heads "
+                f"read, so attention comes out right, but it caches keys and values those heads never read: {n_kv_heads // len(kv)} times the KV-cache "
                 f"memory it needs, the memory a server batches requests with. Keep only the KV heads its query heads "
                 f"{query} read: {kv} (query head h reads h // {group})")
     if extra:
@@ -429,9 +429,13 @@ def _judge_number(what: str, got: Any, want: float, name: Callable[[float], str 
         raise AssertionError(f"{what}: expected {want:.6g}{unit}, got {value:.6g}{unit}" + (f": {why}" if why else ""))
 
 
-def _first_fit(mistakes: list[tuple[float, str]]) -> Callable[[float], str | None]:
-    """What the first of ``mistakes`` (a wrong value, what it is) that a value equals says."""
-    return lambda value: next((text for wrong, text in mistakes if _near(value, wrong)), None)
+def _every_fit(mistakes: list[tuple[float, str]]) -> Callable[[float], str | None]:
+    """What each of ``mistakes`` (a wrong value, what it is) that a value equals says, in order: one value
+    can fit two slips at one case's sizes (32 query heads over 8 KV heads: a group of 4, half the KV heads)."""
+    def name(value: float) -> str | None:
+        texts = list(dict.fromkeys(text for wrong, text in mistakes if _near(value, wrong)))
+        return "; or ".join(texts) if texts else None
+    return name
 
 
 def _value_at(method: Callable[..., Any], args: tuple) -> float | None:
@@ -559,15 +563,19 @@ def cache_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
 def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens: int, size: float, want: float
                    ) -> Callable[[Any], None]:
     elements = layers * kv_heads * head_dim * tokens
-    whole = [] if size == int(size) else [  # a fraction made whole: these come first, for 2 x elements x 1 is both
+    # a fraction made whole: said alone where it fits, for 2 x elements x 1 fits a count of elements too, which the
+    # cases of whole bytes, passed before, rule out
+    whole = [] if size == int(size) else [
         (2 * elements * rounded, f"bytes_per_element is {size:g} here, a fraction: multiply by it as it is, with no "
                                  "int(), //, rounding or max(1, ...) on the way") for rounded in (0, 1)]
     mistakes = [
-        *whole,
         (elements * size, "that is the keys alone (or the values alone); each token has a key AND a value per layer "
                           "and KV head: the factor 2"),
         (2 * layers * heads * head_dim * tokens * size, f"that counts the {heads} query heads; only the "
                                                         f"{kv_heads} KV heads have keys and values in the cache"),
+        (2 * layers * (heads // kv_heads) * head_dim * tokens * size,
+         f"that counts heads // kv_heads = {heads // kv_heads} KV heads, the query heads that share one; the cache "
+         f"holds all {kv_heads} KV heads' keys and values"),
         (2 * kv_heads * head_dim * tokens * size, f"that is one layer's; every one of the {layers} layers keeps its "
                                                   "own keys and values"),
         (2 * layers * kv_heads * head_dim * size, f"that is one token's; each of the prompt's {tokens} tokens has its "
@@ -581,7 +589,8 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
             ("megabytes (10^6 bytes)", 1e6), ("MiB (2^20 bytes)", 2**20), ("gigabytes (10^9 bytes)", 1e9),
             ("GiB (2^30 bytes)", 2**30))],
     ]
-    return lambda got: _judge_number("the bytes shipped", got, want, _first_fit(mistakes), " B")
+    fraction, others = _every_fit(whole), _every_fit(mistakes)
+    return lambda got: _judge_number("the bytes shipped", got, want, lambda value: fraction(value) or others(value), " B")
 
 
 def _shipped_cases() -> list[Case]:
