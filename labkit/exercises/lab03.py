@@ -26,7 +26,8 @@ def _slot_cases() -> list[Case]:
          "itself, or in the result's shape ([batch, T], like positions) or dtype (integers)"),
         ("one sequence, blocks scattered over the pool", [[7, 2, 9]], [[0, 3, 4, 8, 11]], 4,
          "the block of position p is the table's entry number p // block_size, and the entries are not in order "
-         "here: a slot that comes out as the position itself skipped the block table"),
+         "here: a slot that comes out as the position itself skipped the block table. The block size is 4 here: "
+         "use the block_size given, never a fixed one"),
         ("a decode step: one position per sequence", [[3, 5], [1, 0]], [[17], [6]], 16,
          "two sequences, two tables: sequence b's position looks up row b of block_tables and no other row"),
         ("padding (-1) stays -1", [[4, 2, 6], [5, 1, 3]], [[8, 9, 10], [2, -1, -1]], 4,
@@ -281,8 +282,9 @@ def _attention_cases() -> list[Case]:
          "in reading keys and values through the table (the pools are [num_blocks, block_size, n_kv_heads, "
          "head_dim]) or in the attention itself (the scale is 1/sqrt(head_dim), the softmax runs over positions)"),
         ("MHA, lengths not multiples of the block", 4, 4, 16, 4, [5, 13, 1],
-         "a sequence's last block is only partly its own: what lies past lengths[b] is noise, and must get no "
-         "attention weight (mask positions >= lengths[b], not > )"),
+         "the first case with several sequences: sequence b reads its blocks through row b of block_tables, no "
+         "other row. And a sequence's last block is only partly its own: what lies past lengths[b] is noise, and "
+         "must get no attention weight (mask positions >= lengths[b], not > )"),
         ("GQA (8 query heads, 2 KV heads), full blocks", 8, 2, 32, 4, [8, 12],
          "query heads come in groups that share a KV head: heads 0-3 read KV head 0 here, not heads 0, 2, 4, 6 "
          "(repeat_interleave, not repeat)"),

@@ -273,7 +273,8 @@ def _gptq_cases() -> list[Case]:
          "divided by u[i, i]"),
         ("3 bits, 24 x 96: updated weights may leave the grid", 13, (24, 96), 3,
          "8 levels (0..7) from bits; the updates can push a weight past the row's grid, whose code the clamp "
-         "to 0..2^bits - 1 keeps on it"),
+         "to 0..2^bits - 1 keeps on it, and the error that spreads is the clamped code's. The layer is wider than "
+         "before too: each column's error must reach every column after it, in float32 (half precision drifts)"),
         ("192 columns: labkit's gptq updates the last 64 in one matmul", 14, (32, 192), 4,
          "a wider layer: every column's error reaches every column after it, up to the last"),
     ]:

@@ -253,7 +253,8 @@ def _branch_cases() -> list[Case]:
          "choice after the last, choices[3] = 9. The slots to keep: the root's and the branch's, start + node"),
         ("a chain, the second candidate refused", [-1, 0, 1, 2], [7, 3, 4, 2], [3, 5, 2, 9], 4,
          "node 2 holds 4 where the target wrote choices[1] = 5: the walk stops at node 1 and the next token is the "
-         "target's 5 (node 3's token equals choices[2], but node 2 was refused, so nothing under it counts)"),
+         "target's 5 (node 3's token equals choices[2], but node 2 was refused, so nothing under it counts). keep "
+         "holds the slots of the root and of the accepted nodes only, not of the refused node 2"),
         ("the target takes the second of two guesses", [-1, 0, 0, 1, 2], [7, 3, 6, 5, 1], [6, 5, 1, 8, 4], 10,
          "the root's children are nodes 1 (token 3) and 2 (token 6); the target chose 6, so node 2 is accepted, then "
          "node 4, its child holding choices[2] = 1. Node 4's key and value sit in slot start + 4, though its place "
