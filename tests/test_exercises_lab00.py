@@ -15,3 +15,11 @@ def test_lab00_plausible_mistakes_fail():
     result = fails("ex00.2", max_of_the_two, "H100, decode (I = 1)",
                    "far below the ridge the memory system is the limit")
     assert "got 9.89e+14" in result.message, result.message  # the peak, where memory allows I x bandwidth
+
+    def fixed_ridge(intensity, peak_flops, bandwidth):  # a T4's ridge, about 200, for every machine
+        return intensity * bandwidth if intensity < 200 else peak_flops
+    fails("ex00.2", fixed_ridge, "H100, a little below the ridge", "at I = peak / bandwidth for the machine given")
+
+    def ridge_twice_as_far(intensity, peak_flops, bandwidth):  # the crossing at twice the ridge: past the peak between
+        return intensity * bandwidth if intensity < 2 * peak_flops / bandwidth else peak_flops
+    fails("ex00.2", ridge_twice_as_far, "H100, a little above the ridge", "the peak is the limit already")

@@ -37,6 +37,12 @@ def _roofline_cases() -> list[Case]:
          "the case before passed)"),
         ("H100, at the ridge point", (h100.ridge_intensity, h100.peak_flops, h100.bandwidth),
          "at the ridge both limits are equal: the answer is the peak, reached exactly there"),
+        ("H100, a little below the ridge (0.8 x)", (0.8 * h100.ridge_intensity, h100.peak_flops, h100.bandwidth),
+         "just below the ridge memory still limits, at I x bandwidth, 80% of the peak: the two limits cross where "
+         "I x bandwidth = peak, at I = peak / bandwidth for the machine given, not at a fixed I"),
+        ("H100, a little above the ridge (1.25 x)", (1.25 * h100.ridge_intensity, h100.peak_flops, h100.bandwidth),
+         "just above the ridge the peak is the limit already: the two limits cross where I x bandwidth = peak, "
+         "at I = peak / bandwidth for the machine given, not at a fixed I"),
         ("H100, large matmul (I = 1365)", (1365.0, h100.peak_flops, h100.bandwidth), compute),
         ("T4, I = 50", (50.0, t4.peak_flops, t4.bandwidth), "a T4's ridge is near 200 FLOPs per byte, so "
          "I = 50 is below it: " + memory),
