@@ -9,7 +9,6 @@ import torch
 
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
-from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache
 
 from exercise_cells import fails, mistake
@@ -48,8 +47,14 @@ def test_ex01_1_a_loop_over_the_steps_fails_on_the_big_case_in_its_own_time(loop
     start = time.perf_counter()
     result, hint = failure("ex01.1", loops, "300 million new tokens")
     assert time.perf_counter() - start < 30
-    assert result.passed == result.total - 1
+    assert result.passed == result.total - 2  # the 300,000,003 case too
     assert "stopped after 1 s" in result.message and "closed form" in hint
+
+
+def test_ex01_1_a_count_through_a_float_fails_where_floats_skip_integers():
+    result, hint = failure("ex01.1", lambda p, n: (int(n * p + n * (n - 1) / 2), p + n - 1), "300,000,003 new tokens")
+    assert result.passed == result.total - 1 and "expected 45000300750003003, got 45000300750003000" in result.message
+    assert "Keep it in integers: //" in hint
 
 
 @pytest.mark.parametrize("slip", [
@@ -127,8 +132,12 @@ def test_ex01_3_the_solution_passes_with_a_cache_of_p_plus_n_minus_1_positions()
 
 
 def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
-    def naive(model, prompt, new_tokens):  # right tokens, no cache
-        return list(stream(model, prompt, SamplingParams(new_tokens, stop_at_eos=False), use_cache=False))
+    def naive(model, prompt, new_tokens):  # right tokens, no cache: the whole sequence again at every step
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        return ids[len(prompt):]
     result, hint = failure("ex01.3", naive, MHA_RUN)
     assert "cached generation makes" in result.message and "the prompt goes in once" in hint
 

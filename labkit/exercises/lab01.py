@@ -38,7 +38,12 @@ def _tokens_cases() -> list[Case]:
                    tokens_processed(1000, 3 * 10**8), within_s=1.0,
                    hint="the counts must come from a formula, not from a loop over the steps: this case has "
                         "300 million of them. What is 0 + 1 + ... + (N-1) in closed form?")
-    return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes] + [formula]
+    # N (N - 1) here is past 2^53, where floats skip integers: a / on the way makes the count inexact
+    exact = Case("300,000,003 new tokens: a count past what a float holds exactly", (1000, 3 * 10**8 + 3),
+                 tokens_processed(1000, 3 * 10**8 + 3), within_s=1.0,
+                 hint="N (N - 1) is about 9 x 10^16 here, beyond 2^53, past which a float cannot hold every integer: a / "
+                      "(or a float anywhere on the way, int() around it or not) rounds the count. Keep it in integers: //")
+    return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes] + [formula, exact]
 
 
 def reference_attention_step(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
@@ -56,8 +61,10 @@ def _attention_cases() -> list[Case]:
          "first, attend over every key including the new one, and return the caches with them appended; the new "
          "token's softmax weight is then 1, so each head's output is its own new value"),
         ("MHA, head_dim 1: where the softmax runs", (1, 4, 4, 7, 1),
-         "with head_dim 1 the scale 1/sqrt(head_dim) is 1, so a failure here is the softmax's axis: it runs over "
-         "the keys (the last axis of the scores [batch, heads, 1, S + 1]), not over the single query"),
+         "the first case with a cache: the new key and value go after the 7 cached ones (torch.cat([cache, new], "
+         "dim=2), in that order), and the query attends over all 8. With head_dim 1 the scale 1/sqrt(head_dim) is "
+         "1, so if the caches come out right, the softmax's axis is what is left: it runs over the keys (the last "
+         "axis of the scores [batch, heads, 1, S + 1]), not over the single query"),
         ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16),
          "the scores are q . k divided by sqrt(head_dim) (4 here) before the softmax"),
         ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32),
