@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from labkit.answers import answer_to
 from labkit.compile import static_decoder
 from labkit.model import AttentionPlan, ContiguousKVCache, RowCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache
@@ -144,6 +145,7 @@ def sequence_length(model: Transformer, prompt: Sequence[int], params: SamplingP
     return total
 
 
+@answer_to("ex01.3")
 def stream(model: Transformer, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
            use_cache: bool = True, cache: RowCache | None = None, eos_id: int | None = None,
            counters: Counters | None = None, compiled: bool = False, use_cuda_graphs: bool = False) -> Iterator[int]:

@@ -77,11 +77,13 @@ class IssueRate:
         return thread_instructions / 32 / self.warp_instructions_per_s
 
 
+@answer_to("ex00.1")
 def matmul_flops(m: int, n: int, k: int) -> int:
     """FLOPs of (m x k) @ (k x n): one multiply and one add per term."""
     return 2 * m * n * k
 
 
+@answer_to("ex00.1")
 def matmul_bytes(m: int, n: int, k: int, bytes_per_element: float, *, weight_bytes: float | None = None) -> float:
     """Bytes moved by (m x k) @ (k x n) if each operand and the result cross memory once;
     ``weight_bytes``, when given, is the bytes per element of the weights B (k x n) stored in

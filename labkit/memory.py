@@ -75,6 +75,7 @@ def bytes_per_element(dtype: str) -> float:
         raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPE_BYTES)}") from None
 
 
+@answer_to("ex02.1")
 def kv_bytes_per_token(model: ModelShape, dtype: str = "fp16") -> float:
     """KV-cache bytes one token of one sequence takes, over all layers."""
     per_layer = model.mla_latent_dim or 2 * model.n_kv_heads * model.head_dim
@@ -114,6 +115,7 @@ def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilizatio
     return free
 
 
+@answer_to("ex02.3")
 def max_batch(model: ModelShape, gpu: Hardware, seq_len: int, weight_dtype: str = "bf16",
               kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
     """The most sequences of ``seq_len`` tokens whose KV cache fits beside the weights."""

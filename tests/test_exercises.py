@@ -318,7 +318,7 @@ def test_labkit_own_code_handed_in_scores_nothing():
 def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_through():
     import torch
 
-    from labkit import awq, cost, cuda_graphs, paged_attention, quant, tree
+    from labkit import awq, cost, cuda_graphs, generate, hardware, memory, paged_attention, quant, tree
     from labkit.kernels.int4_linear import int4_linear
     from labkit.model import ModelConfig
     from labkit.paged import BlockPool
@@ -366,12 +366,33 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
                                                start + torch.tensor(tree.check_tree(parents))), "labkit.tree.check_tree"),
             ("ex11.2", lambda parents, tokens, choices, start: _branch_by_walk(parents, tokens, choices, start),
              "labkit.tree.walk"),
-            ("ex11.3", lambda parents, accept: (sum(tree.reach(parents, accept)[1:]),) * 2, "labkit.tree.reach")]:
+            ("ex11.3", lambda parents, accept: (sum(tree.reach(parents, accept)[1:]),) * 2, "labkit.tree.reach"),
+            ("ex00.1", lambda m, n, k, b=2: hardware.matmul_flops(m, n, k) / hardware.matmul_bytes(m, n, k, b),
+             "labkit.hardware.matmul_flops"),
+            ("ex02.1", lambda layers, heads, kv_heads, dim, tokens, batch, dtype: memory.kv_bytes_per_token(
+                memory.ModelShape("x", 0, layers, heads, kv_heads, dim, 1 << 20), dtype) * tokens * batch,
+             "labkit.memory.kv_bytes_per_token"),
+            ("ex01.3", lambda model, prompt, n: list(generate.stream(
+                model, prompt, generate.SamplingParams(max_new_tokens=n, stop_at_eos=False))), "labkit.generate.stream"),
+            ("ex06.3", _forward_through_the_fused_kernel, "labkit.kernels.int4_linear.int4_linear")]:
         result = run_cases(get(ex_id), fn)
         assert result.status == FAILED and result.points == 0, (ex_id, result.message)
         assert result.message.endswith(f"your code calls labkit's {called}, which is labkit's answer to {ex_id}: write "
                                        "the exercise yourself, without it"), result.message  # and no hint after it
     assert cost.tokens_processed(3, 4) == (18, 6)  # outside a check, anyone may call it
+
+
+def _forward_through_the_fused_kernel(layer, x):
+    """ex06.3 through labkit's fused INT4 kernel (8 rows a call), and by hand for INT8."""
+    import torch
+
+    from labkit.kernels.int4_linear import int4_linear
+    if layer.scheme.bits != 4:
+        return torch.nn.functional.linear(x, (layer.packed.to(x.dtype) - 128) * layer.scales.to(x.dtype))
+    rows = x.reshape(-1, x.shape[-1]).float()
+    out = torch.cat([int4_linear(chunk, layer.packed, layer.scales, layer.zeros, layer.group_size)
+                     for chunk in rows.split(8)])
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
 def _awq_from_parts(weight, x, scheme, grid):

@@ -63,7 +63,7 @@ def why_not_int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor
     return None
 
 
-@answer_to("ex06b.1")  # the fused kernel whose inner loop ex06b.1 writes
+@answer_to("ex06b.1", "ex06.3")  # the fused kernel whose inner loop ex06b.1 writes, and a forward for ex06.3
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                 check: bool = True) -> Tensor:
     """``x @ W.T`` for the INT4 weight W = (code - zero) * scale (``quant.dequantize``), never built:
