@@ -150,8 +150,9 @@ def _forward_cases() -> list[Case]:
          "a symmetric layer stores no zero points (layer.zeros is None): every group's zero point is "
          "2^(bits-1); x has two leading dimensions, which the output keeps"),
         ("INT8 per-channel symmetric: codes not packed", sealed_layer(8, 96, Scheme(8, None, True), 4), (4, 96),
-         "8 bits: layer.packed holds the codes themselves, one per byte, not to be unpacked; per channel, one "
-         "group spans the whole row (layer.scheme.group_size is None, layer.scales is [out, 1])"),
+         "8 bits: layer.packed holds the codes themselves, one per byte, not to be unpacked; its symmetric zero "
+         "point is 2^(bits-1) = 128, not 4 bits' 8; per channel, one group spans the whole row "
+         "(layer.scheme.group_size is None, layer.scales is [out, 1])"),
         ("x in bfloat16: the output in bfloat16 too", sealed_layer(16, 64, Scheme(4, 32), 5), (3, 64),
          "the scales are fp16 and x is bfloat16: the output must come back in x's dtype"),
     ]

@@ -49,8 +49,8 @@ def _online_cases() -> list[Case | Scenario]:
                   "alone; the tile's weights p are taken against that running maximum"),
         Case("masked scores (-inf) add nothing", (*first, masked, values[16:]),
              online_softmax_update(*first, masked, values[16:]), rtol=1e-5, atol=1e-6,
-             hint="half the scores are -inf: exp(-inf - m) is 0, so they must add nothing to l or acc; replacing "
-                  "-inf by a finite number fails here"),
+             hint="half the scores are -inf: exp(-inf - m) is 0, so they must add nothing to l or acc, and must not "
+                  "become the row's maximum"),
     ]
     row, row_values = torch.randn(3, 40, generator=generator) * 10, torch.randn(40, 5, generator=generator)
     cases += [Scenario(f"a whole row of 40 scores folded {width} keys at a time equals softmax(s) v",
