@@ -88,6 +88,15 @@ def test_ex02_2_copying_the_kv_heads_fails_though_the_values_are_right(copy, nam
     assert "hint:" not in result.message  # the case's hint is about the values, which are right
 
 
+def test_ex02_2_stacking_k_and_v_then_repeating_them_together_fails():
+    def stacked(q, k, v):
+        both = torch.stack([k, v]).repeat_interleave(q.shape[1] // k.shape[1], 2)  # both copied per query head
+        return _causal(q, both[0], both[1])
+    result = run_cases(get("ex02.2"), stacked)
+    assert result.status == FAILED and "the result is right, but repeat_interleave made a tensor from k and v alone " \
+        "that holds 4 times their elements" in result.message, result.message
+
+
 def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
     assert all(type(case.expected) is int for case in get("ex02.3").cases())
     floored = lambda memory, utilization, weights, per_sequence: (

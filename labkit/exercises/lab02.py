@@ -52,8 +52,9 @@ def reference_gqa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 class _CopyWatch(TorchFunctionMode):
     """Watches one call of a student's ``gqa_attention``: remembers the first tensor computed from k
-    alone, or from v alone, that holds more elements than k (a copy of repeated heads: repeat_interleave,
-    repeat, cat, reshape or contiguous of an expanded view). Views (k[:, :, None], expand, transpose)
+    alone, from v alone, or from the two alone, that holds more elements than they do (a copy of repeated
+    heads: repeat_interleave, repeat, cat, reshape or contiguous of an expanded view; k and v stacked, then
+    repeated). Views (k[:, :, None], expand, transpose)
     share k's memory and pass, as do operations that mix q with k, or attention weights with v."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -75,10 +76,12 @@ class _CopyWatch(TorchFunctionMode):
             if source:
                 self._remember(tensor, source)
             held = tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
-            if self.copy is None and source in ({"k"}, {"v"}) and held > self.limit:
+            own = self.limit * len(source)  # what k, v, or the two stacked together hold
+            if self.copy is None and source and source <= {"k", "v"} and held > own:
                 name = getattr(func, "__name__", str(func))
-                self.copy = (f"{name} made a tensor from {next(iter(source))} alone that holds "
-                             f"{held / self.limit:g} times its elements")
+                whose = " and ".join(sorted(source))
+                self.copy = (f"{name} made a tensor from {whose} alone that holds {held / own:g} times "
+                             f"{'its' if len(source) == 1 else 'their'} elements")
         return out
 
 
