@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 
 import numpy as np
 import pytest
 
-from labkit.check import NOT_ATTEMPTED, PASSED, run_cases
+from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, run_cases
 from labkit.exercises import get, lab09
 from labkit.exercises.lab09 import FakeEngine
 from labkit.exercises.spec import Case
@@ -245,6 +246,16 @@ def test_a_router_with_one_queue_for_all_requests_fails():
             self.engine.abort(request_id)
             self.queue.put_nowait(None)
     fails("ex09.4", OneQueue, "three requests", "each request needs a queue of its own")
+
+
+def test_an_async_abort_is_named_as_one(root):
+    async_abort = mistake(root, "ex09.4", "    def abort(self, request_id: str) -> None:\n",
+                          "    async def abort(self, request_id: str) -> None:\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the coroutine is closed, not left unawaited
+        result = run_cases(get("ex09.4"), async_abort)
+    assert result.status == FAILED and "abort('a') returned a coroutine: abort is a plain method (def, not async " \
+        "def)" in result.message and "hint:" not in result.message, result.message
 
 
 def test_a_router_that_never_awaits_is_stopped_and_fails(root, quick):

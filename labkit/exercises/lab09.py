@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import codecs
 import ctypes
+import inspect
 import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, SaysWhatToDo, Scenario
 
 # ex09.1 ------------------------------------------------------------------------------------------
 
@@ -347,7 +348,12 @@ class _Harness:
         self.readers[request_id] = (reader, asyncio.ensure_future(reader.read()))
 
     def abort(self, request_id: str) -> None:
-        self.router.abort(request_id)
+        returned = self.router.abort(request_id)
+        if inspect.iscoroutine(returned):
+            returned.close()  # never run: no "never awaited" warning besides this message
+            raise SaysWhatToDo(f"abort({request_id!r}) returned a coroutine: abort is a plain method (def, not async "
+                               "def), called from a handler that does not await it; it only puts None on a queue and "
+                               "tells the engine, neither of which waits")
         if self.engine.holds(request_id):
             raise AssertionError(f"abort({request_id!r}) returned, but the engine still holds the request: it would "
                                  "go on generating and keep its memory")
