@@ -363,7 +363,8 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
             ("ex06b.2", lambda weight, x, scheme, grid=20: _awq_from_parts(weight, x, scheme, grid),
              "labkit.awq.awq_scales"),
             ("ex11.1", lambda parents, start: (_tree_mask_by_hand(parents),
-                                               start + torch.tensor(tree.check_tree(parents))), "labkit.tree.check_tree"),
+                                               start + torch.tensor(tree.check_tree(parents))),
+             "labkit.tree.check_tree"),
             ("ex11.2", lambda parents, tokens, choices, start: _branch_by_walk(parents, tokens, choices, start),
              "labkit.tree.walk"),
             ("ex11.3", lambda parents, accept: (sum(tree.reach(parents, accept)[1:]),) * 2, "labkit.tree.reach"),
@@ -373,7 +374,8 @@ def test_an_answer_that_calls_labkit_s_own_scores_nothing_and_labkit_s_calls_go_
                 memory.ModelShape("x", 0, layers, heads, kv_heads, dim, 1 << 20), dtype) * tokens * batch,
              "labkit.memory.kv_bytes_per_token"),
             ("ex01.3", lambda model, prompt, n: list(generate.stream(
-                model, prompt, generate.SamplingParams(max_new_tokens=n, stop_at_eos=False))), "labkit.generate.stream"),
+                model, prompt, generate.SamplingParams(max_new_tokens=n, stop_at_eos=False))),
+             "labkit.generate.stream"),
             ("ex06.3", _forward_through_the_fused_kernel, "labkit.kernels.int4_linear.int4_linear")]:
         result = run_cases(get(ex_id), fn)
         assert result.status == FAILED and result.points == 0, (ex_id, result.message)

@@ -41,8 +41,9 @@ def _tokens_cases() -> list[Case]:
     # N (N - 1) here is past 2^53, where floats skip integers: a / on the way makes the count inexact
     exact = Case("300,000,003 new tokens: a count past what a float holds exactly", (1000, 3 * 10**8 + 3),
                  tokens_processed(1000, 3 * 10**8 + 3), within_s=1.0,
-                 hint="N (N - 1) is about 9 x 10^16 here, beyond 2^53, past which a float cannot hold every integer: a / "
-                      "(or a float anywhere on the way, int() around it or not) rounds the count. Keep it in integers: //")
+                 hint="N (N - 1) is about 9 x 10^16 here, beyond 2^53, past which a float cannot hold every "
+                      "integer: a / (or a float anywhere on the way, int() around it or not) rounds the count. Keep "
+                      "it in integers: //")
     return [Case(label, args, tokens_processed(*args), hint=hint) for label, args, hint in sizes] + [formula, exact]
 
 

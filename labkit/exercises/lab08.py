@@ -125,9 +125,9 @@ def _unbacked(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     learn: a number read from a tensor (``int(t)``, ``.item()``, traced as a symbol of unknown value),
     or a tensor whose shape is such a number."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    symbolic = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
     return [node for node in gm.graph.nodes
-            if isinstance(value := node.meta.get("example_value"), (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
-            and free_unbacked_symbols(value)]
+            if isinstance(value := node.meta.get("example_value"), symbolic) and free_unbacked_symbols(value)]
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n[ \t]*(?!File ")(\S.*))?')
@@ -169,8 +169,8 @@ def compiled_whole(fn: Callable[..., Any], *args: Any) -> Any:
     it is (no code generated: fast); an AssertionError in plain words on a graph break, or where the
     graph reads a tensor's value into a number (``int(t)``, ``.item()``) or holds an operation whose
     output shape depends on the data (a boolean mask as an index, ``nonzero``): it compiles, but a
-    CUDA graph cannot record it. A fresh copy of ``fn`` is compiled
-    each time, so a function fixed since, or checked before, is traced again."""
+    CUDA graph cannot record it. A fresh copy of ``fn`` is compiled each time, so a function fixed
+    since, or checked before, is traced again."""
     code = getattr(fn, "__code__", None)
     if isinstance(fn, types.FunctionType) and code is not None:
         fn = types.FunctionType(code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -193,8 +193,8 @@ def _explain_unbacked(node: torch.fx.Node) -> str:
     where = _where(node.meta.get("stack_trace") or "")
     if not isinstance(node.meta.get("example_value"), Tensor):
         return (f"it compiles, but a tensor's value is read into a Python number (int(...), float(...) or "
-                f".item()){where}: the step then waits for the host to learn it, and a CUDA graph cannot record it. Keep it a "
-                "tensor: compare tensors with tensors, pick with torch.where")
+                f".item()){where}: the step then waits for the host to learn it, and a CUDA graph cannot record it. "
+                "Keep it a tensor: compare tensors with tensors, pick with torch.where")
     return (f"it compiles, but an operation{where} makes a tensor whose shape depends on the values (how many "
             "entries of a mask are True): boolean-mask indexing and nonzero do that. The step then waits for the host "
             "to learn the size, and a CUDA graph cannot record it. Keep every row and choose per row with "

@@ -349,8 +349,8 @@ def _kv_why(got: list[int], kv: list[int], query: list[int], n_kv_heads: int, gr
         return f"{reads}; a rank must hold each KV head its query heads read"
     if got == list(range(n_kv_heads)) and world > 1:
         return (f"every rank holds all {n_kv_heads} KV heads. Holding them all, a rank has the ones its query heads "
-                f"read, so attention comes out right, but it caches keys and values those heads never read: {n_kv_heads // len(kv)} times the KV-cache "
-                f"memory it needs, the memory a server batches requests with. Keep only the KV heads its query heads "
+                f"read, so attention comes out right, but it caches keys and values those heads never read: "
+                f"{n_kv_heads // len(kv)} times the KV-cache memory it needs, the memory a server batches requests with. Keep only the KV heads its query heads "
                 f"{query} read: {kv} (query head h reads h // {group})")
     if extra:
         return (f"KV heads {extra} are read by no query head of this rank; {reads}. Their keys and values would "
@@ -590,7 +590,8 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
             ("GiB (2^30 bytes)", 2**30))],
     ]
     fraction, others = _every_fit(whole), _every_fit(mistakes)
-    return lambda got: _judge_number("the bytes shipped", got, want, lambda value: fraction(value) or others(value), " B")
+    return lambda got: _judge_number("the bytes shipped", got, want, lambda value: fraction(value) or others(value),
+                                     " B")
 
 
 def _shipped_cases() -> list[Case]:

@@ -187,9 +187,8 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             raise AssertionError(f"expected a dict with keys {sorted(expected)}, got {_short(got)}")
         if set(got) != set(expected):
             missing, extra = [k for k in expected if k not in got], [k for k in got if k not in expected]
-            raise SaysWhatToDo(f"expected a dict with exactly the keys {sorted(expected)}: "
-                               + "; ".join([f"{label} {keys}" for label, keys in (("missing", missing), ("extra", extra))
-                                            if keys]))
+            named = [f"{label} {keys}" for label, keys in (("missing", missing), ("extra", extra)) if keys]
+            raise SaysWhatToDo(f"expected a dict with exactly the keys {sorted(expected)}: {'; '.join(named)}")
         for key in expected:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
