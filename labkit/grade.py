@@ -16,7 +16,7 @@ that did not pass, each with its status). A notebook whose lab cannot be told (n
 exercise cell, tagged or defining an exercise's function) is not graded: it is an entry of its own,
 named by its file, 0 points of 0, that says what would place it. The exit status is 0 when some
 exercise was graded, 1 when no notebook could be placed (the reports are written all the same),
-and 2 for a path that does not exist or holds no notebook.
+and 2 for a path that does not exist, holds no notebook or is a file of another kind.
 """
 from __future__ import annotations
 
@@ -578,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_options(args.timeout, args.jobs, ("--timeout ", "--jobs "))
     except ValueError as error:
         parser.error(str(error))
+    if other := next((p for p in args.paths if p.is_file() and p.suffix != ".ipynb"), None):
+        parser.error(f"{other} is not a notebook (.ipynb): name notebooks, or folders of them")
     if blocked := next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None):
         where = "" if blocked == args.out else f": {blocked}"
         parser.error(f"--out {args.out}{where} is a file: give a folder for grades.json and grades.csv")

@@ -528,13 +528,18 @@ def test_a_notebook_number_may_carry_a_letter():
 
 
 def test_the_command_exits_1_when_nothing_could_be_graded(tmp_path, capsys):
-    """Reports are written for a file that cannot be placed, and the exit status says nothing was graded; a
-    placed notebook beside it makes the status 0."""
-    (tmp_path / "notes.txt").write_text("not a notebook")
-    assert main([str(tmp_path / "notes.txt"), "--out", str(tmp_path / "grades")]) == 1
+    """Reports are written for a notebook that cannot be placed, and the exit status says nothing was graded; a
+    placed notebook beside it makes the status 0. A file that is no notebook at all is refused before grading."""
+    (tmp_path / "scratch.ipynb").write_text("{not json")
+    assert main([str(tmp_path / "scratch.ipynb"), "--out", str(tmp_path / "grades")]) == 1
     assert (tmp_path / "grades/grades.csv").is_file()
     err = capsys.readouterr().err
-    assert "notes.txt is not a readable notebook" in err and "error: nothing was graded" in err
+    assert "scratch.ipynb is not a readable notebook" in err and "error: nothing was graded" in err
     notebook.write({**NO_LAB, "cells": []}, tmp_path / "00_alice.ipynb")  # placed by its name; nothing runs
-    assert main([str(tmp_path / "notes.txt"), str(tmp_path / "00_alice.ipynb"), "--out", str(tmp_path / "g2")]) == 0
+    assert main([str(tmp_path / "scratch.ipynb"), str(tmp_path / "00_alice.ipynb"), "--out", str(tmp_path / "g2")]) == 0
     assert "nothing was graded" not in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not a notebook")
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path / "notes.txt"), "--out", str(tmp_path / "g3")])
+    assert refused.value.code == 2 and not (tmp_path / "g3").exists()
+    assert "notes.txt is not a notebook (.ipynb): name notebooks, or folders of them" in capsys.readouterr().err
