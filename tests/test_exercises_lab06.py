@@ -186,3 +186,20 @@ def test_three_more_lab06_slips_meet_the_hint_that_names_them():
     result = run_cases(get("ex06.3"), groups_of_32)
     assert result.status == FAILED and result.failed_case == "INT4 g128 asymmetric, one token", result.message
     assert "read it from the shapes" in result.message
+
+
+def test_packed_bytes_of_the_right_values_in_int64_are_a_wrong_type_without_the_cases_hint():
+    class WidePacker:
+        @staticmethod
+        def pack(codes):
+            if codes.shape[-1] % 2 or (codes.numel() and int(codes.max()) > 15):
+                raise ValueError("codes must come in pairs of 4-bit values")
+            codes = codes.long()
+            return codes[..., 0::2] | (codes[..., 1::2] << 4)  # the right bytes, as int64
+
+        @staticmethod
+        def unpack(packed):
+            return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+    result = run_cases(get("ex06.2"), WidePacker)
+    assert result.status == FAILED and "the values are right, but of int64: expected uint8" in result.message
+    assert "hint:" not in result.message, result.message

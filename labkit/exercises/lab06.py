@@ -67,7 +67,7 @@ def _expect(got: Any, expected: torch.Tensor, what: str) -> None:
     try:
         assert_equal_tensors(got, expected)
     except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
+        raise type(error)(f"{what}: {error}") from None  # a WrongType stays one: no hint about the values
 
 
 def _raises(call: Callable[[], Any], what: str) -> None:

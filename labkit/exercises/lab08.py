@@ -2,8 +2,9 @@
 whole, and padding a batch to its CUDA-graph bucket.
 
 ex08.1 and ex08.2 are checked twice: for their values, eagerly, and for being capturable, by compiling them
-with ``fullgraph=True`` and a backend that generates no code (``compiled_whole``): a graph break, or an
-operation whose output shape depends on the data, fails with the reason in plain words.
+with ``fullgraph=True`` and a backend that generates no code (``compiled_whole``): a graph break, a value
+read into a Python number (``int(t)``, ``.item()``), or an operation whose output shape depends on the data,
+fails with the reason in plain words.
 """
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ def _compiled_gives(fn: Callable[..., Any], args: tuple, expected: tuple[Tensor,
         try:
             assert_matches(got, want, 0, 0)
         except AssertionError as error:
-            raise AssertionError(f"compiled, {name}: {error}") from None
+            raise type(error)(f"compiled, {name}: {error}") from None  # a WrongType stays one
 
 
 def _compiles(advance: Callable[..., Any]) -> None:

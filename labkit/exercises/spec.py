@@ -171,8 +171,7 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"expected a tensor, got {_short(got)}")
         if expected.is_floating_point() or expected.is_complex():
-            if got.dtype != expected.dtype and got.shape == expected.shape and got.is_floating_point() \
-                    and torch.allclose(got.detach().cpu().to(expected.dtype), expected.cpu(), rtol=rtol, atol=atol):
+            if _right_in_another_dtype(got, expected, rtol, atol):
                 raise _wrong_dtype(got, expected)
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
         else:
@@ -241,7 +240,7 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
     """Exact comparison (integers, codes, slots, masks): AssertionError naming what differs first, the
     shape, the dtype, or the first wrong value, and how many are wrong (and both, if small). Right
     values in another dtype are a ``WrongType``: the case's hint, about the values, would mislead."""
-    if got.shape == expected.shape and got.dtype != expected.dtype and _same_values(got, expected):
+    if _right_in_another_dtype(got, expected):
         raise _wrong_dtype(got, expected)
     if got.shape != expected.shape or got.dtype != expected.dtype:
         raise AssertionError(f"expected shape {list(expected.shape)} of {_name(expected.dtype)}, got shape "
@@ -261,11 +260,12 @@ def _wrong_dtype(got: torch.Tensor, expected: torch.Tensor) -> WrongType:
                      f"dtype=torch.{want}, or convert with .to(torch.{want}))")
 
 
-def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Whether two tensors of one shape hold the same numbers, whatever their dtypes (complex ones aside)."""
-    if got.is_complex() or expected.is_complex():
+def _right_in_another_dtype(got: torch.Tensor, expected: torch.Tensor, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    """Whether ``got`` holds ``expected``'s numbers (within the tolerances) in another dtype, of the same shape
+    (complex ones aside)."""
+    if got.shape != expected.shape or got.dtype == expected.dtype or got.is_complex() or expected.is_complex():
         return False
-    return torch.equal(got.detach().cpu().double(), expected.cpu().double())
+    return torch.allclose(got.detach().cpu().double(), expected.cpu().double(), rtol=rtol, atol=atol)
 
 
 def _at(where: str, got: Any, expected: Any, rtol: float, atol: float) -> None:
