@@ -350,8 +350,8 @@ def _kv_why(got: list[int], kv: list[int], query: list[int], n_kv_heads: int, gr
     if got == list(range(n_kv_heads)) and world > 1:
         return (f"every rank holds all {n_kv_heads} KV heads. Holding them all, a rank has the ones its query heads "
                 f"read, so attention comes out right, but it caches keys and values those heads never read: "
-                f"{n_kv_heads // len(kv)} times the KV-cache memory it needs, the memory a server batches requests with. Keep only the KV heads its query heads "
-                f"{query} read: {kv} (query head h reads h // {group})")
+                f"{n_kv_heads // len(kv)} times the KV-cache memory it needs, the memory a server batches requests "
+                f"with. Keep only the KV heads its query heads {query} read: {kv} (query head h reads h // {group})")
     if extra:
         return (f"KV heads {extra} are read by no query head of this rank; {reads}. Their keys and values would "
                 "take cache memory for nothing")
