@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from labkit.device import device_name, get_device, synchronize
-from labkit.validate import check_counts
+from labkit.validate import check_counts, check_ints
 
 
 # a spread (IQR) above this fraction of the median is too large to read the median as "the" time:
@@ -196,7 +196,9 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return wall_time
 
 
-def _check_counts(warmup: int, repeats: int) -> None:
+def _check_rounds(warmup: int, repeats: int) -> None:
+    """ValueError unless ``warmup`` is an int of 0 or more and ``repeats`` one of at least 1."""
+    check_ints(warmup=warmup)
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be 0 or more")
     check_counts(repeats=repeats)
@@ -205,7 +207,7 @@ def _check_counts(warmup: int, repeats: int) -> None:
 def measure(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, label: str = "fn",
             device: torch.device | str | None = None) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones."""
-    _check_counts(warmup, repeats)
+    _check_rounds(warmup, repeats)
     device = torch.device(device) if device is not None else get_device()
     run_once = _timer(device)
     for _ in range(warmup):
@@ -218,7 +220,7 @@ def alternate(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: in
               device: torch.device | str | None = None) -> dict[str, Timing]:
     """Time several callables in turn (A B C A B C ...), so that drift in the machine hits all
     alike; a timing per label."""
-    _check_counts(warmup, repeats)
+    _check_rounds(warmup, repeats)
     if not fns:
         raise ValueError("give at least one callable to time")
     device = torch.device(device) if device is not None else get_device()
