@@ -8,8 +8,8 @@ notebook runs in a fresh Python process with a time limit: the notebook's cells 
 use what an earlier one defined, as it does in the notebook; their errors are not counted here,
 and each may run for a few seconds at most), then the exercise cell, then the exercise's cases
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
-crash, an endless loop, a syntax error or ``sys.exit`` in a submission costs that exercise's
-points and nothing more. The grader prints a points table and writes ``grades.json`` (every
+crash, an endless loop, a syntax error, ``sys.exit`` or an allocation past the exercise's share of
+memory (``memory_limit``) in a submission costs that exercise's points and nothing more. The grader prints a points table and writes ``grades.json`` (every
 result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a
 column per exercise, a total per notebook when there are several, the total, and the exercises
 that did not pass, each with its status). A notebook whose lab cannot be told (no ``NN_`` prefix, no
@@ -52,6 +52,8 @@ ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
 CASE_FILE = "case"  # beside a worker's result: the case it has started, for the message should it never end
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
+_MEMORY_SHARE = 0.5  # of this machine's memory: what the exercises graded at once may allocate in all
+_MEMORY_FLOOR = 1 << 30  # what one may always allocate (labkit's own solutions need a fraction of it)
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         how = (f"killed by signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                else f"exited with code {proc.exitcode}")
         return {"status": CRASHED, "message": f"the process {how} before reporting a result "
-                                              "(os._exit, a crash, or too much output?)"}
+                                              "(os._exit, a crash, too much output or memory?)"}
 
 
 def _kill_group(pgid: int) -> None:
@@ -242,8 +244,18 @@ def _check_options(timeout_s: float | None, jobs: int | None, names: tuple[str, 
         raise ValueError(f"{names[1]}{jobs} must be 1 or more")
 
 
-def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[str, Result]:
-    """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit."""
+def memory_limit(jobs: int) -> int:
+    """Bytes one of ``jobs`` exercises graded at once may allocate: a share of this machine's memory, so
+    that a submission that allocates without end fails its exercise, where it would make the machine
+    swap, or its kernel kill a process of its choosing."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(_MEMORY_FLOOR, int(total * _MEMORY_SHARE / jobs))
+
+
+def grade_submission(sub: Submission, timeout_s: float | None = None, memory_bytes: int | None = None
+                     ) -> dict[str, Result]:
+    """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit,
+    and an exercise may allocate ``memory_bytes`` (default: ``memory_limit(1)``)."""
     _check_options(timeout_s, None)
     exercises = for_lab(sub.lab)
     try:
@@ -262,7 +274,8 @@ def grade_submission(sub: Submission, timeout_s: float | None = None) -> dict[st
             continue
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
-                "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell}
+                "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
+                "memory_bytes": memory_bytes or memory_limit(1)}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
@@ -287,8 +300,9 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     if not any(sub.path.is_file() for sub in submissions):  # only student folders that hold none
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     placed = [sub for sub in submissions if sub.lab]
-    with _no_main_file(), ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s)), placed))
+    workers = jobs or os.cpu_count() or 1
+    with _no_main_file(), ThreadPoolExecutor(max_workers=workers) as pool:
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, memory_limit(workers))), placed))
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
@@ -491,10 +505,10 @@ def _lab_total(results: dict[str, Result], lab: str) -> str:
     return f"{_total(ours)[0]:g}" if ours else ""
 
 
-def _isolate(cwd: str, scratch: str) -> None:
+def _isolate(cwd: str, scratch: str, memory_bytes: int) -> None:
     """In the worker: own process group, the notebook's folder as working directory and first on
-    the import path (as in Jupyter), no terminal output, a cap on files written, and an IPython
-    profile of its own (so the user's history is not written to)."""
+    the import path (as in Jupyter), no terminal output, caps on files written and on memory
+    allocated, and an IPython profile of its own (so the user's history is not written to)."""
     import resource
 
     os.setsid()
@@ -505,6 +519,10 @@ def _isolate(cwd: str, scratch: str) -> None:
 
     matplotlib.use("Agg")  # no window, and no notebook's inline backend: plt.show() draws nowhere, at once
     resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
+    try:  # an allocation past it fails; a system that refuses the cap (some do) grades without it
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+    except (ValueError, OSError):
+        pass
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -515,7 +533,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     exercise's cell as IPython would, then the cases."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    _isolate(cwd, str(Path(result_path).parent))
+    _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"])
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     failed = _run_cells(shell, "a setup cell", spec["setup"])
@@ -531,10 +549,19 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
         case_file = Path(result_path).with_name(CASE_FILE)
         result = run_cases(exercise, fn, starting=lambda case: case_file.write_text(case, encoding="utf-8"))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    if "raised NameError" in outcome["message"] and "a setup cell" not in outcome["message"]:  # passes inline, maybe
-        outcome["message"] += ("\n    note: the grader runs only the setup cells and the exercise cells; if the name "
-                               "is defined in a cell of your own, move it into the exercise cell")
+    outcome["message"] += _notes(outcome["message"], spec["memory_bytes"])
     Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
+
+
+def _notes(message: str, memory_bytes: int) -> str:
+    """What the grader does differently from the notebook, where a failure's message suggests that it mattered."""
+    notes = []
+    if "raised NameError" in message and "a setup cell" not in message:  # it passes inline, maybe
+        notes.append("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell "
+                     "of your own, move it into the exercise cell")
+    if "MemoryError" in message or "can't allocate memory" in message:
+        notes.append(f"while graded, an exercise may allocate {memory_bytes / 2**30:.1f} GiB")
+    return "".join(f"\n    note: {note}" for note in notes)
 
 
 def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | None:

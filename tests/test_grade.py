@@ -32,6 +32,10 @@ BROKEN_EX1 = {
     # a helper defined in a cell of the student's own: the inline check saw it, the grader does not
     "helper_elsewhere": "def matmul_intensity(m, n, k, b=2):\n    return _intensity(m, n, k, b)\n",
     "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+    # three quarters of the machine's memory, asked for and never touched: allowed but for the grader's cap
+    "hoards": "import os, torch\ndef matmul_intensity(m, n, k, b=2):\n"
+              "    torch.empty(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') * 3 // 4, dtype=torch.uint8)\n"
+              "    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
 }
 
 
@@ -176,6 +180,7 @@ def class_book(class_folder):
     ("copy_renamed", "passed", ""),
     ("two_copies", "passed", ""),
     ("garbage", ERROR, "not a readable notebook"),
+    ("hoards", "failed", "can't allocate memory: you tried to allocate"),  # and the note of the cap after it
 ])
 def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
     result = class_book[student]["ex00.1"]
