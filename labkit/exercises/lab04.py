@@ -68,6 +68,9 @@ def _admit_cases() -> list[Scenario]:
     def budget_chunks() -> tuple[State, tuple]:  # the third prompt gets what is left of the budget
         return (queue(6, 5, 9), [], BlockAllocator(16, 4)), (16, 8)
 
+    def one_token_left() -> tuple[State, tuple]:  # the first prompt leaves 1 of the budget: a chunk of one
+        return (queue(6, 9, 3), [], BlockAllocator(16, 4)), (7, 8)
+
     def seq_cap() -> tuple[State, tuple]:  # one runs already: two more of the three may join
         allocator = BlockAllocator(16, 4)
         return (queue(2, 2, 2), _running(allocator, _request("old", 3, first_token=900)), allocator), (64, 3)
@@ -103,6 +106,9 @@ def _admit_cases() -> list[Scenario]:
          "the budget runs out inside the third prompt: that request is still admitted, with only what is left of "
          "the budget scheduled (chunked prefill), while its slots are reserved for all its tokens, the chunk and "
          "the rest of the prompt that later steps run; once the budget is spent nobody else is admitted"),
+        ("one token of budget left: a chunk of one", one_token_left,
+         "the first prompt takes 6 of the 7 tokens of budget: the one left is still a budget, so the second request "
+         "is admitted with a chunk of a single token, and only then is the budget spent"),
         ("max_num_seqs caps the running requests", seq_cap,
          "the cap counts every running request, the one running before this call included: one runs, the cap is "
          "3, so only two of the three waiting join"),
@@ -172,6 +178,10 @@ def _metric_cases() -> list[Case]:
                   "the gaps between the tokens"),
         Case("a single token has no TPOT", (2.0, [2.25]), {"ttft": 0.25, "tpot": None, "itl": [], "e2e": 0.25},
              hint="one token has no gap after it: tpot is None (not a division by zero) and itl is empty"),
+        Case("two tokens: one gap, a TPOT already", (0.0, [0.5, 0.75]),
+             {"ttft": 0.5, "tpot": 0.25, "itl": [0.25], "e2e": 0.75},
+             hint="two tokens have one gap between them: tpot is that gap's time over 1, and None only for a "
+                  "single token"),
         Case("arrived while the engine was busy", (1.0, [4.0, 4.1, 4.3, 4.6, 5.0]),
              {"ttft": 3.0, "tpot": 0.25, "itl": [0.1, 0.2, 0.3, 0.4], "e2e": 4.0},
              hint="the request waited 3 s for its first token: the wait is all in TTFT, and TPOT counts only "
