@@ -142,3 +142,10 @@ def test_each_lab04_mistake_fails_at_the_case_that_names_it(root):
             ("ex04.2", "victim.preemptions += 1", "victim.preemptions = 1",
              "a request preempted before", "counts every preemption")]:
         fails(ex_id, mistake(root, ex_id, right, wrong), case, hint)
+
+
+def test_off_by_ones_found_by_mutating_the_solutions_fail(root):
+    fails("ex04.1", mistake(root, "ex04.1", "budget > 0 and", "budget > 1 and"), "one token of budget left",
+          "the one left is still a budget")
+    fails("ex04.3", mistake(root, "ex04.3", "if len(token_times) > 1", "if len(token_times) > 2"),
+          "two tokens: one gap", "None only for a single token")

@@ -278,3 +278,14 @@ def test_a_router_whose_run_is_still_the_stub_is_not_attempted(root):
             '        raise NotImplementedError("ex09.4: replace this line with your code")\n\n')
     result = run_cases(get("ex09.4"), define(source[:start] + stub + source[end:], "StreamRouter"))
     assert result.status == NOT_ATTEMPTED and result.message.startswith("StreamRouter.run still raises"), result.message
+
+
+def test_edges_found_by_mutating_the_solutions_fail(root):
+    fails("ex09.2", mistake(root, "ex09.2", "0xC2 <= first", "0xC3 <= first"), "first bytes at both edges",
+          "C2..DF two bytes")
+    fails("ex09.2", mistake(root, "ex09.2", "0xF0 <= first <= 0xF4", "0xF0 <= first < 0xF4"),
+          "first bytes at both edges", "F0..F4 four")
+    fails("ex09.3", mistake(root, "ex09.3", "tpot * 1000 <= slo_tpot_ms", "tpot * 1000 < slo_tpot_ms"),
+          "the limits, met exactly", "exactly at its limit meets it (<=)")
+    fails("ex09.3", mistake(root, "ex09.3", "ttft * 1000 <=", "ttft * 999 <="), "the limits, met exactly",
+          "a tenth of a millisecond over does not")

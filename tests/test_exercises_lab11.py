@@ -11,7 +11,7 @@ from labkit.exercises import get, lab11
 from labkit.release import strip_solutions
 from labkit.tree import children
 
-from exercise_cells import cells, define, fails
+from exercise_cells import cells, define, fails, mistake
 
 IDS = ("ex11.1", "ex11.2", "ex11.3")
 
@@ -276,7 +276,8 @@ def test_the_cases_are_what_their_labels_say():
                 "a cousin holds": lambda: any(tokens[c] == choices[last] for c in cousins),
                 "nothing accepted": lambda: not branch and len(parents) > 1,
                 "three accepted": lambda: len(branch) == 3,
-                "just the root": lambda: len(parents) == 1}
+                "just the root": lambda: len(parents) == 1,
+                "the root's token again": lambda: choices[last] == tokens[0]}
         assert [said() for words, said in says.items() if words in case.label] == [True], case.label
         moved = keep != list(range(start, start + len(keep)))  # a slot start + node is not the position start + depth
         assert moved == (number in (2, 5)), case.label  # the first: the case the positions-for-slots slip meets
@@ -284,3 +285,10 @@ def test_the_cases_are_what_their_labels_say():
         parents, accept = case.args
         assert accept[0] == 1.0 and all(sum(accept[k] for k in kids) <= 1 for kids in children(parents)), case.label
 
+
+
+def test_a_walk_that_makes_the_root_a_child_is_stopped_and_fails(root):
+    """Children listed from node 0: parents[0] = -1 makes the root the last node's child, and the walk goes
+    round once the target repeats the root's token."""
+    fails("ex11.2", mistake(root, "ex11.2", "range(1, len(parents))", "range(len(parents))"),
+          "the target writes the root's token again", "kids[-1] would make the root the last node's child")

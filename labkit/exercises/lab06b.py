@@ -167,6 +167,7 @@ def _awq_cases() -> list[Case]:
     plain = _calibration(3, 16, 64, 96, [], 1.0)
     extreme = _calibration(4, 16, 64, 48, [7], 1000.0)
     several = several[0], several[1].reshape(4, 16, 128)  # x [batch, tokens, in]: the mean is over all rows
+    alike = plain[0], torch.where(plain[1] >= 0, 1.0, -1.0)  # |x| = 1 everywhere: s = 1, whatever alpha
     cases: list[Case] = [JudgedCase(
         "a planted salient channel: channel 5's activations 30 times the others'",
         (*planted, Scheme(4, 64), 20), judge=_planted(*planted, Scheme(4, 64), 20, 5, 30.0),
@@ -195,6 +196,9 @@ def _awq_cases() -> list[Case]:
          "no channel stands out much, and the least error is at alpha = 0, plain RTN: the grid starts at 0 "
          "(k = 0, 1, ..., grid). The error compared is the norm ||...||, the square root of the sum of squares (its "
          "square picks the same alpha), not a mean of absolute values, which picks another alpha here"),
+        ("every channel alike (|x| = 1 everywhere): every alpha ties", alike, Scheme(4, 32), 10,
+         "with every channel's mean |x| equal, s = 1 for every alpha, and every alpha's error is the same: a tie, "
+         "where the spec keeps the first, alpha = 0 (replace the best only on a strictly smaller error)"),
     ]:
         cases.append(Case(label, (weight, x, scheme, grid), reference_awq(weight, x, scheme, grid), rtol=1e-4,
                           atol=1e-6, numbers_as_tensors=True, hint=hint))

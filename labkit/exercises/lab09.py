@@ -128,6 +128,11 @@ def _text_cases() -> list[Case | Scenario]:
         ("an emoji over four tokens", [b"\xf0", b"\x9f", b"\x98", b"\x80", b" ok"],
          "a four-byte character (a first byte F0..F4) is held back until all four bytes are in, however many tokens "
          "that takes"),
+        ("first bytes at both edges of each range, one byte a token",
+         [bytes([b]) for b in "\u0080\u07ff\u0800\uffff\U00010000\U0010ffff".encode()],
+         "the first byte says the length: C2..DF two bytes, E0..EF three, F0..F4 four. Each edge of each range "
+         "starts a character here (U+0080, U+07FF, U+0800, U+FFFF, U+10000, U+10FFFF), each cut after every byte: "
+         "check the bounds of your ranges, or the bit patterns (110xxxxx, 1110xxxx, 11110xxx)"),
         ("invalid bytes never become a character", [b"a\xff", b"b", b"\x80c"],
          "FF starts no character, and 80 (10xxxxxx) continues nothing here: they can never be completed, so they "
          "become U+FFFD at once, as bytes.decode(errors='replace') makes them. Hold back only the start of a "
@@ -211,6 +216,9 @@ def _metric_cases() -> list[Case]:
                (0.0, [0.125, 0.25, 0.375], 0.375),  # TPOT over the limit
                (0.0, [0.25, 0.28125, 0.3125], 0.3125)]  # TTFT exactly at the limit: meets it
     one_token = [(0.0, [0.2], 0.2), (0.0, [0.1, 0.2, 0.3], 0.3), (0.0, [0.3, 0.35, 0.4, 0.45], 0.45)]
+    at_the_limits = [(0.0, [0.25, 0.3125, 0.375], 0.375),  # TTFT 250 ms, TPOT 62.5 ms: both exactly at the limits
+                     (0.0, [0.2501, 0.26, 0.27], 0.27),  # TTFT 250.1 ms: over
+                     (0.0, [0.125, 0.18755, 0.2501], 0.2501)]  # TPOT 62.55 ms: over
     return [
         Case("one request of five tokens", ([(0.0, [0.2, 0.25, 0.3, 0.35, 0.4], 0.4)], 500, 100),
              _metrics((200, 200, 200), (50, 50, 50), 1, 5, 1, 0.4),
@@ -231,6 +239,10 @@ def _metric_cases() -> list[Case]:
              _metrics((187.5, 425, 492.5), (31.25, 96.875, 122.1875), 4, 12, 2, 0.5625),
              hint="a good request meets the TTFT limit and the TPOT limit, both: one over either is not good. Meeting "
                   "a limit means at or under it (<=): a TTFT of exactly 250 ms meets a 250 ms limit"),
+        Case("the limits, met exactly and missed by a hair", (at_the_limits, 250, 62.5),
+             _metrics((250, 250.08, 250.098), (62.5, 62.54, 62.549), 3, 9, 1, 0.375),
+             hint="a TTFT or TPOT exactly at its limit meets it (<=); one a tenth of a millisecond over does not. The "
+                  "times are in seconds and the limits in ms: compare TTFT x 1000 with the limit as it is"),
         Case("a request of one token has no TPOT", (one_token, 250, 60),
              _metrics((200, 280, 298), (75, 95, 99.5), 3, 8, 1, 0.45),
              hint="with one token there is no time per output token: leave it out of the TPOT percentiles (not a 0 in "

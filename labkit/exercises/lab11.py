@@ -269,13 +269,17 @@ def _branch_cases() -> list[Case]:
          [7, 12, 30, 8, 5, 17, 5, 21, 40, 3], [12, 17, 5, 9, 21, 40, 3, 3, 2, 11], 20,
          "the branch is 0, 1, 5, 8: node 5 is node 1's second child, node 8 its child; node 8 has no child, so the "
          "next token is choices[8]"),
+        ("the target writes the root's token again after the branch", [-1, 0, 1], [7, 3, 5], [3, 5, 7], 8,
+         "both candidates are accepted, and then the target repeats the root's token, 7 (text repeats). The root is "
+         "no node's child: list children for nodes 1 .. n - 1 only (parents[0] is -1, and kids[-1] would make the "
+         "root the last node's child, so that the walk goes round for ever)"),
         ("just the root: no candidates this round", [-1], [7], [4], 3,
          "a tree of one node (near the end of the cache): no child to accept, the next token is choices[0], and "
          "the root's slot is kept"),
     ]
     return [JudgedCase(f"{label}: parents {parents}, tokens {tokens}, choices {choices}, start {start}",
                        (parents, tokens, choices, start), judge=_branch_judge(parents, tokens, choices, start),
-                       unchanged=True, hint=hint)
+                       unchanged=True, hint=hint, within_s=5.0)  # a walk that goes round is stopped
             for label, parents, tokens, choices, start, hint in rounds]
 
 
