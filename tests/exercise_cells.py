@@ -1,12 +1,12 @@
 """The exercise cells of the notebooks, and running one to get what it defines."""
 from __future__ import annotations
 
-import linecache
 from pathlib import Path
 
 from labkit import notebook
 from labkit.check import FAILED, run_cases
 from labkit.exercises import get
+from labkit.mutants import define
 
 
 def cells(folder, root) -> dict[str, str]:
@@ -18,16 +18,6 @@ def cells(folder, root) -> dict[str, str]:
                 assert path.name.startswith(get(ex_id).lab + "_"), f"{ex_id} sits in {path.name}"
                 cells[ex_id] = notebook.source(cell)
     return cells
-
-
-def define(source: str, name: str):
-    """Run an exercise cell and return what it defines as ``name``. The cell's source goes into
-    linecache, as IPython puts it, so that Triton can read a kernel's source."""
-    filename = f"<exercise cell {name} {hash(source)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace: dict = {}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
 
 
 def fails(ex_id: str, fn, case: str, hint: str):

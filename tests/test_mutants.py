@@ -1,0 +1,60 @@
+"""labkit.mutants: the changes it makes to a solution, and the mutants a check lets through."""
+from __future__ import annotations
+
+from labkit import mutants
+from labkit.exercises import get
+from labkit.exercises.spec import Case, Exercise
+
+SOURCE = '''def below(a, b):
+    limit = b + 1  # outside the solution: never changed
+    ### BEGIN SOLUTION
+    if not a:
+        return False
+    return a < limit and b > 0
+    ### END SOLUTION
+'''
+
+
+def test_each_change_is_one_and_inside_the_solution_region():
+    made = list(mutants.mutants(SOURCE))
+    assert all("limit = b + 1" in m.source for m in made)  # the line before the region stays as it is
+    changed = {(m.kind, m.before, m.after) for m in made}
+    assert ("comparison", "return a < limit and b > 0", "return a <= limit and b > 0") in changed
+    assert ("comparison", "return a < limit and b > 0", "return a < limit and b >= 0") in changed
+    assert ("and/or", "return a < limit and b > 0", "return a < limit or b > 0") in changed
+    assert ("number + 1", "return a < limit and b > 0", "return a < limit and b > 1") in changed
+    assert ("unary dropped", "if not a:", "if a:") in changed
+    assert ("statement removed", "return False", "pass") in changed
+    assert len(made) == len(changed) == 9  # two comparisons, and/or, a number twice, not, if, two returns
+    assert [m.kind for m in made] == [m.kind for m in mutants.mutants(SOURCE)]  # in a fixed order
+
+
+def test_a_check_without_the_edge_case_lets_the_comparison_through():
+    weak = Exercise(id="ex00.1", title="below", points=1, function="below", recipe="",
+                    cases=lambda: [Case("far below", (1, 5), True), Case("far above", (9, 5), False),
+                                   Case("nothing", (0, 5), False)])
+    total, passed = mutants.survivors(weak, SOURCE)
+    assert total == 9
+    assert {(m.kind, m.after) for m in passed} >= {("comparison", "return a <= limit and b > 0")}
+    edged = Exercise(id="ex00.1", title="below", points=1, function="below", recipe="",
+                     cases=lambda: [*weak.cases(), Case("at the limit", (6, 5), False)])
+    assert ("comparison", "return a <= limit and b > 0") not in {(m.kind, m.after)
+                                                                 for m in mutants.survivors(edged, SOURCE)[1]}
+
+
+def test_a_mutant_that_loops_for_ever_is_stopped_and_counts_as_caught():
+    looping = ("def f(n):\n    ### BEGIN SOLUTION\n    while n > 0:\n        n -= 1\n    return n\n"
+               "    ### END SOLUTION\n")
+    exercise = Exercise(id="ex00.1", title="f", points=1, function="f", recipe="",
+                        cases=lambda: [Case("three", (3,), 0)])
+    by_kind = {m.kind + " " + m.after: m for m in mutants.mutants(looping)}
+    assert not mutants.passes(exercise, by_kind["operator n += 1"], limit_s=0.5)  # n grows: stopped
+    assert not mutants.passes(exercise, by_kind["comparison while n >= 0:"], limit_s=0.5)  # returns -1
+
+
+def test_every_mutant_of_a_solution_the_lab_ships_is_caught(root, capsys):
+    cells = mutants.solution_cells(root / "solutions")
+    total, passed = mutants.survivors(get("ex00.1"), cells["ex00.1"])
+    assert total >= 10 and passed == []
+    assert mutants.main(["ex00.2", "--solutions", str(root / "solutions")]) == 0
+    assert capsys.readouterr().out.startswith("ex00.2: the check caught 2 of 2 mutants")
