@@ -8,9 +8,10 @@ notebook runs in a fresh Python process with a time limit: the notebook's cells 
 use what an earlier one defined, as it does in the notebook; their errors are not counted here,
 and each may run for a few seconds at most), then the exercise cell, then the exercise's cases
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
-crash, an endless loop, a syntax error, ``sys.exit`` or an allocation past the exercise's share of
-memory (``memory_limit``) in a submission costs that exercise's points and nothing more. The grader prints a points table and writes ``grades.json`` (every
-result with its reason and the notebook it came from) and ``grades.csv`` (a row per student: a
+crash, an endless loop, a syntax error, ``sys.exit`` or (on Linux) an allocation past the exercise's
+share of memory (``memory_limit``) in a submission costs that exercise's points and nothing more.
+The grader prints a points table and writes ``grades.json`` (every result with its reason and the
+notebook it came from) and ``grades.csv`` (a row per student: a
 column per exercise, a total per notebook when there are several, the total, and the exercises
 that did not pass, each with its status). A notebook whose lab cannot be told (no ``NN_`` prefix, no
 exercise cell, tagged or defining an exercise's function) is not graded: it is an entry of its own,
@@ -54,6 +55,7 @@ _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 _MEMORY_SHARE = 0.5  # of this machine's memory: what the exercises graded at once may allocate in all
 _MEMORY_FLOOR = 1 << 30  # what one may always allocate (labkit's own solutions need a fraction of it)
+_THREAD_ALLOWANCE = 32 << 20  # what a thread may reserve (its stack, its allocator's arena; about 16 MiB seen)
 
 
 @dataclass(frozen=True)
@@ -245,17 +247,22 @@ def _check_options(timeout_s: float | None, jobs: int | None, names: tuple[str, 
 
 
 def memory_limit(jobs: int) -> int:
-    """Bytes one of ``jobs`` exercises graded at once may allocate: a share of this machine's memory, so
-    that a submission that allocates without end fails its exercise, where it would make the machine
-    swap, or its kernel kill a process of its choosing."""
+    """Bytes one of ``jobs`` exercises graded at once may allocate beyond what its process holds when it
+    starts: a share of this machine's memory, so that a submission that allocates without end fails its
+    exercise, where it would make the machine swap, or its kernel kill a process of its choosing."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(_MEMORY_FLOOR, int(total * _MEMORY_SHARE / jobs))
 
 
-def grade_submission(sub: Submission, timeout_s: float | None = None, memory_bytes: int | None = None
-                     ) -> dict[str, Result]:
-    """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit,
-    and an exercise may allocate ``memory_bytes`` (default: ``memory_limit(1)``)."""
+def threads_for(jobs: int) -> int:
+    """The torch threads of one of ``jobs`` exercises graded at once: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
+def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int = 1) -> dict[str, Result]:
+    """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit.
+    ``jobs`` exercises are graded at once, this one's among them: each has its share of the memory
+    (``memory_limit``) and of the cores (``threads_for``)."""
     _check_options(timeout_s, None)
     exercises = for_lab(sub.lab)
     try:
@@ -275,7 +282,7 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, memory_byt
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
-                "memory_bytes": memory_bytes or memory_limit(1)}
+                "memory_bytes": memory_limit(jobs), "threads": threads_for(jobs)}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
@@ -301,8 +308,9 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     placed = [sub for sub in submissions if sub.lab]
     workers = jobs or os.cpu_count() or 1
+    at_once = max(1, min(workers, len(placed)))
     with _no_main_file(), ThreadPoolExecutor(max_workers=workers) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, memory_limit(workers))), placed))
+        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
@@ -505,10 +513,13 @@ def _lab_total(results: dict[str, Result], lab: str) -> str:
     return f"{_total(ours)[0]:g}" if ours else ""
 
 
-def _isolate(cwd: str, scratch: str, memory_bytes: int) -> None:
+def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
     """In the worker: own process group, the notebook's folder as working directory and first on
-    the import path (as in Jupyter), no terminal output, caps on files written and on memory
-    allocated, and an IPython profile of its own (so the user's history is not written to)."""
+    the import path (as in Jupyter), no terminal output, its share of the cores, caps on files
+    written and on memory allocated, and an IPython profile of its own (so the user's history is
+    not written to)."""
+    import torch
+
     import resource
 
     os.setsid()
@@ -519,13 +530,36 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int) -> None:
 
     matplotlib.use("Agg")  # no window, and no notebook's inline backend: plt.show() draws nowhere, at once
     resource.setrlimit(resource.RLIMIT_FSIZE, (_OUTPUT_LIMIT, _OUTPUT_LIMIT))
-    try:  # an allocation past it fails; a system that refuses the cap (some do) grades without it
-        resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
-    except (ValueError, OSError):
-        pass
+    torch.set_num_threads(min(torch.get_num_threads(), threads))  # the exercises graded at once share the cores
+    _cap_memory(memory_bytes, threads)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
+
+
+def _cap_memory(share: int, threads: int) -> None:
+    """Let this process allocate ``share`` bytes beyond what it holds now, and an allowance for each of its
+    ``threads``: RLIMIT_DATA counts the address space reserved, a thread's stack included, so that an allocation
+    past the cap fails. On Linux only: elsewhere the limit is not enforced on what torch allocates."""
+    import resource
+
+    held = _data_bytes()
+    if held is None:
+        return
+    limit = held + threads * _THREAD_ALLOWANCE + share
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    except (ValueError, OSError):  # a hard limit below it, set by the system: that one stands
+        pass
+
+
+def _data_bytes() -> int | None:
+    """The data this process holds (VmData, from /proc); None where /proc does not say (not Linux)."""
+    try:
+        found = re.search(r"^VmData:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) << 10 if found else None
 
 
 def _worker(spec: dict, cwd: str, result_path: str) -> None:
@@ -533,7 +567,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     exercise's cell as IPython would, then the cases."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"])
+    _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"], spec["threads"])
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     failed = _run_cells(shell, "a setup cell", spec["setup"])
@@ -559,8 +593,9 @@ def _notes(message: str, memory_bytes: int) -> str:
     if "raised NameError" in message and "a setup cell" not in message:  # it passes inline, maybe
         notes.append("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell "
                      "of your own, move it into the exercise cell")
-    if "MemoryError" in message or "can't allocate memory" in message:
-        notes.append(f"while graded, an exercise may allocate {memory_bytes / 2**30:.1f} GiB")
+    if re.search(r"\bMemoryError\b|can't allocate memory", message):  # not CUDA's OutOfMemoryError: uncapped
+        notes.append(f"while graded, an exercise may allocate {memory_bytes / 2**30:.1f} GiB beyond what the "
+                     "grader's own process holds")
     return "".join(f"\n    note: {note}" for note in notes)
 
 

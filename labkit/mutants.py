@@ -16,6 +16,7 @@ import argparse
 import ast
 import copy
 import linecache
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,19 +133,31 @@ def mutants(source: str) -> Iterator[Mutant]:
                      lines[first].strip() if first < len(lines) else "", text)
 
 
-def passes(exercise: Exercise, mutant: Mutant, limit_s: float = LIMIT_S) -> bool:
-    """Whether the exercise's check passes ``mutant``; one that runs past ``limit_s`` or will not run fails."""
+def passes(exercise: Exercise, source: str, limit_s: float = LIMIT_S) -> bool:
+    """Whether the exercise's check passes the cell ``source``; one that runs past ``limit_s`` or will not
+    run fails."""
     try:
         with time_limit(limit_s):
-            return run_cases(exercise, define(mutant.source, exercise.function)).status == PASSED
-    except (Overtime, Exception):  # a mutant that stops before its check runs is caught, whatever it raises
+            return run_cases(exercise, define(source, exercise.function)).status == PASSED
+    except (Overtime, Exception):  # a cell that stops before its check runs is caught, whatever it raises
         return False
 
 
 def survivors(exercise: Exercise, source: str, limit_s: float = LIMIT_S) -> tuple[int, list[Mutant]]:
-    """How many mutants of ``source`` there are, and those the exercise's check passes."""
+    """How many mutants of ``source`` there are, and those the exercise's check passes. ValueError if the
+    check does not pass ``source`` itself: every mutant would then fail it, and prove nothing."""
+    if not passes(exercise, source, limit_s):
+        raise ValueError(f"the check of {exercise.id} does not pass its solution: run labkit.check on it first")
     made = list(mutants(source))
-    return len(made), [mutant for mutant in made if passes(exercise, mutant, limit_s)]
+    return len(made), [mutant for mutant in made if passes(exercise, mutant.source, limit_s)]
+
+
+def _report(ex_id: str, total: int, passed: list[Mutant]) -> None:
+    """How many mutants the check caught, and each changed line of those it passed."""
+    print(f"{ex_id}: the check caught {total - len(passed)} of {total} mutants" + "; it passed these:" * bool(passed),
+          flush=True)
+    for mutant in passed:
+        print(f"  {mutant.kind}\n    - {mutant.before}\n    + {mutant.after}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,21 +167,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="the instructor notebooks (default: the solutions folder beside labkit)")
     parser.add_argument("--limit", type=float, default=LIMIT_S, help=f"seconds per mutant (default {LIMIT_S:g})")
     args = parser.parse_args(argv)
+    if not 0 < args.limit < math.inf:
+        parser.error(f"--limit {args.limit:g}: give a number of seconds above 0")
     if unknown := [ex_id for ex_id in args.exercises if ex_id not in EXERCISES]:
         parser.error(f"no exercise {', '.join(unknown)}: choose among {', '.join(EXERCISES)}")
     if not args.solutions.is_dir():
         parser.error(f"--solutions {args.solutions} is not a folder of notebooks")
-    cells = solution_cells(args.solutions)
+    cells, unchecked = solution_cells(args.solutions), []
     for ex_id in args.exercises or sorted(cells):
         if ex_id not in cells:
-            print(f"{ex_id}: no cell for it in {args.solutions}")
+            unchecked.append(f"{ex_id}: no cell for it in {args.solutions}")
             continue
-        total, passed = survivors(get(ex_id), cells[ex_id], args.limit)
-        print(f"{ex_id}: the check caught {total - len(passed)} of {total} mutants"
-              + "; it passed these:" * bool(passed), flush=True)
-        for mutant in passed:
-            print(f"  {mutant.kind}\n    - {mutant.before}\n    + {mutant.after}")
-    return 0
+        try:
+            _report(ex_id, *survivors(get(ex_id), cells[ex_id], args.limit))
+        except ValueError as error:
+            unchecked.append(f"{ex_id}: {error}")
+    for line in unchecked:
+        print(f"not checked: {line}", file=sys.stderr)
+    return 1 if unchecked else 0
 
 
 if __name__ == "__main__":

@@ -288,4 +288,4 @@ def test_edges_found_by_mutating_the_solutions_fail(root):
     fails("ex09.3", mistake(root, "ex09.3", "tpot * 1000 <= slo_tpot_ms", "tpot * 1000 < slo_tpot_ms"),
           "the limits, met exactly", "exactly at its limit meets it (<=)")
     fails("ex09.3", mistake(root, "ex09.3", "ttft * 1000 <=", "ttft * 999 <="), "the limits, met exactly",
-          "a tenth of a millisecond over does not")
+          "one a hair over (0.1 ms, 0.05 ms) does not")

@@ -183,6 +183,8 @@ def class_book(class_folder):
     ("hoards", "failed", "can't allocate memory: you tried to allocate"),  # and the note of the cap after it
 ])
 def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
+    if student == "hoards" and not sys.platform.startswith("linux"):
+        pytest.skip("the memory cap reads and sets what Linux counts (VmData, RLIMIT_DATA)")
     result = class_book[student]["ex00.1"]
     assert result.status == status and says in result.message
     if student not in ("garbage", "zipped"):

@@ -1,6 +1,8 @@
 """labkit.mutants: the changes it makes to a solution, and the mutants a check lets through."""
 from __future__ import annotations
 
+import pytest
+
 from labkit import mutants
 from labkit.exercises import get
 from labkit.exercises.spec import Case, Exercise
@@ -48,8 +50,8 @@ def test_a_mutant_that_loops_for_ever_is_stopped_and_counts_as_caught():
     exercise = Exercise(id="ex00.1", title="f", points=1, function="f", recipe="",
                         cases=lambda: [Case("three", (3,), 0)])
     by_kind = {m.kind + " " + m.after: m for m in mutants.mutants(looping)}
-    assert not mutants.passes(exercise, by_kind["operator n += 1"], limit_s=0.5)  # n grows: stopped
-    assert not mutants.passes(exercise, by_kind["comparison while n >= 0:"], limit_s=0.5)  # returns -1
+    assert not mutants.passes(exercise, by_kind["operator n += 1"].source, limit_s=0.5)  # n grows: stopped
+    assert not mutants.passes(exercise, by_kind["comparison while n >= 0:"].source, limit_s=0.5)  # returns -1
 
 
 def test_every_mutant_of_a_solution_the_lab_ships_is_caught(root, capsys):
@@ -58,3 +60,18 @@ def test_every_mutant_of_a_solution_the_lab_ships_is_caught(root, capsys):
     assert total >= 10 and passed == []
     assert mutants.main(["ex00.2", "--solutions", str(root / "solutions")]) == 0
     assert capsys.readouterr().out.startswith("ex00.2: the check caught 2 of 2 mutants")
+
+
+def test_a_solution_its_check_fails_is_refused_and_the_command_says_so(root, tmp_path, capsys):
+    weak = Exercise(id="ex00.1", title="below", points=1, function="below", recipe="",
+                    cases=lambda: [Case("at the limit", (6, 5), True)])  # a case the solution gets wrong
+    with pytest.raises(ValueError, match="the check of ex00.1 does not pass its solution"):
+        mutants.survivors(weak, SOURCE)
+    (tmp_path / "00_welcome.ipynb").write_bytes((root / "solutions/00_welcome.ipynb").read_bytes().replace(
+        b"2 * m * n * k", b"3 * m * n * k"))  # a solution broken: its check fails it
+    assert mutants.main(["ex00.1", "ex00.2", "--solutions", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("ex00.2: the check caught") and "not checked: ex00.1: the check of ex00.1" in err
+    with pytest.raises(SystemExit):
+        mutants.main(["ex00.1", "--limit", "-1"])
+    assert "--limit -1: give a number of seconds above 0" in capsys.readouterr().err

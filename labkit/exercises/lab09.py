@@ -241,8 +241,8 @@ def _metric_cases() -> list[Case]:
                   "a limit means at or under it (<=): a TTFT of exactly 250 ms meets a 250 ms limit"),
         Case("the limits, met exactly and missed by a hair", (at_the_limits, 250, 62.5),
              _metrics((250, 250.08, 250.098), (62.5, 62.54, 62.549), 3, 9, 1, 0.375),
-             hint="a TTFT or TPOT exactly at its limit meets it (<=); one a tenth of a millisecond over does not. The "
-                  "times are in seconds and the limits in ms: compare TTFT x 1000 with the limit as it is"),
+             hint="a TTFT or TPOT exactly at its limit meets it (<=); one a hair over (0.1 ms, 0.05 ms) does not. "
+                  "The times are in seconds and the limits in ms: compare TTFT x 1000 with the limit as it is"),
         Case("a request of one token has no TPOT", (one_token, 250, 60),
              _metrics((200, 280, 298), (75, 95, 99.5), 3, 8, 1, 0.45),
              hint="with one token there is no time per output token: leave it out of the TPOT percentiles (not a 0 in "
