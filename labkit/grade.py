@@ -192,17 +192,25 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         timed_out = proc.is_alive()
         _kill_group(proc.pid)
         proc.join()
-        if timed_out:
-            case = Path(tmp, CASE_FILE)  # the case it was in, where it had reached one
-            where = f" in {case.read_text(encoding='utf-8')}" if case.exists() else ""
-            return {"status": TIMEOUT, "message": f"stopped after {timeout_s:g} s{where}: an endless loop, "
-                                                    "or far too slow"}
-        if result_path.exists():
+        if result_path.exists() and not timed_out:
             return json.loads(result_path.read_text(encoding="utf-8"))
+        reached, label = _case_reached(Path(tmp, CASE_FILE))
+        where = f" in {reached}" if reached else ""
+        if timed_out:
+            return {"status": TIMEOUT, "failed_case": label,
+                    "message": f"stopped after {timeout_s:g} s{where}: an endless loop, or far too slow"}
         how = (f"killed by signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                else f"exited with code {proc.exitcode}")
-        return {"status": CRASHED, "message": f"the process {how} before reporting a result "
-                                              "(os._exit, a crash, too much output or memory?)"}
+        return {"status": CRASHED, "failed_case": label,
+                "message": f"the process {how}{where} before reporting a result (os._exit, a crash, too much "
+                           "output or memory?)"}
+
+
+def _case_reached(case_file: Path) -> tuple[str, str]:
+    """The case a worker had started, as ``case 2 (its label)``, and its label; empty before any case."""
+    reached = case_file.read_text(encoding="utf-8") if case_file.exists() else ""
+    label = re.fullmatch(r"case \d+ \((.*)\)", reached, re.DOTALL)
+    return reached, label.group(1) if label else ""
 
 
 def _kill_group(pgid: int) -> None:

@@ -191,6 +191,13 @@ def test_each_broken_submission_costs_only_its_exercise(class_book, student, sta
         assert class_book[student]["ex00.2"].status == "passed", "the other exercise keeps its points"
 
 
+def test_a_timeout_or_a_crash_names_its_case_for_scripts_too(class_book):
+    for student in ("loops", "hard_exits"):  # in a case: its label, as a failed case's
+        result = class_book[student]["ex00.1"]
+        assert result.failed_case and f"in case 1 ({result.failed_case})" in result.message, result
+    assert class_book["crashes_at_top"]["ex00.1"].failed_case == ""  # before any case
+
+
 def test_the_table_and_reports(class_folder, tmp_path):
     run = subprocess.run([sys.executable, "-m", "labkit.grade", str(class_folder / "magic"),
                           str(class_folder / "wrong"), "--out", str(tmp_path), "--timeout", "30"],
