@@ -526,9 +526,9 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
     the import path (as in Jupyter), no terminal output, its share of the cores, caps on files
     written and on memory allocated, and an IPython profile of its own (so the user's history is
     not written to)."""
-    import torch
-
     import resource
+
+    import torch
 
     os.setsid()
     os.chdir(cwd)
