@@ -53,6 +53,7 @@ ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
 CASE_FILE = "case"  # beside a worker's result: the case it has started, for the message should it never end
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
+_MESSAGE_LIMIT = 20_000  # characters of a result's message: the result is a file, which _OUTPUT_LIMIT caps too
 _MEMORY_SHARE = 0.5  # of this machine's memory: what the exercises graded at once may allocate in all
 _MEMORY_FLOOR = 1 << 30  # what one may always allocate (labkit's own solutions need a fraction of it)
 _THREAD_ALLOWANCE = 32 << 20  # what a thread may reserve (its stack, its allocator's arena; about 16 MiB seen)
@@ -192,8 +193,12 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         timed_out = proc.is_alive()
         _kill_group(proc.pid)
         proc.join()
-        if result_path.exists() and not timed_out:
-            return json.loads(result_path.read_text(encoding="utf-8"))
+        if result_path.exists():  # written whole (os.replace): the process may have lingered after it
+            outcome = json.loads(result_path.read_text(encoding="utf-8"))
+            if timed_out:
+                outcome["message"] += ("\n    note: the process did not end once it had its result (a thread of "
+                                       "the exercise's left running?)")
+            return outcome
         reached, label = _case_reached(Path(tmp, CASE_FILE))
         where = f" in {reached}" if reached else ""
         if timed_out:
@@ -264,7 +269,12 @@ def memory_limit(jobs: int) -> int:
 
 def threads_for(jobs: int) -> int:
     """The torch threads of one of ``jobs`` exercises graded at once: its share of the cores."""
-    return max(1, (os.cpu_count() or 1) // jobs)
+    return max(1, _cores() // jobs)
+
+
+def _cores() -> int:
+    """The cores this process may run on (fewer than the machine's in a container or under taskset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int = 1) -> dict[str, Result]:
@@ -315,7 +325,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     if not any(sub.path.is_file() for sub in submissions):  # only student folders that hold none
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     placed = [sub for sub in submissions if sub.lab]
-    workers = jobs or os.cpu_count() or 1
+    workers = jobs or _cores()
     at_once = max(1, min(workers, len(placed)))
     with _no_main_file(), ThreadPoolExecutor(max_workers=workers) as pool:
         graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
@@ -547,14 +557,15 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
 
 def _cap_memory(share: int, threads: int) -> None:
     """Let this process allocate ``share`` bytes beyond what it holds now, and an allowance for each of its
-    ``threads``: RLIMIT_DATA counts the address space reserved, a thread's stack included, so that an allocation
-    past the cap fails. On Linux only: elsewhere the limit is not enforced on what torch allocates."""
+    torch ``threads`` and for a pool of one thread per core (numpy's BLAS starts one): RLIMIT_DATA counts the
+    address space reserved, a thread's stack included, so that an allocation past the cap fails. On Linux
+    only: elsewhere the limit is not enforced on what torch allocates."""
     import resource
 
     held = _data_bytes()
     if held is None:
         return
-    limit = held + threads * _THREAD_ALLOWANCE + share
+    limit = held + (threads + _cores()) * _THREAD_ALLOWANCE + share
     try:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     except (ValueError, OSError):  # a hard limit below it, set by the system: that one stands
@@ -591,8 +602,17 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
         case_file = Path(result_path).with_name(CASE_FILE)
         result = run_cases(exercise, fn, starting=lambda case: case_file.write_text(case, encoding="utf-8"))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    outcome["message"] += _notes(outcome["message"], spec["memory_bytes"])
-    Path(result_path).write_text(json.dumps(outcome), encoding="utf-8")
+    outcome["message"] = _shortened(outcome["message"]) + _notes(outcome["message"], spec["memory_bytes"])
+    partial = Path(result_path).with_suffix(".partial")  # whole or not at all: the file cap may stop a write
+    partial.write_text(json.dumps(outcome), encoding="utf-8")
+    os.replace(partial, result_path)
+
+
+def _shortened(message: str) -> str:
+    """A message cut to ``_MESSAGE_LIMIT`` characters (a student's exception may hold megabytes)."""
+    if len(message) <= _MESSAGE_LIMIT:
+        return message
+    return f"{message[:_MESSAGE_LIMIT]}... ({len(message) - _MESSAGE_LIMIT:,} more characters)"
 
 
 def _notes(message: str, memory_bytes: int) -> str:

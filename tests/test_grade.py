@@ -32,6 +32,11 @@ BROKEN_EX1 = {
     # a helper defined in a cell of the student's own: the inline check saw it, the grader does not
     "helper_elsewhere": "def matmul_intensity(m, n, k, b=2):\n    return _intensity(m, n, k, b)\n",
     "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+    # an exception's message of 2 MB, past the cap on a file the worker writes (its result among them)
+    "shouts": "def matmul_intensity(m, n, k, b=2):\n    raise ValueError('x' * (2 << 20))\n",
+    # right, but a thread of its own keeps the process alive past the time limit
+    "lingers": "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\n"
+               "def matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
     # three quarters of the machine's memory, asked for and never touched: allowed but for the grader's cap
     "hoards": "import os, torch\ndef matmul_intensity(m, n, k, b=2):\n"
               "    torch.empty(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') * 3 // 4, dtype=torch.uint8)\n"
@@ -181,6 +186,8 @@ def class_book(class_folder):
     ("two_copies", "passed", ""),
     ("garbage", ERROR, "not a readable notebook"),
     ("hoards", "failed", "can't allocate memory: you tried to allocate"),  # and the note of the cap after it
+    ("shouts", "failed", "xxx... (2,"),  # cut short, where the whole message stopped the grader
+    ("lingers", "passed", "note: the process did not end once it had its result"),
 ])
 def test_each_broken_submission_costs_only_its_exercise(class_book, student, status, says):
     if student == "hoards" and not sys.platform.startswith("linux"):
