@@ -108,7 +108,9 @@ def _packing_cases() -> list[Scenario]:
 
     return [Scenario("known bytes, both ways", known,
                      hint="four codes into two bytes and back, worked out by hand: the code at the even position "
-                          "goes in the low 4 bits, the next one in the high 4 bits (0x21 holds 1 low and 2 high)"),
+                          "goes in the low 4 bits, the next one in the high 4 bits (0x21 holds 1 low and 2 high). "
+                          "0xF0 is 240 as uint8 but -16 as int8, where >> 4 keeps the sign (-1, not 15): shift "
+                          "the bytes as uint8"),
             Scenario("a matrix, there and back", round_trip,
                      hint="[5, 64] codes, packed row by row along the last dimension, then unpacked: the result "
                           "keeps the leading dimensions, and pack must not change the tensor it was given"),

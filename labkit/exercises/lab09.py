@@ -224,7 +224,9 @@ def _metric_cases() -> list[Case]:
              _metrics((200, 200, 200), (50, 50, 50), 1, 5, 1, 0.4),
              hint="TTFT = first token - send; TPOT = (finish - send - TTFT) / (n - 1): the time after the first token "
                   "spread over the n - 1 tokens that follow it, not over all n; both in ms. One request: every "
-                  "percentile is its value"),
+                  "percentile is its value. The three rates are per second of the run (0.4 s here, the first send "
+                  "to the last finish): 1 request, 5 output tokens (the first one too), 1 good request, not a "
+                  "fraction of the requests"),
         Case("five requests sent at once: percentiles interpolate", (at_once, 1000, 100),
              _metrics((300, 460, 496), (50, 72, 79.2), 5, 15, 5, 0.58),
              hint="the p-th percentile of sorted values v_0..v_(n-1) sits at rank p/100 * (n - 1), interpolated "
