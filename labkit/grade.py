@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Iterator
 from labkit import notebook
 from labkit.check import NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
-from labkit.spawning import fork_server, process
+from labkit.spawning import cores, fork_server, process, threads_each
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -267,20 +267,10 @@ def memory_limit(jobs: int) -> int:
     return max(_MEMORY_FLOOR, int(total * _MEMORY_SHARE / jobs))
 
 
-def threads_for(jobs: int) -> int:
-    """The torch threads of one of ``jobs`` exercises graded at once: its share of the cores."""
-    return max(1, _cores() // jobs)
-
-
-def _cores() -> int:
-    """The cores this process may run on (fewer than the machine's in a container or under taskset)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int = 1) -> dict[str, Result]:
     """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit.
     ``jobs`` exercises are graded at once, this one's among them: each has its share of the memory
-    (``memory_limit``) and of the cores (``threads_for``)."""
+    (``memory_limit``) and of the cores (``spawning.threads_each``)."""
     _check_options(timeout_s, None)
     exercises = for_lab(sub.lab)
     try:
@@ -300,7 +290,7 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
-                "memory_bytes": memory_limit(jobs), "threads": threads_for(jobs)}
+                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs)}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
@@ -325,7 +315,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     if not any(sub.path.is_file() for sub in submissions):  # only student folders that hold none
         raise FileNotFoundError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     placed = [sub for sub in submissions if sub.lab]
-    workers = jobs or _cores()
+    workers = jobs or cores()
     at_once = max(1, min(workers, len(placed)))
     with _no_main_file(), ThreadPoolExecutor(max_workers=workers) as pool:
         graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
@@ -565,7 +555,7 @@ def _cap_memory(share: int, threads: int) -> None:
     held = _data_bytes()
     if held is None:
         return
-    limit = held + (threads + _cores()) * _THREAD_ALLOWANCE + share
+    limit = held + (threads + cores()) * _THREAD_ALLOWANCE + share
     try:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     except (ValueError, OSError):  # a hard limit below it, set by the system: that one stands

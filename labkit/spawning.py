@@ -9,7 +9,8 @@ as they were when it started: ``process`` makes one that runs in its starter's.
 A spawned process is a fresh interpreter that imports by name what it must run, and re-imports
 the starter's main module first. ``check_importable`` refuses, by name, a function the new process
 could not import (a notebook cell's, a nested one); ``main_not_rerun`` hides the main module while
-processes start, so that a script's top level does not run again in each.
+processes start, so that a script's top level does not run again in each. ``threads_each`` shares the
+cores out among processes that run at once.
 """
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def check_importable(fn: Any) -> None:
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} cannot be started in another process: define it "
                          "at the top of an importable module (a notebook cell's function is not)")
+
+
+def cores() -> int:
+    """The cores this process may run on (fewer than the machine's in a container or under taskset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_each(processes: int) -> int:
+    """Torch threads for each of ``processes`` that run at once: the cores shared out, at least 1."""
+    return max(1, cores() // processes)
 
 
 def fork_server(*modules: str) -> multiprocessing.context.BaseContext:

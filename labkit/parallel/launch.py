@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from labkit.spawning import check_importable, fork_server, main_not_rerun, process
+from labkit.spawning import check_importable, fork_server, main_not_rerun, process, threads_each
 from labkit.validate import check_counts
 
 
@@ -68,19 +68,14 @@ def backend_for(world_size: int, backend: str | None = None) -> tuple[str, list[
     return "nccl", [torch.device("cuda", r) for r in range(world_size)]
 
 
-def default_threads(world_size: int) -> int:
-    """Torch threads per rank unless told: the cores shared out, at least 1."""
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 120.0,
            threads: int | None = None, backend: str | None = None) -> Any:
     """Run ``fn(rank, *args)`` on ``world_size`` new processes in one group; rank 0's result.
-    ``threads``: torch's threads per rank (default: ``default_threads``); ``backend``: see ``backend_for``."""
+    ``threads``: torch's threads per rank (default: ``spawning.threads_each``, the cores shared out); ``backend``: see ``backend_for``."""
     check_counts(world_size=world_size)
     check_importable(fn)
     backend, devices = backend_for(world_size, backend)
-    threads = threads or default_threads(world_size)
+    threads = threads or threads_each(world_size)
     context = fork_server("labkit.parallel.launch")
     results = context.Queue()
     store = tempfile.mkdtemp(prefix="labkit-ranks-")  # the ranks meet through a file: no port to race for
