@@ -11,8 +11,9 @@ from exercise_cells import cells, define, fails, solution
 
 V_MASK = "mask=(keys[:, None] < S) & (dims[None, :] < HEAD_DIM)"
 K_MASK = "mask=(keys[None, :] < S) & (dims[:, None] < HEAD_DIM)"
-WHOLE_TILES, RAGGED, GQA, PREFIX, STRIDES = ("32 queries over 64 keys", "40 queries and keys", "causal, 4 query heads",
-                                             "causal prefill after a cached prefix", "K laid out")
+WHOLE_TILES, RAGGED, FEWER_KEYS, GQA, PREFIX, STRIDES = (
+    "32 queries over 64 keys", "40 queries and keys", "20 queries over 9 keys", "causal, 4 query heads",
+    "causal prefill after a cached prefix", "K laid out")
 RUNNING_STATE = "The running state goes from one tile to the next"
 KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail first, words of that case's hint)
     "acc is not rescaled": ((("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),), WHOLE_TILES,
@@ -33,6 +34,13 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
                                        "partly_masked = partly_masked"),), GQA, "in the tiles on the diagonal"),
     "K's tile not masked to the head's dims": (((K_MASK, "mask=(keys[None, :] < S)"),), PREFIX,
                                                "dims past HEAD_DIM must be masked"),
+    "the key load reads one key past S": (((K_MASK, "mask=(keys[None, :] <= S) & (dims[:, None] < HEAD_DIM)"),),
+                                          RAGGED, "a load read past a tensor: 32 elements outside the tensors; "
+                                                  "the first: K[0, 0, 40, 0], outside K's shape [1, 2, 40, 32]"),
+    "the value load reads one dim past the head": (((V_MASK, "mask=(keys[:, None] < S) & (dims[None, :] <= HEAD_DIM)"),),
+                                                   PREFIX, "V[0, 0, 45, 0], outside V's shape [2, 1, 45, 48]"),
+    "each row's maximum over the queries": ((("tl.max(scores, 1)", "tl.max(scores, 0)"),), FEWER_KEYS,
+                                            "tl.max over axis 1, the keys"),
     "V's tokens at K's stride": ((("V + keys[:, None] * stride_vt", "V + keys[:, None] * stride_kt"),), STRIDES,
                                  "use stride_kt for keys and stride_vt for values"),
 }

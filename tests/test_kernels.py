@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from labkit import kernels
 from labkit.kernels import paged_decode_cpu as paged_decode_cpu_module
+from labkit.kernels import tl, triton
+from labkit.kernels.bounds import watched_loads
 from labkit.kernels.paged_decode_cpu import paged_decode_cpu
 from labkit.kernels.tiled import naive_attention
 from labkit.model import ModelConfig, Transformer
@@ -97,6 +99,66 @@ def test_flash_attention_reads_strided_inputs_and_scales():
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                               is_causal=True, scale=0.5)
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[torch.float32], atol=TOLERANCE[torch.float32])
+
+
+needs_interpreter = pytest.mark.skipif(DEVICE != "cpu", reason="the loads are watched in Triton's interpreter; "
+                                                                "on a GPU compute-sanitizer does it")
+
+
+@triton.jit
+def _copy_kernel(X, Y, n, WIDTH: tl.constexpr, PAST: tl.constexpr):
+    """Copies n elements, loading PAST more than it should."""
+    offsets = tl.arange(0, WIDTH)
+    values = tl.load(X + offsets, mask=offsets < n + PAST, other=0.0)
+    tl.store(Y + offsets, values, mask=offsets < n)
+
+
+@needs_interpreter
+def test_watched_loads_name_each_load_past_a_tensor_and_where_it_read():
+    buffer = torch.arange(16.0)
+    x, y = buffer[:10], torch.zeros(10)
+    with watched_loads(X=x, Y=y) as strays:
+        _copy_kernel[(1,)](x, y, 10, WIDTH=16, PAST=0)
+    assert strays == [] and torch.equal(y, x)
+    with watched_loads(X=x, Y=y) as strays:  # the element past x lies in the buffer x is a view of
+        _copy_kernel[(1,)](x, y, 10, WIDTH=16, PAST=2)
+    assert strays == ["2 elements outside the tensors; the first: X[10], outside X's shape [10]"]
+    x = torch.arange(10.0)  # an allocation of its own: what lies past it is no watched tensor's
+    with watched_loads(X=x) as strays:
+        _copy_kernel[(1,)](x, y, 10, WIDTH=16, PAST=1)
+    assert strays == ["1 element outside the tensors; the first: memory that no tensor holds, 0 bytes past the "
+                      "end of X's"]
+    assert torch.equal(y, x)  # the values read past the end were not stored
+
+
+@needs_interpreter
+def test_watched_loads_leave_the_interpreter_as_it_was_also_after_an_error(monkeypatch):
+    from triton.runtime.interpreter import interpreter_builder
+    with pytest.raises(ZeroDivisionError), watched_loads(X=torch.zeros(4)):
+        1 / 0
+    with watched_loads(X=torch.zeros(4)) as strays:
+        pass
+    x, y = torch.arange(10.0), torch.zeros(10)
+    _copy_kernel[(1,)](x, y, 10, WIDTH=16, PAST=3)  # watched by no one
+    assert strays == [] and interpreter_builder.create_masked_load.__name__ == "create_masked_load"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="compute-sanitizer"), watched_loads(X=x):
+        pass
+
+
+@needs_interpreter
+def test_labkits_attention_kernels_load_only_inside_their_tensors():
+    """A mask one index too wide reads past a tensor and no output shows it (the values are dropped);
+    on a GPU it reads another allocation, or faults."""
+    for *dims, causal, dtype, block_m, block_n in SHAPES:
+        q, k, v = _qkv(*dims, dtype, seed=sum(dims))
+        with watched_loads(Q=q, K=k, V=v) as strays:
+            kernels.flash_attention(q, k, v, causal=causal, block_m=block_m, block_n=block_n)
+        assert strays == [], (dims, strays)
+    q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [1, 16, 37, 70], heads=6, kv_heads=2)
+    with watched_loads(Q=q, K=k_pool, V=v_pool, Tables=tables, Lengths=lengths) as strays:
+        kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
+    assert strays == []
 
 
 def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num_blocks=24, seed=0, device=DEVICE):

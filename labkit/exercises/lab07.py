@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable
 
@@ -9,6 +10,7 @@ import torch
 
 from labkit.exercises.spec import Case, Exercise, Scenario
 from labkit.kernels import flash_attention, interpreted, online_softmax_update, reference_attention
+from labkit.kernels.bounds import watched_loads
 
 
 def _fresh(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +90,8 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
     k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
     k, v = _in_nan(k, token_major=padded_k, extra_dims=16 * padded_k), _in_nan(v)
     try:
-        out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
+        with watched_loads(Q=q, K=k, V=v) if interpreted() else nullcontext([]) as strays:
+            out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
     except Exception as error:  # a stub is not attempted: the interpreter wraps what it raised, and
         if isinstance(error.__cause__, NotImplementedError):  # a GPU compiler refuses its raise
             raise error.__cause__ from None
@@ -98,6 +101,13 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
         raise
     tolerance = 2e-5 if dtype == torch.float32 and device == "cpu" else 2e-3  # a GPU runs fp32 dots in TF32
     torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal), rtol=tolerance, atol=tolerance)
+    if strays:
+        raise AssertionError(
+            f"the output is right, but a load read past a tensor: {strays[0]}"
+            f"{f' (and {len(strays) - 1} more loads past a tensor)' if len(strays) > 1 else ''}. Its values were dropped later (a "
+            "score set to -inf, a column never stored), so no output shows it here; on a GPU such a read takes "
+            "another allocation's memory, or stops the kernel with an illegal memory access. Mask each load to the "
+            "lanes inside the tensor: keys < S and dims < HEAD_DIM")
 
 
 def _kernel_cases() -> list[Scenario]:
@@ -112,6 +122,9 @@ def _kernel_cases() -> list[Scenario]:
         ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
          "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
          "loads (other=0.0), the key load and the value load"),
+        ("20 queries over 9 keys, not causal: fewer keys than one tile", (1, 2, 2, 20, 9, 32), False,
+         "the only key tile is mostly past S: those keys are -inf in every row, so each row's maximum must be "
+         "taken over its own scores (tl.max over axis 1, the keys), and the running state must stay finite"),
         ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True,
          "causal: a key later than the query's position must be -inf, in the tiles on the diagonal, which are "
          "partly masked even where they lie inside S"),

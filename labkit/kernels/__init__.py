@@ -11,7 +11,8 @@ kernels raise it when called. ``labkit.kernels.tiled`` (the same algorithm in pl
 needs no Triton at all, nor does ``labkit.kernels.paged_decode_cpu``, the paged decode step in
 C++ for the engine on a CPU (imported on its own: it builds with a C++ compiler on first use).
 ``labkit.kernels.int4_linear`` (also imported on its own) is the fused INT4 linear layer for decode:
-``int4_matmul_cpu`` (C++) on a CPU, ``int4_matmul`` (Triton) on a GPU.
+``int4_matmul_cpu`` (C++) on a CPU, ``int4_matmul`` (Triton) on a GPU. ``labkit.kernels.bounds``
+checks, in the interpreter, that a kernel loads only inside the tensors it was given.
 """
 from __future__ import annotations
 
