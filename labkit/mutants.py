@@ -4,7 +4,10 @@
 small change at a time inside its solution regions (between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION``): a comparison turned between ``<`` and ``<=`` (or ``==`` and ``!=``), an
 arithmetic or bitwise operator swapped for its partner, a number moved up or down by one, ``and``
-for ``or``, a unary operator dropped, a statement removed. It runs the exercise's check on each such
+for ``or``, a unary operator dropped, a statement removed, a keyword argument left out (``dim=-1``,
+``keepdim=True``, ``other=0.0``; not ``device=``, moot on the CPU where the checks run), a function
+called for its partner (``max`` for ``min``, ``amax`` for ``amin``, ``exp`` for ``exp2``, ``sum``
+for ``mean``, ``tril`` for ``triu``: ``PARTNERS``). It runs the exercise's check on each such
 *mutant*, as ``labkit.check`` would on a student's cell. A mutant the check passes is one of two
 things: the same computation written otherwise (an *equivalent* mutant: ``x.transpose(2, -1)`` for
 ``x.transpose(-2, -1)`` on a 4-d tensor), or a slip that no case sees, and so a case to add. It prints,
@@ -32,6 +35,10 @@ COMPARISONS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.G
 OPERATORS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
              ast.Mod: ast.FloorDiv, ast.LShift: ast.RShift, ast.RShift: ast.LShift, ast.BitAnd: ast.BitOr,
              ast.BitOr: ast.BitAnd}
+PARTNERS = {"max": "min", "min": "max", "maximum": "minimum", "minimum": "maximum", "amax": "amin", "amin": "amax",
+            "argmax": "argmin", "argmin": "argmax", "floor": "ceil", "ceil": "floor", "exp": "exp2", "exp2": "exp",
+            "log": "log2", "log2": "log", "sum": "mean", "mean": "sum", "tril": "triu", "triu": "tril", "any": "all",
+            "all": "any"}  # a function called for its partner: an attribute (torch.amax, tl.max) or a builtin (max)
 STATEMENTS = (ast.Expr, ast.Assign, ast.AugAssign, ast.Delete, ast.If, ast.Raise, ast.Return)
 LIMIT_S = 20.0  # a mutant's check, at most (a mutant may loop for ever)
 
@@ -86,9 +93,19 @@ def _sites(tree: ast.AST, regions: list[range]) -> list[tuple[str, ast.AST, int]
             sites.append(("and/or", node, 0))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub, ast.Invert)):
             sites.append(("unary dropped", node, 0))
+        elif isinstance(node, ast.Call):
+            sites += [("keyword dropped", node, i) for i, keyword in enumerate(node.keywords)
+                      if keyword.arg not in (None, "device")]  # a check's inputs on the CPU: device= is moot
+            if _called_name(node) in PARTNERS:
+                sites.append(("partner called", node, 0))
         if isinstance(node, STATEMENTS) and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
             sites.append(("statement removed", node, 0))  # a docstring's removal changes nothing
     return sites
+
+
+def _called_name(call: ast.Call) -> str | None:
+    """The name a call calls: ``amax`` in ``torch.amax(x)`` and ``x.amax()``, ``max`` in ``max(a, b)``."""
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
 
 
 class _Replace(ast.NodeTransformer):
@@ -113,6 +130,13 @@ def _changed(node: ast.AST, kind: str, operand: int) -> ast.AST:
         node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
     elif kind == "unary dropped":
         return node.operand
+    elif kind == "keyword dropped":
+        del node.keywords[operand]
+    elif kind == "partner called":
+        if isinstance(node.func, ast.Attribute):
+            node.func.attr = PARTNERS[node.func.attr]
+        else:
+            node.func.id = PARTNERS[node.func.id]
     else:
         return ast.Pass()
     return node

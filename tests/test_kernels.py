@@ -131,6 +131,24 @@ def test_watched_loads_name_each_load_past_a_tensor_and_where_it_read():
     assert torch.equal(y, x)  # the values read past the end were not stored
 
 
+@triton.jit
+def _sum_kernel(X, Y, n, WIDTH: tl.constexpr):
+    """Sums n elements, loaded without other=: its masked-off lanes are undefined."""
+    offsets = tl.arange(0, WIDTH)
+    tl.store(Y, tl.sum(tl.load(X + offsets, mask=offsets < n)))
+
+
+@needs_interpreter
+def test_under_watch_a_load_without_other_gives_nan_in_its_masked_lanes():
+    """The interpreter gives them zeros, so the sum comes out right; on a GPU they are undefined."""
+    x, total = torch.arange(10.0), torch.zeros(1)
+    _sum_kernel[(1,)](x, total, 10, WIDTH=16)
+    assert total.item() == 45
+    with watched_loads(X=x) as strays:
+        _sum_kernel[(1,)](x, total, 10, WIDTH=16)
+    assert strays == [] and total.isnan().all()
+
+
 @needs_interpreter
 def test_watched_loads_leave_the_interpreter_as_it_was_also_after_an_error(monkeypatch):
     from triton.runtime.interpreter import interpreter_builder

@@ -31,6 +31,13 @@ def test_each_change_is_one_and_inside_the_solution_region():
     assert [m.kind for m in made] == [m.kind for m in mutants.mutants(SOURCE)]  # in a fixed order
 
 
+def test_a_keyword_is_left_out_and_a_function_called_for_its_partner():
+    calls = "def top(x):\n    ### BEGIN SOLUTION\n    return x.amax(dim=-1) + max(1, 2)\n    ### END SOLUTION\n"
+    changed = {(m.kind, m.after) for m in mutants.mutants(calls)}
+    assert {("keyword dropped", "return x.amax() + max(1, 2)"), ("partner called", "return x.amin(dim=-1) + max(1, 2)"),
+            ("partner called", "return x.amax(dim=-1) + min(1, 2)")} <= changed
+
+
 def test_a_check_without_the_edge_case_lets_the_comparison_through():
     weak = Exercise(id="ex00.1", title="below", points=1, function="below", recipe="",
                     cases=lambda: [Case("far below", (1, 5), True), Case("far above", (9, 5), False),
@@ -59,7 +66,7 @@ def test_every_mutant_of_a_solution_the_lab_ships_is_caught(root, capsys):
     total, passed = mutants.survivors(get("ex00.1"), cells["ex00.1"])
     assert total >= 10 and passed == []
     assert mutants.main(["ex00.2", "--solutions", str(root / "solutions")]) == 0
-    assert capsys.readouterr().out.startswith("ex00.2: the check caught 2 of 2 mutants")
+    assert capsys.readouterr().out.startswith("ex00.2: the check caught 3 of 3 mutants")
 
 
 def test_a_solution_its_check_fails_is_refused_and_the_command_says_so(root, tmp_path, capsys):

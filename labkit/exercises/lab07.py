@@ -121,7 +121,8 @@ def _kernel_cases() -> list[Scenario]:
          "so that tl.dot(q, k_t) is [queries, keys], while the values' tile is [keys, head dim]"),
         ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
          "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
-         "loads (other=0.0), the key load and the value load"),
+         "loads, the key load and the value load, with other=0.0: a lane masked without it is undefined (on a "
+         "GPU whatever its register held; NaN in this check), and p = 0 times NaN is NaN"),
         ("20 queries over 9 keys, not causal: fewer keys than one tile", (1, 2, 2, 20, 9, 32), False,
          "the only key tile is mostly past S: those keys are -inf in every row, so each row's maximum must be "
          "taken over its own scores (tl.max over axis 1, the keys), and the running state must stay finite"),
@@ -130,7 +131,8 @@ def _kernel_cases() -> list[Scenario]:
          "partly masked even where they lie inside S"),
         ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True,
          "the queries are the last 20 of 45 positions: compare keys with position (rows + S - T), not with the "
-         "row index; the head of 48 is padded to a block of 64, so dims past HEAD_DIM must be masked"),
+         "row index; the head of 48 is padded to a block of 64, so dims past HEAD_DIM must be masked, with other=0.0 "
+         "(a lane masked without it is NaN in this check, and q's zero times NaN is NaN)"),
         ("fp16 inputs, causal, 2 heads per KV head", (1, 4, 2, 24, 24, 32), True,
          "fp16 keys and values: the weights p are float32, so they must be cast to the values' dtype for "
          "tl.dot(p, v), while the sums stay in float32"),

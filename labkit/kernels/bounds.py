@@ -1,5 +1,5 @@
 """Loads outside a kernel's tensors, caught in Triton's interpreter: what ``compute-sanitizer``'s
-memcheck does on a GPU.
+memcheck does on a GPU; and the lanes a mask leaves out, made as undefined as a GPU's.
 
 A masked-out lane of ``tl.load`` reads nothing, so a mask one index too wide (``keys <= S``
 for ``keys < S``) reads one element past a tensor. The values it reads are often dropped later
@@ -69,12 +69,23 @@ def describe(tensors: dict[str, torch.Tensor], address: int) -> str:
     return f"memory that no tensor holds, {address - ends[name]} bytes past the end of {name}'s"
 
 
+def _poisoned(ptrs):
+    """What a load without ``other`` gives its masked-off lanes here: NaN, or every bit set in an integer
+    (bf16 is held in 16-bit integers, where that is a NaN too). On a GPU they hold whatever their
+    registers held, where the interpreter would give zeros, which hide a missing ``other=0.0``."""
+    from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+    kind = _get_np_dtype(ptrs.get_element_ty())
+    fill = np.nan if np.issubdtype(kind, np.floating) else True if kind == np.bool_ else np.iinfo(kind).max
+    return TensorHandle(np.full(ptrs.data.shape, fill, dtype=kind), ptrs.get_element_ty())
+
+
 @contextmanager
 def watched_loads(**tensors: torch.Tensor) -> Iterator[list[str]]:
     """Within the block, check every address that an interpreted Triton kernel loads (its mask's
     true lanes) against the elements of ``tensors`` (named as the kernel's arguments). Yields a list
     that gets, per load that read outside them, how many elements it read there and the first
-    (``describe``). Needs the interpreter: on a GPU, run compute-sanitizer."""
+    (``describe``). A load without ``other`` gives its masked-off lanes NaN (``_poisoned``), as
+    undefined as a GPU's. Needs the interpreter: on a GPU, run compute-sanitizer."""
     require_triton()
     if not interpreted():
         raise RuntimeError("watched_loads checks the loads of Triton's interpreter (TRITON_INTERPRET=1); "
@@ -84,13 +95,13 @@ def watched_loads(**tensors: torch.Tensor) -> Iterator[list[str]]:
     strays: list[str] = []
     load = interpreter_builder.create_masked_load
 
-    def checked(ptrs, mask, *rest):
+    def checked(ptrs, mask, other, *rest):
         read = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]  # a mask may hold 0/1 ints
         outside = read[~np.isin(read, allowed)]
         if outside.size:
             strays.append(f"{outside.size} element{'s' * (outside.size > 1)} outside the tensors; the first: "
                           f"{describe(tensors, int(outside[0]))}")
-        return load(ptrs, mask, *rest)
+        return load(ptrs, mask, _poisoned(ptrs) if other is None else other, *rest)
 
     interpreter_builder.create_masked_load = checked
     try:
