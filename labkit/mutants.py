@@ -7,7 +7,8 @@ arithmetic or bitwise operator swapped for its partner, a number moved up or dow
 for ``or``, a unary operator dropped, a statement removed, a keyword argument left out (``dim=-1``,
 ``keepdim=True``, ``other=0.0``; not ``device=``, moot on the CPU where the checks run), a function
 called for its partner (``max`` for ``min``, ``amax`` for ``amin``, ``exp`` for ``exp2``, ``sum``
-for ``mean``, ``tril`` for ``triu``: ``PARTNERS``). It runs the exercise's check on each such
+for ``mean``, ``tril`` for ``triu``: ``PARTNERS``), two neighbouring arguments of a call swapped
+(not where their order is moot: ``SYMMETRIC``). It runs the exercise's check on each such
 *mutant*, as ``labkit.check`` would on a student's cell. A mutant the check passes is one of two
 things: the same computation written otherwise (an *equivalent* mutant: ``x.transpose(2, -1)`` for
 ``x.transpose(-2, -1)`` on a 4-d tensor), or a slip that no case sees, and so a case to add. It prints,
@@ -39,6 +40,7 @@ PARTNERS = {"max": "min", "min": "max", "maximum": "minimum", "minimum": "maximu
             "argmax": "argmin", "argmin": "argmax", "floor": "ceil", "ceil": "floor", "exp": "exp2", "exp2": "exp",
             "log": "log2", "log2": "log", "sum": "mean", "mean": "sum", "tril": "triu", "triu": "tril", "any": "all",
             "all": "any"}  # a function called for its partner: an attribute (torch.amax, tl.max) or a builtin (max)
+SYMMETRIC = {"min", "max", "maximum", "minimum", "transpose", "swapaxes"}  # their arguments' order is moot
 STATEMENTS = (ast.Expr, ast.Assign, ast.AugAssign, ast.Delete, ast.If, ast.Raise, ast.Return)
 LIMIT_S = 20.0  # a mutant's check, at most (a mutant may loop for ever)
 
@@ -98,6 +100,10 @@ def _sites(tree: ast.AST, regions: list[range]) -> list[tuple[str, ast.AST, int]
                       if keyword.arg not in (None, "device")]  # a check's inputs on the CPU: device= is moot
             if _called_name(node) in PARTNERS:
                 sites.append(("partner called", node, 0))
+            if _called_name(node) not in SYMMETRIC:
+                sites += [("arguments swapped", node, i) for i in range(len(node.args) - 1)
+                          if not any(isinstance(a, ast.Starred) for a in node.args[i:i + 2])
+                          and ast.dump(node.args[i]) != ast.dump(node.args[i + 1])]
         if isinstance(node, STATEMENTS) and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
             sites.append(("statement removed", node, 0))  # a docstring's removal changes nothing
     return sites
@@ -132,6 +138,8 @@ def _changed(node: ast.AST, kind: str, operand: int) -> ast.AST:
         return node.operand
     elif kind == "keyword dropped":
         del node.keywords[operand]
+    elif kind == "arguments swapped":
+        node.args[operand], node.args[operand + 1] = node.args[operand + 1], node.args[operand]
     elif kind == "partner called":
         if isinstance(node.func, ast.Attribute):
             node.func.attr = PARTNERS[node.func.attr]

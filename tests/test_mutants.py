@@ -31,11 +31,16 @@ def test_each_change_is_one_and_inside_the_solution_region():
     assert [m.kind for m in made] == [m.kind for m in mutants.mutants(SOURCE)]  # in a fixed order
 
 
-def test_a_keyword_is_left_out_and_a_function_called_for_its_partner():
-    calls = "def top(x):\n    ### BEGIN SOLUTION\n    return x.amax(dim=-1) + max(1, 2)\n    ### END SOLUTION\n"
+def test_a_keyword_is_left_out_a_function_called_for_its_partner_and_arguments_swapped():
+    calls = ("def top(x):\n    ### BEGIN SOLUTION\n    return x.amax(dim=-1, keepdim=True) + max(1, 2) + pow(x, 2)\n"
+             "    ### END SOLUTION\n")
     changed = {(m.kind, m.after) for m in mutants.mutants(calls)}
-    assert {("keyword dropped", "return x.amax() + max(1, 2)"), ("partner called", "return x.amin(dim=-1) + max(1, 2)"),
-            ("partner called", "return x.amax(dim=-1) + min(1, 2)")} <= changed
+    assert changed >= {("keyword dropped", "return x.amax(keepdim=True) + max(1, 2) + pow(x, 2)"),
+                       ("keyword dropped", "return x.amax(dim=-1) + max(1, 2) + pow(x, 2)"),
+                       ("partner called", "return x.amin(dim=-1, keepdim=True) + max(1, 2) + pow(x, 2)"),
+                       ("partner called", "return x.amax(dim=-1, keepdim=True) + min(1, 2) + pow(x, 2)"),
+                       ("arguments swapped", "return x.amax(dim=-1, keepdim=True) + max(1, 2) + pow(2, x)")}
+    assert not any(kind == "arguments swapped" and "max(2, 1)" in after for kind, after in changed)  # moot for max
 
 
 def test_a_check_without_the_edge_case_lets_the_comparison_through():
