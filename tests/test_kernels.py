@@ -167,16 +167,18 @@ def test_watched_loads_leave_the_interpreter_as_it_was_also_after_an_error(monke
 @needs_interpreter
 def test_labkits_attention_kernels_load_only_inside_their_tensors():
     """A mask one index too wide reads past a tensor and no output shows it (the values are dropped);
-    on a GPU it reads another allocation, or faults."""
+    on a GPU it reads another allocation, or faults. And no output depends on a lane a mask left out."""
     for *dims, causal, dtype, block_m, block_n in SHAPES:
         q, k, v = _qkv(*dims, dtype, seed=sum(dims))
-        with watched_loads(Q=q, K=k, V=v) as strays:
-            kernels.flash_attention(q, k, v, causal=causal, block_m=block_m, block_n=block_n)
+        with watched_loads(Q=q, K=k, V=v) as strays:  # and a lane masked without other= is NaN
+            out = kernels.flash_attention(q, k, v, causal=causal, block_m=block_m, block_n=block_n)
         assert strays == [], (dims, strays)
+        torch.testing.assert_close(out.double(), _sdpa(q, k, v, causal), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     q, k_pool, v_pool, tables, lengths = _paged_batch(torch.float32, [1, 16, 37, 70], heads=6, kv_heads=2)
     with watched_loads(Q=q, K=k_pool, V=v_pool, Tables=tables, Lengths=lengths) as strays:
-        kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
+        out = kernels.paged_decode(q, k_pool, v_pool, tables, lengths)
     assert strays == []
+    torch.testing.assert_close(out.double(), _reference(q, k_pool, v_pool, tables, lengths), rtol=2e-5, atol=2e-5)
 
 
 def _paged_batch(dtype, lengths, block_size=16, kv_heads=2, heads=8, dim=48, num_blocks=24, seed=0, device=DEVICE):
