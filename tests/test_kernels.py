@@ -159,6 +159,8 @@ def test_watched_loads_leave_the_interpreter_as_it_was_also_after_an_error(monke
     x, y = torch.arange(10.0), torch.zeros(10)
     _copy_kernel[(1,)](x, y, 10, WIDTH=16, PAST=3)  # watched by no one
     assert strays == [] and interpreter_builder.create_masked_load.__name__ == "create_masked_load"
+    with pytest.raises(ValueError, match="needs the tensors a kernel may read"), watched_loads():
+        pass
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="compute-sanitizer"), watched_loads(X=x):
         pass

@@ -90,6 +90,8 @@ def watched_loads(**tensors: torch.Tensor) -> Iterator[list[str]]:
     if not interpreted():
         raise RuntimeError("watched_loads checks the loads of Triton's interpreter (TRITON_INTERPRET=1); "
                            "on a GPU, run the program under compute-sanitizer")
+    if not tensors:
+        raise ValueError("watched_loads needs the tensors a kernel may read, by name: watched_loads(X=x, ...)")
     from triton.runtime.interpreter import interpreter_builder
     allowed = np.unique(np.concatenate([_addresses(t) for t in tensors.values()]))
     strays: list[str] = []
