@@ -98,12 +98,15 @@ def inductor_start_up(device: torch.device) -> float:
 class CompiledStep:
     """A decode step on a static cache, compiled: call it with tokens and positions ``[B, T]``
     for the logits. ``compile_s`` is the time its first call took (tracing, code generation,
-    building; from inductor's disk cache, far less)."""
+    building; from inductor's disk cache, far less), and ``built_from`` says which it was: "code
+    generated" (Inductor built it), "Inductor's disk cache" (a run before built it), or "this
+    process" (compiled already, for another cache of the same shapes)."""
 
     model: Transformer
     cache: StaticKVCache
     function: Callable
     compile_s: float = 0.0
+    built_from: str = ""
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         with torch.inference_mode():
@@ -111,12 +114,17 @@ class CompiledStep:
 
     def warm_up(self, tokens: Tensor) -> float:
         """Run the step once on padding, timing the compilation it triggers; returns the seconds."""
+        from torch._dynamo.utils import counters  # Inductor counts its disk cache's hits and misses there
         positions = torch.full_like(tokens, -1)  # padding: writes only the spare slot
+        before = dict(counters["inductor"])
         start = time.perf_counter()
         self(tokens, positions)
         if tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
         self.compile_s = time.perf_counter() - start
+        grew = {key for key, n in counters["inductor"].items() if n > before.get(key, 0)}
+        self.built_from = ("code generated" if "fxgraph_cache_miss" in grew else
+                           "Inductor's disk cache" if "fxgraph_cache_hit" in grew else "this process")
         return self.compile_s
 
 

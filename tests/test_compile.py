@@ -29,6 +29,8 @@ def model() -> Transformer:
 def test_the_compiled_step_gives_the_eager_logits(model):
     step = compiling.compile_step(model, StaticKVCache(CONFIG, 2, 32))
     assert isinstance(step, compiling.CompiledStep) and step.compile_s > 0
+    assert step.built_from in ("code generated", "Inductor's disk cache"), step.built_from  # as the runs before left it
+    assert compiling.compile_step(model, StaticKVCache(CONFIG, 2, 32)).built_from == "this process"
     eager = compiling.eager_step(model, StaticKVCache(CONFIG, 2, 32))
     for p in range(4):
         tokens, positions = torch.tensor([[p + 1], [p + 7]]), torch.tensor([[p], [p if p < 2 else -1]])
