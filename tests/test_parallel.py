@@ -16,6 +16,7 @@ from labkit.interconnect import Link, ring_allreduce_seconds
 from labkit.load import load, save_hf
 from labkit.model import ModelConfig, forward_tokens, parameter_bytes
 from labkit.parallel import RankError, launch
+from labkit.parallel import comm
 from labkit.parallel.comm import fit_line, link_from_allreduce, link_from_send
 from labkit.parallel.tensor import check_layout, shard_heads, shard_state
 from labkit.parallel import tensor
@@ -209,3 +210,17 @@ def test_fits_recover_the_link_that_made_the_times():
         assert fitted.latency_s == pytest.approx(30e-6) and fitted.bandwidth == pytest.approx(2e9)
     noisy = link_from_send(sizes, [link.send_seconds(n) * (1.1 if i % 2 else 0.9) for i, n in enumerate(sizes)])
     assert noisy.latency_s >= 0 and 1.5e9 < noisy.bandwidth < 2.5e9
+
+
+def test_times_that_fall_with_the_size_give_no_bandwidth():
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_line([64, 256, 1024], [3e-4, 2e-4, 1e-4])
+
+
+def test_measure_times_each_size_on_two_ranks_and_fits_links():
+    sizes = (64, 16 * 2**20)
+    result = comm.measure(2, sizes=sizes, repeats=3, backend="gloo", timeout_s=120)
+    assert result["sizes"] == list(sizes) and result["world_size"] == 2 and result["backend"] == "gloo"
+    for key in ("allreduce_s", "send_s"):
+        assert len(result[key]) == 2 and result[key][0] > 0 and result[key][1] > result[key][0]
+    assert result["allreduce_link"].bandwidth > 0 and result["send_link"].latency_s >= 0
