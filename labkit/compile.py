@@ -99,8 +99,9 @@ class CompiledStep:
     """A decode step on a static cache, compiled: call it with tokens and positions ``[B, T]``
     for the logits. ``compile_s`` is the time its first call took (tracing, code generation,
     building; from inductor's disk cache, far less), and ``built_from`` says which it was: "code
-    generated" (Inductor built it), "Inductor's disk cache" (a run before built it), or "this
-    process" (compiled already, for another cache of the same shapes)."""
+    generated" (Inductor built it, its disk cache missed or bypassed), "Inductor's disk cache" (a run
+    before built it), or "this process" (no graph captured: compiled already, for another cache of the
+    same shapes)."""
 
     model: Transformer
     cache: StaticKVCache
@@ -114,17 +115,18 @@ class CompiledStep:
 
     def warm_up(self, tokens: Tensor) -> float:
         """Run the step once on padding, timing the compilation it triggers; returns the seconds."""
-        from torch._dynamo.utils import counters  # Inductor counts its disk cache's hits and misses there
-        positions = torch.full_like(tokens, -1)  # padding: writes only the spare slot
-        before = dict(counters["inductor"])
+        from torch._dynamo.utils import counters  # TorchDynamo counts the graphs it captures, Inductor its
+        positions = torch.full_like(tokens, -1)  # disk cache's hits and misses; padding writes only the spare slot
+        graphs, before = counters["stats"]["unique_graphs"], dict(counters["inductor"])
         start = time.perf_counter()
         self(tokens, positions)
         if tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
         self.compile_s = time.perf_counter() - start
         grew = {key for key, n in counters["inductor"].items() if n > before.get(key, 0)}
-        self.built_from = ("code generated" if "fxgraph_cache_miss" in grew else
-                           "Inductor's disk cache" if "fxgraph_cache_hit" in grew else "this process")
+        self.built_from = ("this process" if counters["stats"]["unique_graphs"] == graphs else
+                           "Inductor's disk cache" if grew & {"fxgraph_cache_hit"} and not grew & {"fxgraph_cache_miss"}
+                           else "code generated")
         return self.compile_s
 
 

@@ -5,7 +5,7 @@ small change at a time inside its solution regions (between ``### BEGIN SOLUTION
 ``### END SOLUTION``): a comparison turned between ``<`` and ``<=`` (or ``==`` and ``!=``), an
 arithmetic or bitwise operator swapped for its partner, a number moved up or down by one, ``and``
 for ``or``, a unary operator dropped, a statement removed, a keyword argument left out (``dim=-1``,
-``keepdim=True``, ``other=0.0``; not ``device=``, moot on the CPU where the checks run), a function
+``keepdim=True``, ``other=0.0``; not ``device=``, moot where a check's inputs are on the CPU), a function
 called for its partner (``max`` for ``min``, ``amax`` for ``amin``, ``exp`` for ``exp2``, ``sum``
 for ``mean``, ``tril`` for ``triu``: ``PARTNERS``), two neighbouring arguments of a call swapped
 (not where their order is moot: ``SYMMETRIC``). It runs the exercise's check on each such
@@ -97,8 +97,8 @@ def _sites(tree: ast.AST, regions: list[range]) -> list[tuple[str, ast.AST, int]
             sites.append(("unary dropped", node, 0))
         elif isinstance(node, ast.Call):
             sites += [("keyword dropped", node, i) for i, keyword in enumerate(node.keywords)
-                      if keyword.arg not in (None, "device")]  # a check's inputs on the CPU: device= is moot
-            if _called_name(node) in PARTNERS:
+                      if keyword.arg not in (None, "device")]  # moot where a check's inputs are on the CPU
+            if _called_name(node) in PARTNERS and _partner_exists(node):
                 sites.append(("partner called", node, 0))
             if _called_name(node) not in SYMMETRIC:
                 sites += [("arguments swapped", node, i) for i in range(len(node.args) - 1)
@@ -112,6 +112,16 @@ def _sites(tree: ast.AST, regions: list[range]) -> list[tuple[str, ast.AST, int]
 def _called_name(call: ast.Call) -> str | None:
     """The name a call calls: ``amax`` in ``torch.amax(x)`` and ``x.amax()``, ``max`` in ``max(a, b)``."""
     return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+
+
+def _partner_exists(call: ast.Call) -> bool:
+    """Whether the partner of a call through Triton's ``tl`` exists there (``tl.sum``'s, ``tl.mean``, does not:
+    a mutant that cannot compile would count as caught); any other call's partner is taken to exist."""
+    receiver = getattr(call.func, "value", None)
+    if not (isinstance(receiver, ast.Name) and receiver.id == "tl"):
+        return True
+    from labkit.kernels import tl
+    return tl is not None and hasattr(tl, PARTNERS[call.func.attr])
 
 
 class _Replace(ast.NodeTransformer):

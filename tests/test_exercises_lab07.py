@@ -6,6 +6,7 @@ import torch
 
 from labkit.check import FAILED, run_cases
 from labkit.exercises import get
+from labkit.kernels import interpreted
 
 from exercise_cells import cells, define, fails, solution
 
@@ -37,8 +38,9 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
     "the key load reads one key past S": (((K_MASK, "mask=(keys[None, :] <= S) & (dims[:, None] < HEAD_DIM)"),),
                                           RAGGED, "a load read past a tensor: 32 elements outside the tensors; "
                                                   "the first: K[0, 0, 40, 0], outside K's shape [1, 2, 40, 32]"),
-    "the value load reads one dim past the head": (((V_MASK, "mask=(keys[:, None] < S) & (dims[None, :] <= HEAD_DIM)"),),
-                                                   PREFIX, "V[0, 0, 45, 0], outside V's shape [2, 1, 45, 48]"),
+    "the value load reads one dim past the head": (
+        ((V_MASK, "mask=(keys[:, None] < S) & (dims[None, :] <= HEAD_DIM)"),), PREFIX,
+        "V[0, 0, 0, 48], outside V's shape [2, 1, 45, 48]"),
     "the key load without other=0.0": (((K_MASK + ", other=0.0", K_MASK),), PREFIX,
                                         "q's zero times NaN is NaN"),
     "the value load without other=0.0": (((V_MASK + ", other=0.0", V_MASK),), RAGGED, "p = 0 times NaN is NaN"),
@@ -63,11 +65,19 @@ def test_ex07_1_mistakes_fail_first_where_their_hint_names_them():
     fails("ex07.1", normalised, "the first tile", "acc stays unnormalised")
 
 
+# caught by watching the loads, which only Triton's interpreter allows: on a GPU the check passes them
+WATCHED_ONLY = {"the key load reads one key past S", "the value load reads one dim past the head",
+                "the key load without other=0.0", "the value load without other=0.0"}
+
+
 # the NaN warnings come from the mistakes that load K or V past the tensor or the head dims
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("what", KERNEL_MISTAKES)
 def test_ex07_2_mistakes_fail_first_where_their_hint_names_them(root, what):
     """K and V lie in buffers of NaN past S, so a missing mask fails at its own case whatever lies in memory."""
+    assert WATCHED_ONLY <= set(KERNEL_MISTAKES)
+    if what in WATCHED_ONLY and not interpreted():
+        pytest.skip("the loads are watched only in Triton's interpreter")
     replacements, case, hint = KERNEL_MISTAKES[what]
     kernel = cells("solutions", root)["ex07.2"]
     for right, wrong in replacements:

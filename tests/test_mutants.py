@@ -41,6 +41,9 @@ def test_a_keyword_is_left_out_a_function_called_for_its_partner_and_arguments_s
                        ("partner called", "return x.amax(dim=-1, keepdim=True) + min(1, 2) + pow(x, 2)"),
                        ("arguments swapped", "return x.amax(dim=-1, keepdim=True) + max(1, 2) + pow(2, x)")}
     assert not any(kind == "arguments swapped" and "max(2, 1)" in after for kind, after in changed)  # moot for max
+    in_triton = "def f(x):\n    ### BEGIN SOLUTION\n    return tl.sum(x) + tl.max(x)\n    ### END SOLUTION\n"
+    partners = {m.after for m in mutants.mutants(in_triton) if m.kind == "partner called"}
+    assert partners == {"return tl.sum(x) + tl.min(x)"}  # Triton has no tl.mean: no mutant that cannot compile
 
 
 def test_a_check_without_the_edge_case_lets_the_comparison_through():

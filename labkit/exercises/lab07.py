@@ -78,17 +78,18 @@ def _in_nan(x: torch.Tensor, token_major: bool = False, extra_dims: int = 0) -> 
 
 
 def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal: bool, dtype: torch.dtype,
-                padded_k: bool = False) -> None:
+                token_major_k: bool = False) -> None:
     """Launch the student's kernel through ``flash_attention`` and compare with PyTorch's SDPA. K and V
-    are views into buffers of NaN past their S tokens. With ``padded_k``, K's rows are 16 wider than the
-    head, NaN past it, in [B, S, heads, d] order: its token stride is not V's, and a load that is not
-    masked to the head's dims reads the NaNs."""
+    are views into buffers of NaN past their S tokens and past their head's dims (rows 16 wider), so a
+    load not masked to keys < S or to dims < HEAD_DIM reads NaN; in the interpreter the loads are also
+    watched (``watched_loads``). With ``token_major_k``, K lies in [B, S, heads, d] order: its token
+    stride is not V's."""
     batch, heads, kv_heads, n_queries, n_keys, dim = shape
     generator = torch.Generator().manual_seed(sum(shape))
     device = "cpu" if interpreted() else "cuda"
     q = torch.randn(batch, heads, n_queries, dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(batch, kv_heads, n_keys, dim, generator=generator).to(device, dtype) for _ in range(2))
-    k, v = _in_nan(k, token_major=padded_k, extra_dims=16 * padded_k), _in_nan(v)
+    k, v = _in_nan(k, token_major=token_major_k, extra_dims=16), _in_nan(v, extra_dims=16)
     try:
         with watched_loads(Q=q, K=k, V=v) if interpreted() else nullcontext([]) as strays:
             out = flash_attention(q, k, v, causal=causal, block_m=16, block_n=16, kernel=kernel)
@@ -104,8 +105,8 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
     if strays:
         raise AssertionError(
             f"the output is right, but a load read past a tensor: {strays[0]}"
-            f"{f' (and {len(strays) - 1} more loads past a tensor)' if len(strays) > 1 else ''}. Its values were dropped later (a "
-            "score set to -inf, a column never stored), so no output shows it here; on a GPU such a read takes "
+            f"{f' (and {len(strays) - 1} more loads past a tensor)' if len(strays) > 1 else ''}. Its values were "
+            "dropped later (a score set to -inf, a column never stored), so no output shows it here; on a GPU such a read takes "
             "another allocation's memory, or stops the kernel with an illegal memory access. Mask each load to the "
             "lanes inside the tensor: keys < S and dims < HEAD_DIM")
 
@@ -141,7 +142,7 @@ def _kernel_cases() -> list[Scenario]:
          "K's token stride differs from V's and K holds NaN past the head's 48 dims: use stride_kt for keys and "
          "stride_vt for values, and mask the key load to dims < HEAD_DIM"),
     ]
-    return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal, padded_k="K laid out" in label,
+    return [Scenario(label, partial(_run_kernel, shape=shape, causal=causal, token_major_k="K laid out" in label,
                                     dtype=torch.float16 if "fp16" in label else torch.float32), hint=hint)
             for label, shape, causal, hint in runs]
 

@@ -6,7 +6,9 @@ for ``keys < S``) reads one element past a tensor. The values it reads are often
 (a score set to -inf, a column never stored), so no output shows the slip; on a GPU it is a read
 of another allocation, or an illegal memory access where the tensor ends a page. In the
 interpreter every load is a NumPy array of addresses and a mask, so ``watched_loads`` can check
-each address it reads against the elements of the tensors the kernel was given."""
+each address it reads against the elements of the tensors the kernel was given. A read that lands on
+another element of a watched tensor (one dim past a row of a contiguous tensor is the next row's
+first) is inside the tensors and not caught: padding a tensor's rows makes such a slip visible."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -70,8 +72,8 @@ def describe(tensors: dict[str, torch.Tensor], address: int) -> str:
 
 
 def _poisoned(ptrs):
-    """What a load without ``other`` gives its masked-off lanes here: NaN, or every bit set in an integer
-    (bf16 is held in 16-bit integers, where that is a NaN too). On a GPU they hold whatever their
+    """What a load without ``other`` gives its masked-off lanes here: NaN, or an integer type's largest
+    value (bf16 is held in 16-bit unsigned integers, where that is a NaN too). On a GPU they hold whatever their
     registers held, where the interpreter would give zeros, which hide a missing ``other=0.0``."""
     from triton.runtime.interpreter import TensorHandle, _get_np_dtype
     kind = _get_np_dtype(ptrs.get_element_ty())
@@ -97,16 +99,20 @@ def watched_loads(**tensors: torch.Tensor) -> Iterator[list[str]]:
     strays: list[str] = []
     load = interpreter_builder.create_masked_load
 
-    def checked(ptrs, mask, other, *rest):
+    def checked(ptrs, mask, other, *args, **kwargs):
         read = ptrs.data[np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)]  # a mask may hold 0/1 ints
         outside = read[~np.isin(read, allowed)]
         if outside.size:
             strays.append(f"{outside.size} element{'s' * (outside.size > 1)} outside the tensors; the first: "
                           f"{describe(tensors, int(outside[0]))}")
-        return load(ptrs, mask, _poisoned(ptrs) if other is None else other, *rest)
+        return load(ptrs, mask, _poisoned(ptrs) if other is None else other, *args, **kwargs)
 
+    patched_before = "create_masked_load" in vars(interpreter_builder)
     interpreter_builder.create_masked_load = checked
     try:
         yield strays
     finally:
-        interpreter_builder.create_masked_load = load
+        if patched_before:
+            interpreter_builder.create_masked_load = load
+        else:
+            del interpreter_builder.create_masked_load  # the class's method again
