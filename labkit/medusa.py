@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from labkit.generate import SamplingParams, seeded_generator, sequence_length
-from labkit.heads import ResidualHeads, continuation_examples, head_accuracy, head_logits
+from labkit.heads import ResidualHeads, continuation_examples, head_accuracy, head_logits, streams_at
 from labkit.model import ContiguousKVCache, ContiguousPlan, Transformer
 from labkit.speculative import Round, SpeculationStats, timed
 from labkit.train import Distillation
@@ -125,6 +125,41 @@ def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
                 raise ValueError(f"top-{k} accuracy {value:g} is below top-{k - 1} {topk[k - 1][d]:g} at head "
                                  f"{d + 1}: top-k accuracy cannot fall as k grows")
     return [[max(topk[r][d] - (topk[r - 1][d] if r > 1 else 0.0), 0.0) for r in ranks] for d in range(heads)]
+
+
+def teacher_forced_ranks(target: Transformer, heads: ResidualHeads, text: Sequence[int], ranks: int) -> list[list[int]]:
+    """``found[d - 1][j]``: the rank, among head d's ``ranks`` likeliest candidates at position ``j`` of
+    ``text`` (the target's own greedy text, prompt included), of the token the target wrote d steps
+    after its next one, ``text[j + 1 + d]`` (``ranks`` if it is not among them), from one plain pass.
+    On greedy text a round's heads read the stream the target computes at the round's position, so
+    these are the ranks its tree would find."""
+    ids = torch.tensor([list(text)], device=target.device)
+    layers = target.config.n_layers
+    with torch.inference_mode():
+        stream = streams_at(target, ids, [layers])[layers][0]
+        guesses = head_logits(target, heads, stream).topk(ranks, dim=-1).indices  # [K, positions, ranks]
+    found = []
+    for d in range(1, heads.n + 1):
+        hit = guesses[d - 1, :len(text) - 1 - d] == ids[0, 1 + d:, None]
+        found.append(torch.where(hit.any(-1), hit.int().argmax(-1), ranks).tolist())
+    return found
+
+
+def tree_calls(paths: Sequence[Path], ranks: list[list[int]], prompt_length: int, new_tokens: int) -> int:
+    """The target calls ``medusa_stream`` makes for ``new_tokens`` greedy tokens with the tree
+    ``paths``, counted from ``teacher_forced_ranks`` without running it: the prompt's pass (its one
+    token), then a round per accepted branch, the deepest path of the tree that the ranks follow,
+    and the target's token after it; near the end the tree is cut to the tokens left."""
+    tree = set(tree_parents(paths)[1])
+    calls = emitted = 1
+    while emitted < new_tokens:
+        at, branch = prompt_length + emitted - 2, ()  # the position whose stream the round's heads read
+        for depth in range(min(len(ranks), new_tokens - emitted - 1)):
+            if at >= len(ranks[depth]) or (*branch, ranks[depth][at]) not in tree:
+                break
+            branch = (*branch, ranks[depth][at])
+        emitted, calls = emitted + len(branch) + 1, calls + 1
+    return calls
 
 
 def _candidates(target: Transformer, heads: ResidualHeads, stream: Tensor, paths: Sequence[Path]) -> list[int]:

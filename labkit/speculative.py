@@ -333,6 +333,32 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
                 return
 
 
+def teacher_forced_hits(logits_of: Callable[[Tensor], Tensor], text: Sequence[int], device: torch.device) -> list[bool]:
+    """``hits[t]``: whether a drafter's greedy guess after position ``t`` of ``text`` (the target's own
+    greedy text, prompt included) is ``text[t + 1]``, from one pass: ``logits_of`` maps token ids
+    ``[1, T]`` to logits ``[1, T, vocab]`` (a draft model; the target's exit). A greedy round's i-th
+    draft reads the text with its i - 1 drafts before it, which is the target's text for as long as
+    they are accepted, so these hits are what the rounds would see."""
+    with torch.inference_mode():
+        guessed = logits_of(torch.tensor([list(text)], device=device))[0].argmax(-1).tolist()
+    return [guess == truth for guess, truth in zip(guessed, text[1:])]
+
+
+def chain_calls(hits: Sequence[bool], prompt_length: int, new_tokens: int, k: int, prompt_pass: bool) -> int:
+    """The target calls a greedy run of ``k`` drafts a round makes for ``new_tokens`` tokens, counted
+    from ``teacher_forced_hits`` without running it: each round accepts drafts while they hit, then
+    emits the target's token; near the end a round drafts only what could still be emitted. The
+    first call verifies drafts after the prompt (``speculative_stream``), or, with ``prompt_pass``,
+    is the prompt's own pass, which emits one token (``self_speculative_stream``)."""
+    calls = emitted = int(prompt_pass)
+    while emitted < new_tokens:
+        room, at, accepted = min(k, new_tokens - emitted - 1), prompt_length + emitted - 1, 0
+        while accepted < room and hits[at + accepted]:
+            accepted += 1
+        emitted, calls = emitted + accepted + 1, calls + 1
+    return calls
+
+
 T = TypeVar("T")
 
 

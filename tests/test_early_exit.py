@@ -16,7 +16,8 @@ from labkit.early_exit import (RoundCosts, _rounds, best_exit, exit_agreement, e
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, stream
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
-from labkit.speculative import SpeculationStats, continuation_prompts
+from labkit.heads import streams_at
+from labkit.speculative import SpeculationStats, chain_calls, continuation_prompts, teacher_forced_hits
 
 from test_speculative import chi_square_p
 from tiny_models import one_torch_thread
@@ -71,8 +72,13 @@ def test_greedy_on_the_shipped_target():
     params = SamplingParams(max_new_tokens=24, stop_at_eos=False)
     prompt = continuation_prompts(tokenizer, 1)[0]
     stats = SpeculationStats(3)
-    assert list(self_speculative_stream(target, 4, prompt, params, 3, stats=stats)) == list(stream(target, prompt, params))
+    out = list(self_speculative_stream(target, 4, prompt, params, 3, stats=stats))
+    assert out == list(stream(target, prompt, params))
     assert len(stats.rounds) < 24 and 0 < stats.draft_s + stats.target_s <= stats.wall_s
+    # the calls counted from one pass over the target's text, the exit's guesses teacher-forced, are the run's
+    hits = teacher_forced_hits(lambda ids: exit_logits(target, streams_at(target, ids, [4])[4]), prompt + out, "cpu")
+    assert chain_calls(hits, len(prompt), 24, 3, prompt_pass=True) == len(stats.rounds)
+    assert chain_calls([False] * len(hits), len(prompt), 24, 3, prompt_pass=True) == 24  # no hit: one token a call
 
 
 def test_stops_at_eos_inside_an_accepted_run():

@@ -15,8 +15,8 @@ from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, sampling_probs, stream
 from labkit.model import ModelConfig, Transformer
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, Round, SpeculationStats, acceptance_rule,
-                                continuation_prompts, editing_prompts, lookup, speculation_gain, speculative_stream,
-                                verify_greedy, verify_sampled)
+                                chain_calls, continuation_prompts, editing_prompts, lookup, speculation_gain,
+                                speculative_stream, teacher_forced_hits, verify_greedy, verify_sampled)
 
 from tiny_models import one_torch_thread
 
@@ -56,6 +56,18 @@ def test_greedy_draft_model_output_is_the_targets(shipped, k):
         list(stream(target, prompt, params))
     assert stats.generated == 32 and 0 < stats.draft_s + stats.target_s <= stats.wall_s
     assert len(stats.rounds) == 32 if k == 0 else len(stats.rounds) < 32  # drafts accepted: fewer target calls
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_calls_counted_from_one_pass_are_the_runs(shipped, k):
+    """The draft's guesses teacher-forced on the target's own text give the run's target calls, uncounted."""
+    target, draft, tokenizer = shipped
+    params = SamplingParams(max_new_tokens=40, stop_at_eos=False)
+    prompt = continuation_prompts(tokenizer, 2, seed=3)[k % 2]
+    stats = SpeculationStats(k)
+    out = list(speculative_stream(target, ModelDrafter(draft), prompt, params, k, stats=stats))
+    hits = teacher_forced_hits(draft, prompt + out, torch.device("cpu"))
+    assert chain_calls(hits, len(prompt), 40, k, prompt_pass=False) == len(stats.rounds) < 40
 
 
 @pytest.mark.parametrize("k", [2, 8])

@@ -259,6 +259,21 @@ def test_greedy_medusa_on_the_shipped_target():
         assert list(medusa.medusa_stream(target, heads, prompt, GREEDY, paths)) == reference
 
 
+def test_the_calls_counted_from_one_pass_are_medusa_streams():
+    """The heads' ranks teacher-forced on the target's own text give each tree's target calls, uncounted."""
+    target, tokenizer = labkit.load("target", device="cpu")
+    heads = load_medusa(target)
+    prompt = tokenizer.encode("def read_config(path):\n").ids
+    params = replace(GREEDY, max_new_tokens=40)
+    out = list(stream(target, prompt, params))
+    ranks = medusa.teacher_forced_ranks(target, heads, prompt + out, 10)
+    for paths in (medusa.chain_paths(heads.n), [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]):
+        stats = SpeculationStats(max(map(len, paths)))
+        assert list(medusa.medusa_stream(target, heads, prompt, params, paths, stats=stats)) == out
+        assert medusa.tree_calls(paths, ranks, len(prompt), 40) == len(stats.rounds) < 40
+    assert medusa.tree_calls([(0,)], [[10] * len(r) for r in ranks], len(prompt), 40) == 40  # no rank found
+
+
 def test_medusa_stops_at_eos_inside_an_accepted_branch(monkeypatch):
     model = far_apart_model()
     prompt = [5, 1, 7, 7, 30]
