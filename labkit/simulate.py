@@ -114,8 +114,9 @@ def tp_table(model: ModelShape, gpu: Hardware, links: Sequence[Link], worlds: Se
     link, one row per step (for pandas or a plot): a decode step of ``batch`` sequences that each have
     ``context`` tokens cached, for each of ``batches``, and the prefill of one ``context``-token prompt.
     A row has the step's parts in ms (``CostModel.step_parts``), the share of the step spent
-    communicating, tokens per second, and ``kv_fits``: whether the step's KV cache fits in the memory
-    the weights leave (False too where the weights alone do not fit)."""
+    communicating, tokens per second, ``weights_fit``: whether the weights fit in the GPUs' memory at
+    the cost model's utilisation, and ``kv_fits``: whether the step's KV cache fits in the memory the
+    weights leave (False too where the weights alone do not fit)."""
     if context < 1 or not (links and worlds and batches) or min(batches) < 1:
         raise ValueError(f"need context={context} >= 1, at least one link, world size and batch, and batches={batches} "
                          ">= 1")
@@ -124,9 +125,9 @@ def tp_table(model: ModelShape, gpu: Hardware, links: Sequence[Link], worlds: Se
         for world in worlds:
             cost = CostModel(model, gpu, world, step_overhead_s=step_overhead_s, link=link)
             try:
-                kv_tokens = cost.kv_blocks(block_size=1)
+                kv_tokens, weights_fit = cost.kv_blocks(block_size=1), True
             except ValueError:  # the weights do not fit
-                kv_tokens = 0
+                kv_tokens, weights_fit = 0, False
             steps = [("decode", b, [(1, context)] * b) for b in batches] + [("prefill", 1, [(context, 0)])]
             for kind, size, batch in steps:
                 parts = cost.step_parts(batch)
@@ -135,7 +136,7 @@ def tp_table(model: ModelShape, gpu: Hardware, links: Sequence[Link], worlds: Se
                              **{name.removesuffix("_s") + "_ms": seconds * 1e3 for name, seconds in parts.items()},
                              "communication_share": parts["communication_s"] / parts["step_s"],
                              "tokens_per_s": tokens / parts["step_s"],
-                             "kv_fits": sum(n + c for n, c in batch) <= kv_tokens})
+                             "weights_fit": weights_fit, "kv_fits": sum(n + c for n, c in batch) <= kv_tokens})
     return rows
 
 

@@ -126,6 +126,7 @@ def test_the_communication_share_grows_with_gpus_and_is_smaller_over_nvlink():
     fits = {(r["gpus"], r["step"], r["batch"]): r["kv_fits"] for r in rows if r["link"] == NVLINK.name}
     assert not any(fits[1, *rest] for rest in (("decode", 1), ("prefill", 1)))  # 141 GB of weights, 80 GB GPUs
     assert fits[2, "decode", 1] and not fits[2, "decode", 64]  # 2 GPUs leave 3 GB: 64 x 1,025 tokens do not fit
+    assert {r["gpus"] for r in rows if not r["weights_fit"]} == {1}  # where the KV fails, the weights still fit
     with pytest.raises(ValueError, match="context=0"):
         tp_table(LLAMA_70B, H100, [NVLINK], context=0)
 
