@@ -544,15 +544,20 @@ def test_a_cpu_without_vector_extensions_gets_its_own_correct_build(tmp_path):
     """The operator is compiled for the vector instructions torch uses on the CPU, and cached in a
     folder named after them: a machine that has none of them (here, torch told to act as one)
     builds a plain copy of its own, which computes the same attention."""
-    ran = _python("import torch\nfrom labkit.kernels.paged_decode_cpu import build_directory, paged_decode_cpu\n"
+    ran = _python("import torch\nfrom labkit.kernels.paged_decode_cpu import build, build_directory, paged_decode_cpu\n"
                   "from labkit.paged_attention import paged_attention\ng = torch.Generator().manual_seed(0)\n"
                   "q, k, v = torch.randn(3, 8, 48, generator=g), *torch.randn(2, 20, 16, 2, 48, generator=g)\n"
                   "tables, lengths = torch.randperm(20, generator=g)[:18].view(3, 6), torch.tensor([5, 96, 41])\n"
+                  "how = build()\n"
                   "error = (paged_decode_cpu(q, k, v, tables, lengths) - paged_attention(q, k, v, tables, lengths))\n"
-                  "print(build_directory().name, error.abs().max().item())",
+                  "print(how, build(), build_directory().name, error.abs().max().item())",
                   ATEN_CPU_CAPABILITY="default", TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert ran.returncode == 0, ran.stderr
-    folder, error = ran.stdout.split()
+    how, again, folder, error = ran.stdout.replace("loaded already", "loaded-already").split()
+    assert (how, again) == ("built", "loaded-already"), ran.stdout  # a new folder: built, then in this process
+    reloaded = _python("from labkit.kernels.paged_decode_cpu import build\nprint(build())",
+                       ATEN_CPU_CAPABILITY="default", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert reloaded.stdout.split() == ["loaded"], (reloaded.stdout, reloaded.stderr)  # another process: from disk
     assert folder.endswith("-default") and (tmp_path / folder).is_dir(), ran.stdout
     assert "-mavx" not in (tmp_path / folder / "build.ninja").read_text()
     assert float(error) < 1e-5

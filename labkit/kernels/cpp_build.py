@@ -50,12 +50,14 @@ def missing_compiler() -> str | None:
     return f"no C++ compiler was found (tried g++, c++, clang++ and $CXX); install one ({fix})"
 
 
-def build_operator(name: str, source: Path, operator: str, what: str, without: str, verbose: bool = False) -> None:
+def build_operator(name: str, source: Path, operator: str, what: str, without: str, verbose: bool = False) -> str:
     """Compile ``source`` into the library ``name`` (or load its cached build), once per process,
-    unless ``torch.ops.labkit.<operator>`` exists already. RuntimeError, saying why, where it cannot be
-    built: ``what`` names the operator in it, ``without`` says what works without it."""
+    unless ``torch.ops.labkit.<operator>`` exists already; returns which it did: "built", "loaded"
+    (a build on disk, its source unchanged) or "loaded already" (in this process). RuntimeError,
+    saying why, where it cannot be built: ``what`` names the operator in it, ``without`` says what
+    works without it."""
     if hasattr(torch.ops.labkit, operator):
-        return
+        return "loaded already"
     from torch.utils.cpp_extension import load  # imported here: it is slow to import and rarely needed
     scripts = sysconfig.get_path("scripts")  # torch runs `ninja` by name: pip's may be beside this Python only,
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):  # a venv used without activating it
@@ -64,6 +66,8 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
     missing = missing_compiler()
     if missing and not (folder / f"{name}.so").exists():  # said at once: torch's builder prints a page of warning
         raise RuntimeError(f"could not build labkit's {what} ({source.name}): {missing}; {without}")
+    library = folder / f"{name}.so"
+    before = library.stat().st_mtime_ns if library.exists() else None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         flags = FLAGS + VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
@@ -74,6 +78,7 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
         raise RuntimeError(f"could not build labkit's {what} ({source.name}) in {folder}. It needs a C++ compiler "
                            f"with OpenMP (g++ on Linux) and a folder it may write to (set TORCH_EXTENSIONS_DIR); "
                            f"{without}. What the build said:\n{error}") from error
+    return "loaded" if before is not None and library.stat().st_mtime_ns == before else "built"
 
 
 @contextmanager

@@ -70,10 +70,10 @@ def build_directory() -> Path:
     return cpp_build.build_directory(NAME)
 
 
-def build(verbose: bool = False) -> None:
-    """Compile (or load the cached build of) the operator, once per process; RuntimeError, saying
-    why, where it cannot be built."""
-    cpp_build.build_operator(NAME, SOURCE, "int4_matmul", "C++ INT4 matmul operator",
+def build(verbose: bool = False) -> str:
+    """Compile (or load the cached build of) the operator, once per process, and say which it did
+    (``cpp_build.build_operator``); RuntimeError, saying why, where it cannot be built."""
+    return cpp_build.build_operator(NAME, SOURCE, "int4_matmul", "C++ INT4 matmul operator",
                              "QuantLinear runs without it", verbose)
 
 

@@ -34,10 +34,10 @@ def build_directory() -> Path:
     return cpp_build.build_directory(NAME)
 
 
-def build(verbose: bool = False) -> None:
-    """Compile (or load the cached build of) the operator, once per process; RuntimeError, saying
-    why, where it cannot be built."""
-    cpp_build.build_operator(NAME, SOURCE, "paged_decode", "C++ paged decode operator",
+def build(verbose: bool = False) -> str:
+    """Compile (or load the cached build of) the operator, once per process, and say which it did
+    (``cpp_build.build_operator``); RuntimeError, saying why, where it cannot be built."""
+    return cpp_build.build_operator(NAME, SOURCE, "paged_decode", "C++ paged decode operator",
                              "the engine runs without it (decode_kernel=None)", verbose)
 
 
