@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import time
 from numbers import Real
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -34,7 +34,7 @@ from torch import Tensor
 from labkit.generate import SamplingParams, seeded_generator, sequence_length
 from labkit.heads import ResidualHeads, continuation_examples, head_accuracy, head_logits, streams_at
 from labkit.model import ContiguousKVCache, ContiguousPlan, Transformer
-from labkit.speculative import Round, SpeculationStats, timed
+from labkit.speculative import Round, SpeculationStats, check_run, timed
 from labkit.train import Distillation
 from labkit.tree import check_tree, tree_plan, walk
 from labkit.validate import check_ints
@@ -127,12 +127,22 @@ def rank_accuracy(topk: dict[int, list[float]]) -> list[list[float]]:
     return [[max(topk[r][d] - (topk[r - 1][d] if r > 1 else 0.0), 0.0) for r in ranks] for d in range(heads)]
 
 
-def teacher_forced_ranks(target: Transformer, heads: ResidualHeads, text: Sequence[int], ranks: int) -> list[list[int]]:
-    """``found[d - 1][j]``: the rank, among head d's ``ranks`` likeliest candidates at position ``j`` of
-    ``text`` (the target's own greedy text, prompt included), of the token the target wrote d steps
-    after its next one, ``text[j + 1 + d]`` (``ranks`` if it is not among them), from one plain pass.
+class Ranks(NamedTuple):
+    """``found[d - 1][j]``: the rank of the right token among head d's ``looked`` likeliest candidates
+    at position j (-1 where it is not among them), for ``tree_calls``."""
+    found: list[list[int]]
+    looked: int
+
+
+def teacher_forced_ranks(target: Transformer, heads: ResidualHeads, text: Sequence[int], ranks: int) -> Ranks:
+    """For each head d and each position j of ``text`` (the target's own greedy text, prompt
+    included, with no eos inside), the rank among head d's ``ranks`` likeliest candidates at j of
+    the token the target wrote d steps after its next one, ``text[j + 1 + d]``, from one plain pass.
     On greedy text a round's heads read the stream the target computes at the round's position, so
     these are the ranks its tree would find."""
+    check_ints(ranks=ranks)
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks}: look at 1 or more candidates per head")
     ids = torch.tensor([list(text)], device=target.device)
     layers = target.config.n_layers
     with torch.inference_mode():
@@ -140,24 +150,31 @@ def teacher_forced_ranks(target: Transformer, heads: ResidualHeads, text: Sequen
         guesses = head_logits(target, heads, stream).topk(ranks, dim=-1).indices  # [K, positions, ranks]
     found = []
     for d in range(1, heads.n + 1):
-        hit = guesses[d - 1, :len(text) - 1 - d] == ids[0, 1 + d:, None]
-        found.append(torch.where(hit.any(-1), hit.int().argmax(-1), ranks).tolist())
-    return found
+        hit = guesses[d - 1, :max(len(text) - 1 - d, 0)] == ids[0, 1 + d:, None]
+        found.append(torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist())
+    return Ranks(found, ranks)
 
 
-def tree_calls(paths: Sequence[Path], ranks: list[list[int]], prompt_length: int, new_tokens: int) -> int:
+def tree_calls(paths: Sequence[Path], ranks: Ranks, prompt_length: int, new_tokens: int) -> int:
     """The target calls ``medusa_stream`` makes for ``new_tokens`` greedy tokens with the tree
-    ``paths``, counted from ``teacher_forced_ranks`` without running it: the prompt's pass (its one
-    token), then a round per accepted branch, the deepest path of the tree that the ranks follow,
-    and the target's token after it; near the end the tree is cut to the tokens left."""
+    ``paths``, counted from ``teacher_forced_ranks`` of the prompt and those tokens, without running
+    it: the prompt's pass (its one token), then a round per accepted branch, the deepest path of the
+    tree that the ranks follow, and the target's token after it; near the end the tree is cut to the
+    tokens left. It assumes the run stays clear of the model's context limit, where ``medusa_stream``
+    also cuts the tree to the cache's free slots."""
     tree = set(tree_parents(paths)[1])
+    depth, deepest_rank = max(map(len, tree)), max(max(path) for path in tree if path)
+    if depth > len(ranks.found) or deepest_rank >= ranks.looked:
+        raise ValueError(f"the tree reaches depth {depth} and rank {deepest_rank}, but the ranks were found for "
+                         f"{len(ranks.found)} heads among {ranks.looked} candidates each")
+    check_run(prompt_length, new_tokens, len(ranks.found[0]) + 2)
     calls = emitted = 1
     while emitted < new_tokens:
         at, branch = prompt_length + emitted - 2, ()  # the position whose stream the round's heads read
-        for depth in range(min(len(ranks), new_tokens - emitted - 1)):
-            if at >= len(ranks[depth]) or (*branch, ranks[depth][at]) not in tree:
+        for d in range(min(depth, new_tokens - emitted - 1)):
+            if (*branch, ranks.found[d][at]) not in tree:
                 break
-            branch = (*branch, ranks[depth][at])
+            branch = (*branch, ranks.found[d][at])
         emitted, calls = emitted + len(branch) + 1, calls + 1
     return calls
 

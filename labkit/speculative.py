@@ -335,21 +335,35 @@ def speculative_stream(target: Transformer, drafter: Drafter, prompt: Sequence[i
 
 def teacher_forced_hits(logits_of: Callable[[Tensor], Tensor], text: Sequence[int], device: torch.device) -> list[bool]:
     """``hits[t]``: whether a drafter's greedy guess after position ``t`` of ``text`` (the target's own
-    greedy text, prompt included) is ``text[t + 1]``, from one pass: ``logits_of`` maps token ids
-    ``[1, T]`` to logits ``[1, T, vocab]`` (a draft model; the target's exit). A greedy round's i-th
-    draft reads the text with its i - 1 drafts before it, which is the target's text for as long as
-    they are accepted, so these hits are what the rounds would see."""
+    greedy text, prompt included, with no eos inside) is ``text[t + 1]``, from one pass: ``logits_of``
+    maps token ids ``[1, T]`` to logits ``[1, T, vocab]`` (a draft model; the target's exit). A greedy
+    round's i-th draft reads the text with its i - 1 drafts before it, which is the target's text for as
+    long as they are accepted, so these hits are what the rounds would see."""
     with torch.inference_mode():
         guessed = logits_of(torch.tensor([list(text)], device=device))[0].argmax(-1).tolist()
     return [guess == truth for guess, truth in zip(guessed, text[1:])]
 
 
+def check_run(prompt_length: int, new_tokens: int, text_length: int) -> None:
+    """ValueError unless a run of ``new_tokens`` after a prompt of ``prompt_length`` (both at least 1)
+    fits in the ``text_length`` tokens whose hits or ranks were found."""
+    check_ints(prompt_length=prompt_length, new_tokens=new_tokens)
+    if min(prompt_length, new_tokens) < 1 or prompt_length + new_tokens > text_length:
+        raise ValueError(f"a prompt of {prompt_length} and {new_tokens} new tokens (each at least 1) must lie within "
+                         f"the {text_length} tokens of text the hits or ranks were found on")
+
+
 def chain_calls(hits: Sequence[bool], prompt_length: int, new_tokens: int, k: int, prompt_pass: bool) -> int:
     """The target calls a greedy run of ``k`` drafts a round makes for ``new_tokens`` tokens, counted
-    from ``teacher_forced_hits`` without running it: each round accepts drafts while they hit, then
-    emits the target's token; near the end a round drafts only what could still be emitted. The
-    first call verifies drafts after the prompt (``speculative_stream``), or, with ``prompt_pass``,
-    is the prompt's own pass, which emits one token (``self_speculative_stream``)."""
+    from ``teacher_forced_hits`` of the prompt and those tokens, without running it: each round
+    accepts drafts while they hit, then emits the target's token; near the end a round drafts only
+    what could still be emitted. The first call verifies drafts after the prompt
+    (``speculative_stream``), or, with ``prompt_pass``, is the prompt's own pass, which emits one
+    token (``self_speculative_stream``)."""
+    check_ints(k=k)
+    if k < 0:
+        raise ValueError(f"k={k} must be 0 (no drafting) or more")
+    check_run(prompt_length, new_tokens, len(hits) + 1)
     calls = emitted = int(prompt_pass)
     while emitted < new_tokens:
         room, at, accepted = min(k, new_tokens - emitted - 1), prompt_length + emitted - 1, 0

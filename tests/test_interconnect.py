@@ -3,6 +3,8 @@ interconnect presets against their datasheet arithmetic, tensor-parallel step ti
 unchanged without a link), the tensor-parallel table, and the disaggregated split."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from labkit.exercises.lab10 import ring_by_steps
 from labkit.generate import SamplingParams
 from labkit.hardware import Hardware
 from labkit.interconnect import Link, ring_allreduce_seconds
-from labkit.memory import ModelShape, kv_bytes_per_token, shape_of
+from labkit.memory import ModelShape, kv_bytes_per_token, shape_of, weight_bytes
 from labkit.model import ModelConfig
 from labkit.shapes import SHAPES
 from labkit.simulate import CostModel, tp_table
@@ -126,7 +128,10 @@ def test_the_communication_share_grows_with_gpus_and_is_smaller_over_nvlink():
     fits = {(r["gpus"], r["step"], r["batch"]): r["kv_fits"] for r in rows if r["link"] == NVLINK.name}
     assert not any(fits[1, *rest] for rest in (("decode", 1), ("prefill", 1)))  # 141 GB of weights, 80 GB GPUs
     assert fits[2, "decode", 1] and not fits[2, "decode", 64]  # 2 GPUs leave 3 GB: 64 x 1,025 tokens do not fit
-    assert {r["gpus"] for r in rows if not r["weights_fit"]} == {1}  # where the KV fails, the weights still fit
+    assert {r["gpus"] for r in rows if not r["weights_fit"]} == {1}  # 141 GB on one 80 GB GPU; on two they fit
+    smaller = replace(H100, memory_bytes=75e9)  # two hold the weights' 141 GB, but not within 90% of their memory
+    assert weight_bytes(LLAMA_70B, H100.dtype) < 2 * smaller.memory_bytes
+    assert not any(r["weights_fit"] for r in tp_table(LLAMA_70B, smaller, [NVLINK], worlds=(2,)))
     with pytest.raises(ValueError, match="context=0"):
         tp_table(LLAMA_70B, H100, [NVLINK], context=0)
 

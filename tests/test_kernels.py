@@ -540,6 +540,24 @@ def test_without_any_compiler_on_the_path_the_build_says_so_at_once(tmp_path):
     assert "the engine runs without it (decode_kernel=None)" in ran.stdout and "WARNING" not in ran.stderr
 
 
+def test_a_changed_source_is_built_again_and_said_to_be(tmp_path):
+    """build_operator says "built" when torch's loader compiled the library, also over an earlier build
+    whose source has changed since, and "loaded" when it found that build on disk up to date."""
+    source = tmp_path / "op.cpp"
+    source.write_text(paged_decode_cpu_module.SOURCE.read_text())
+    build = ("from pathlib import Path\nfrom labkit.kernels import cpp_build\n"
+             f"print(cpp_build.build_operator('labkit_changed_source', Path({str(source)!r}), 'paged_decode', "
+             "'a test operator', 'nothing'))")
+    runs = []
+    for change in ("", "", "\n// changed\n"):
+        if change:  # only then: writing the file, even unchanged, makes it newer than the build
+            source.write_text(source.read_text() + change)
+        ran = _python(build, TORCH_EXTENSIONS_DIR=str(tmp_path / "builds"))
+        assert ran.returncode == 0, ran.stderr
+        runs.append(ran.stdout.strip())
+    assert runs == ["built", "loaded", "built"]
+
+
 def test_a_cpu_without_vector_extensions_gets_its_own_correct_build(tmp_path):
     """The operator is compiled for the vector instructions torch uses on the CPU, and cached in a
     folder named after them: a machine that has none of them (here, torch told to act as one)

@@ -68,6 +68,10 @@ def test_the_calls_counted_from_one_pass_are_the_runs(shipped, k):
     out = list(speculative_stream(target, ModelDrafter(draft), prompt, params, k, stats=stats))
     hits = teacher_forced_hits(draft, prompt + out, torch.device("cpu"))
     assert chain_calls(hits, len(prompt), 40, k, prompt_pass=False) == len(stats.rounds) < 40
+    with pytest.raises(ValueError, match="must lie within"):
+        chain_calls(hits, len(prompt), 41, k, prompt_pass=False)
+    with pytest.raises(ValueError, match="k=-1"):
+        chain_calls(hits, len(prompt), 40, -1, prompt_pass=False)
 
 
 @pytest.mark.parametrize("k", [2, 8])

@@ -271,7 +271,17 @@ def test_the_calls_counted_from_one_pass_are_medusa_streams():
         stats = SpeculationStats(max(map(len, paths)))
         assert list(medusa.medusa_stream(target, heads, prompt, params, paths, stats=stats)) == out
         assert medusa.tree_calls(paths, ranks, len(prompt), 40) == len(stats.rounds) < 40
-    assert medusa.tree_calls([(0,)], [[10] * len(r) for r in ranks], len(prompt), 40) == 40  # no rank found
+    nothing = medusa.Ranks([[-1] * len(found) for found in ranks.found], ranks.looked)
+    assert medusa.tree_calls([(0,)], nothing, len(prompt), 40) == 40  # no right guess: one token a call
+    with pytest.raises(ValueError, match="rank 10, but the ranks were found for 4 heads among 10"):
+        medusa.tree_calls([(0,), (10,)], ranks, len(prompt), 40)  # a rank never looked at
+    with pytest.raises(ValueError, match="must lie within the 48 tokens"):
+        medusa.tree_calls([(0,)], ranks, len(prompt), 41)  # past the text the ranks were found on
+    with pytest.raises(ValueError, match="each at least 1"):
+        medusa.tree_calls([(0,)], ranks, 0, 40)
+    with pytest.raises(ValueError, match="ranks=0"):
+        medusa.teacher_forced_ranks(target, heads, prompt + out, 0)
+    assert medusa.teacher_forced_ranks(target, heads, prompt[:3], 2).found[-1] == []  # shorter than the heads reach
 
 
 def test_medusa_stops_at_eos_inside_an_accepted_branch(monkeypatch):

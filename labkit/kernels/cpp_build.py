@@ -67,11 +67,11 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
     if missing and not (folder / f"{name}.so").exists():  # said at once: torch's builder prints a page of warning
         raise RuntimeError(f"could not build labkit's {what} ({source.name}): {missing}; {without}")
     library = folder / f"{name}.so"
-    before = library.stat().st_mtime_ns if library.exists() else None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         flags = FLAGS + VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-        with _one_build_at_a_time(folder):
+        with _one_build_at_a_time(folder):  # a build another process made while this one waited is loaded
+            before = library.stat().st_mtime_ns if library.exists() else None
             load(name, [str(source)], extra_cflags=flags, build_directory=str(folder), is_python_module=False,
                  verbose=verbose)
     except (OSError, RuntimeError, ImportError) as error:
