@@ -273,10 +273,15 @@ def time_thread_counts(step: Callable[[], Any], counts: Sequence[int], *, repeat
     return {n: timings[str(n)] for n in counts}
 
 
+NEAR_THREADS = 0.03  # 75th percentiles this close are a tie, which the fewer threads win
+
+
 def steadiest(timings: Mapping[int, Timing]) -> int:
-    """The thread count whose 75th percentile is lowest: the time a step keeps to three runs in
-    four, fast and steady at once."""
-    return min(timings, key=lambda n: timings[n].quartiles_s[1])
+    """The thread count whose 75th percentile is lowest (the time a step keeps to three runs in four,
+    fast and steady at once), or the fewest threads whose 75th percentile is within ``NEAR_THREADS``
+    of it: a tie, where fewer threads leave more cores to everything else."""
+    lowest = min(timing.quartiles_s[1] for timing in timings.values())
+    return min(n for n, timing in timings.items() if timing.quartiles_s[1] <= lowest * (1 + NEAR_THREADS))
 
 
 def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.device | str | None = None,
@@ -299,9 +304,12 @@ def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.d
     best = steadiest(timings)
     torch.set_num_threads(best)
     if verbose:
-        rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {format_seconds(t.median_s)}, 75th percentile "
-                         f"{format_seconds(t.quartiles_s[1])}" for n, t in timings.items())
-        print(f"CPU threads, measured on this step: {rows}. Using {best} (the lowest 75th percentile).")
+        rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {t.median_s * 1e3:.2f} ms, 75th percentile "
+                         f"{t.quartiles_s[1] * 1e3:.2f} ms" for n, t in timings.items())
+        lowest = min(timings, key=lambda n: timings[n].quartiles_s[1])
+        why = ("the lowest 75th percentile" if best == lowest else
+               f"within {NEAR_THREADS:.0%} of the lowest 75th percentile, {lowest}'s: a tie, which the fewer threads win")
+        print(f"CPU threads, measured on this step: {rows}. Using {best} ({why}).")
     return best
 
 

@@ -193,6 +193,10 @@ def test_choose_threads_keeps_the_count_whose_75th_percentile_is_lowest(monkeypa
         steady_at_one = lambda: (calls.append(1), time.sleep(0.002 if torch.get_num_threads() == 1
                                                               else [0.0005, 0.01][len(calls) % 2]))
         assert bench.choose_threads(steady_at_one, repeats=8, device="cpu", verbose=False) == 1  # fast but erratic loses
+        timings = {1: Timing("1", "cpu", (1.02, 1.02, 1.02, 1.02)), 2: Timing("2", "cpu", (1.0, 1.0, 1.0, 1.0))}
+        assert bench.steadiest(timings) == 1  # within 3%: a tie, which the fewer threads win
+        timings[1] = Timing("1", "cpu", (1.04, 1.04, 1.04, 1.04))
+        assert bench.steadiest(timings) == 2
         monkeypatch.setattr(bench, "_DEFAULT_THREADS", 1)
         assert bench.choose_threads(lambda: None, device="cpu") == 1 and "nothing to choose" in capsys.readouterr().out
     finally:
