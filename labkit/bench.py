@@ -313,11 +313,14 @@ def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.d
     return best
 
 
-# one busy core: spins until its time is up or its parent is gone (a kernel killed by a restart
+# one busy core: writes a byte to its stdout once it is about to spin (so that busy_cpus knows it
+# started), then spins until its time is up or its parent is gone (a kernel killed by a restart
 # leaves no spinning orphan); plain Python, so it starts at once and imports nothing of labkit's
 _SPIN = """
 import os, sys, time
 parent, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+os.write(1, b"!")
+os.close(1)
 while time.monotonic() < end and os.getppid() == parent:
     for _ in range(100_000):
         pass
@@ -327,20 +330,33 @@ while time.monotonic() < end and os.getppid() == parent:
 @contextmanager
 def busy_cpus(count: int, max_seconds: float = 600.0) -> Iterator[None]:
     """Run ``count`` processes that each keep a core busy, as a browser or a video call would,
-    for as long as the ``with`` block lasts (and never beyond ``max_seconds``)."""
+    for as long as the ``with`` block lasts (and never beyond ``max_seconds``). The block starts
+    only once every process has said that it is spinning, however long a busy machine takes to
+    start them."""
     if not 1 <= count <= 64:
         raise ValueError(f"count={count}: give between 1 and 64 busy processes")
     hogs: list[subprocess.Popen] = []
     try:
         for _ in range(count):
-            hogs.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(os.getpid()), str(max_seconds)]))
-        time.sleep(0.2)  # let them start spinning
+            hogs.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(os.getpid()), str(max_seconds)],
+                                         stdout=subprocess.PIPE))
+        for hog in hogs:
+            _wait_until_spinning(hog)
         yield
     finally:
         for hog in hogs:  # all killed first: an interrupt while waiting for one leaves none spinning
             hog.kill()
         for hog in hogs:
             hog.wait()
+
+
+def _wait_until_spinning(hog: subprocess.Popen) -> None:
+    """Block until the busy process ``hog`` writes its byte; RuntimeError if it ended without one."""
+    with hog.stdout:
+        started = hog.stdout.read(1)
+    if not started:
+        raise RuntimeError(f"a busy process ended (exit code {hog.wait()}) before it started spinning: "
+                           f"check that {sys.executable} runs")
 
 
 class _LiveTensors(TorchDispatchMode):

@@ -38,15 +38,19 @@ def plot_roofline(machines: Sequence[Hardware], points: Iterable[tuple[str, floa
     """Each machine's roofline, log-log, with its ridge point; ``points`` are (label, intensity)
     kernels drawn as vertical lines, labelled in a band above every roof so that no label covers
     a ridge point; ``achieved`` are (label, intensity, FLOP/s) measured kernels, drawn as stars.
-    A measured machine is drawn thick and says so."""
+    A measured machine is drawn thick and says so. A flat roof at the height of one drawn before
+    it (the H100 and the H200 share one) is dashed, so that the roof beneath shows through."""
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
            ylabel="attainable TFLOP/s", title=title)
     x = np.logspace(np.log10(intensity_range[0]), np.log10(intensity_range[1]), 400)
+    styles, peaks = ["-", (0, (5, 4)), (0, (1, 3)), (0, (6, 3, 1, 3))], []
     for hw in machines:
         y = np.minimum(hw.peak_flops, x * hw.bandwidth) / 1e12
         label = f"{hw.name} ({'measured' if hw.measured else 'datasheet'}, {hw.dtype})"
-        line, = ax.plot(x, y, lw=3 if hw.measured else 1.5, label=label)
+        below = sum(np.isclose(hw.peak_flops, peak, rtol=0.01) for peak in peaks)  # roofs already at this height
+        peaks.append(hw.peak_flops)
+        line, = ax.plot(x, y, lw=3 if hw.measured else 1.5, ls=styles[below % len(styles)], label=label)
         ax.plot(hw.ridge_intensity, hw.peak_flops / 1e12, "o", color=line.get_color())
     for label, intensity, flops in achieved:
         ax.plot(intensity, flops / 1e12, "*", ms=14, color="black")
@@ -136,8 +140,8 @@ def batch_slots(log: Sequence[StepRecord]) -> list[list[tuple[int, Hashable, int
 
 def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | None = None) -> Figure:
     """A serving run over time: one row per batch slot, a bar per request per step, coloured by
-    request; hatched while prefilling, grey while idle (a static batch's finished rows waiting
-    for its longest), a black x where a request was preempted."""
+    request; hatched while prefilling, grey while idle (a static batch's finished rows, still
+    computed while they wait for its longest), a black x where a request was preempted."""
     own = ax is None
     fig, ax = plt.subplots(figsize=(10, 3.5)) if own else (ax.figure, ax)
     bars: dict[str, list[tuple[int, float, float, tuple]]] = {"decode": [], "prefill": [], "idle": []}
@@ -157,9 +161,11 @@ def plot_batch_timeline(log: Sequence[StepRecord], title: str = "", ax: Axes | N
     # legend entries for what the run shows, drawn nowhere (a bar of height 0 at x=0 would stretch
     # the time axis to -0.4 s); outside the axes, where they hide no bar
     handles = [Line2D([], [], color="k", marker="x", ls="", label="preempted")] * any(s.preempted for s in log)
-    handles += [Patch(facecolor=colour, hatch=hatch, label=kind)
-                for kind, colour, hatch in [("decode", "tab:blue", None), ("prefill", "tab:blue", "////"),
-                                            ("idle", "0.85", None)] if bars[kind]]
+    handles += [Patch(facecolor=colour, hatch=hatch, label=label)  # a static batch's idle rows are still computed
+                for kind, colour, hatch, label in [("decode", "tab:blue", None, "decode"),
+                                                   ("prefill", "tab:blue", "////", "prefill"),
+                                                   ("idle", "0.85", None, "finished, still computed (padding)")]
+                if bars[kind]]
     ax.set(xlabel="time (s)", ylabel="batch slot", title=title)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if handles:

@@ -247,3 +247,14 @@ def test_busy_cpus_runs_its_processes_only_inside_the_block():
     with pytest.raises(ValueError, match="between 1 and 64"):
         with bench.busy_cpus(0):
             pass
+
+
+def test_busy_cpus_starts_its_block_only_once_every_process_spins(monkeypatch):
+    monkeypatch.setattr(bench, "_SPIN", "import time\ntime.sleep(0.6)" + bench._SPIN)  # slow to start
+    start = time.perf_counter()
+    with bench.busy_cpus(2, max_seconds=30):
+        assert time.perf_counter() - start >= 0.6  # waited for them, not a fixed pause
+    monkeypatch.setattr(bench, "_SPIN", "raise SystemExit(3)")  # ends without ever spinning
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        with bench.busy_cpus(1, max_seconds=30):
+            pass

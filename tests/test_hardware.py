@@ -86,6 +86,16 @@ def test_roofline_plot_draws_each_machine_and_labels_the_measured_one():
     assert any("decode" in t.get_text() for t in ax.texts)
 
 
+def test_roofline_dashes_a_flat_roof_that_another_already_drew():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.viz import plot_roofline
+
+    fig = plot_roofline([gpu("A100-40GB"), gpu("H100-SXM"), gpu("A100-80GB"), gpu("H200")])
+    solid = [line.get_linestyle() == "-" for line in fig.axes[0].get_lines()[::2]]  # each roof, then its ridge point
+    assert solid == [True, True, False, False]  # the 80GB A100 and the H200 share the roofs drawn before them
+
+
 def test_roofline_labels_cover_no_ridge_point_and_no_other_label():
     import matplotlib
     matplotlib.use("Agg")
