@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,29 @@ def _memory_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")  # Linux describes the first core's caches there
+
+
+def last_level_cache(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes of ``device``'s last-level cache (a GPU's L2, a CPU's largest cache as Linux reports it)
+    and which cache that is; None and why where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size, "the GPU's L2 cache"
+    caches = []
+    for index in CPU_CACHES.glob("index*"):  # other systems may not say
+        try:
+            level, size = ((index / name).read_text().strip() for name in ("level", "size"))
+            caches.append((int(level), int(size[:-1]) * _SIZE_UNITS[size[-1]]))
+        except (OSError, ValueError, KeyError):
+            continue
+    if not caches:
+        return None, "the last-level cache, which this system does not report"
+    level, size = max(caches)
+    return size, f"this CPU's L{level} cache"
 
 
 def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 7) -> float:

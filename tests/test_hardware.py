@@ -114,3 +114,15 @@ def test_roofline_labels_cover_no_ridge_point_and_no_other_label():
     for i, box in enumerate(boxes):
         assert not any(box.expanded(1.0, 1.0).contains(*ridge) for ridge in ridges), box
         assert not any(box.overlaps(other) for other in boxes[i + 1:])
+
+
+def test_the_last_level_cache_is_the_largest_level_linux_reports(tmp_path, monkeypatch):
+    for index, (level, size) in enumerate([("1", "48K"), ("2", "1024K"), ("3", "32M"), ("x", "9M")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(hardware, "CPU_CACHES", tmp_path)
+    assert hardware.last_level_cache("cpu") == (32 << 20, "this CPU's L3 cache")  # the unreadable entry is skipped
+    monkeypatch.setattr(hardware, "CPU_CACHES", tmp_path / "absent")
+    size, why = hardware.last_level_cache("cpu")
+    assert size is None and "does not report" in why
