@@ -22,7 +22,9 @@ purpose, to see all of this happen.
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -205,15 +207,20 @@ def _check_rounds(warmup: int, repeats: int) -> None:
 
 
 def measure(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, label: str = "fn",
-            device: torch.device | str | None = None) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones."""
+            device: torch.device | str | None = None, min_seconds: float = 0.0) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones, and more until the timed
+    calls have taken ``min_seconds`` of wall time (a disturbance of a second or so then shows)."""
     _check_rounds(warmup, repeats)
+    if not 0 <= min_seconds < math.inf:
+        raise ValueError(f"min_seconds={min_seconds} must be a finite number of seconds, 0 or more")
     device = torch.device(device) if device is not None else get_device()
     run_once = _timer(device)
     for _ in range(warmup):
         fn()
-    times = tuple(run_once(fn) for _ in range(repeats))
-    return Timing(label, device_name(device), times)
+    times, start = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_seconds:
+        times.append(run_once(fn))
+    return Timing(label, device_name(device), tuple(times))
 
 
 def alternate(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10,
@@ -276,12 +283,17 @@ def time_thread_counts(step: Callable[[], Any], counts: Sequence[int], *, repeat
 NEAR_THREADS = 0.03  # 75th percentiles this close are a tie, which the fewer threads win
 
 
-def steadiest(timings: Mapping[int, Timing]) -> int:
-    """The thread count whose 75th percentile is lowest (the time a step keeps to three runs in four,
-    fast and steady at once), or the fewest threads whose 75th percentile is within ``NEAR_THREADS``
-    of it: a tie, where fewer threads leave more cores to everything else."""
+def tied(timings: Mapping[int, Timing]) -> list[int]:
+    """The thread counts whose 75th percentile (the time a step keeps to three runs in four, fast and
+    steady at once) is the lowest or within ``NEAR_THREADS`` of it, fewest first."""
     lowest = min(timing.quartiles_s[1] for timing in timings.values())
-    return min(n for n, timing in timings.items() if timing.quartiles_s[1] <= lowest * (1 + NEAR_THREADS))
+    return sorted(n for n, timing in timings.items() if timing.quartiles_s[1] <= lowest * (1 + NEAR_THREADS))
+
+
+def steadiest(timings: Mapping[int, Timing]) -> int:
+    """The thread count with the lowest 75th percentile, or, where several tie (``tied``), the fewest:
+    they leave more cores to everything else."""
+    return tied(timings)[0]
 
 
 def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.device | str | None = None,
@@ -304,11 +316,12 @@ def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.d
     best = steadiest(timings)
     torch.set_num_threads(best)
     if verbose:
-        rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {t.median_s * 1e3:.2f} ms, 75th percentile "
-                         f"{t.quartiles_s[1] * 1e3:.2f} ms" for n, t in timings.items())
-        lowest = min(timings, key=lambda n: timings[n].quartiles_s[1])
-        why = ("the lowest 75th percentile" if best == lowest else
-               f"within {NEAR_THREADS:.0%} of the lowest 75th percentile, {lowest}'s: a tie, which the fewer threads win")
+        rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {t.median_s * 1e3:.3g} ms, 75th percentile "
+                         f"{t.quartiles_s[1] * 1e3:.3g} ms" for n, t in timings.items())
+        ties = tied(timings)
+        why = ("the lowest 75th percentile" if len(ties) == 1 else
+               f"{' and '.join(map(str, ties))} threads are within {NEAR_THREADS:.0%} of each other's 75th "
+               "percentile: a tie, which the fewest threads win")
         print(f"CPU threads, measured on this step: {rows}. Using {best} ({why}).")
     return best
 
@@ -348,13 +361,18 @@ def busy_cpus(count: int, max_seconds: float = 600.0) -> Iterator[None]:
             hog.kill()
         for hog in hogs:
             hog.wait()
+            hog.stdout.close()
+
+
+SPIN_START_S = 60.0  # the longest a busy process may take to start spinning
 
 
 def _wait_until_spinning(hog: subprocess.Popen) -> None:
-    """Block until the busy process ``hog`` writes its byte; RuntimeError if it ended without one."""
-    with hog.stdout:
-        started = hog.stdout.read(1)
-    if not started:
+    """Block until the busy process ``hog`` writes its byte; RuntimeError if it ended without one, or
+    (where the system can wait on a pipe with a limit: not Windows) took over ``SPIN_START_S``."""
+    if os.name != "nt" and not select.select([hog.stdout], [], [], SPIN_START_S)[0]:
+        raise RuntimeError(f"a busy process did not start spinning within {SPIN_START_S:g} s")
+    if not hog.stdout.read(1):
         raise RuntimeError(f"a busy process ended (exit code {hog.wait()}) before it started spinning: "
                            f"check that {sys.executable} runs")
 

@@ -194,9 +194,14 @@ def test_choose_threads_keeps_the_count_whose_75th_percentile_is_lowest(monkeypa
                                                               else [0.0005, 0.01][len(calls) % 2]))
         assert bench.choose_threads(steady_at_one, repeats=8, device="cpu", verbose=False) == 1  # fast but erratic loses
         timings = {1: Timing("1", "cpu", (1.02, 1.02, 1.02, 1.02)), 2: Timing("2", "cpu", (1.0, 1.0, 1.0, 1.0))}
-        assert bench.steadiest(timings) == 1  # within 3%: a tie, which the fewer threads win
+        assert bench.tied(timings) == [1, 2] and bench.steadiest(timings) == 1  # within 3%: the fewer threads win
         timings[1] = Timing("1", "cpu", (1.04, 1.04, 1.04, 1.04))
-        assert bench.steadiest(timings) == 2
+        assert bench.tied(timings) == [2] and bench.steadiest(timings) == 2
+        monkeypatch.setattr(bench, "time_thread_counts", lambda *a, **k: {1: Timing("1", "cpu", (2.981e-3,) * 4),
+                                                                           2: Timing("2", "cpu", (2.975e-3,) * 4)})
+        assert bench.choose_threads(lambda: None, device="cpu") == 1
+        said = capsys.readouterr().out
+        assert "75th percentile 2.98 ms" in said and "1 and 2 threads are within 3%" in said and "a tie" in said
         monkeypatch.setattr(bench, "_DEFAULT_THREADS", 1)
         assert bench.choose_threads(lambda: None, device="cpu") == 1 and "nothing to choose" in capsys.readouterr().out
     finally:
@@ -244,6 +249,9 @@ def test_busy_cpus_runs_its_processes_only_inside_the_block():
     with bench.busy_cpus(2, max_seconds=30):
         assert len(spinning()) == 2
     assert spinning() == []
+    with pytest.raises(KeyboardInterrupt), bench.busy_cpus(2, max_seconds=30):
+        raise KeyboardInterrupt  # an interrupted cell leaves no spinner behind either
+    assert spinning() == []
     with pytest.raises(ValueError, match="between 1 and 64"):
         with bench.busy_cpus(0):
             pass
@@ -258,3 +266,17 @@ def test_busy_cpus_starts_its_block_only_once_every_process_spins(monkeypatch):
     with pytest.raises(RuntimeError, match="exit code 3"):
         with bench.busy_cpus(1, max_seconds=30):
             pass
+    if os.name != "nt":
+        monkeypatch.setattr(bench, "_SPIN", "import time\ntime.sleep(5)")  # neither spins nor ends
+        monkeypatch.setattr(bench, "SPIN_START_S", 0.3)
+        with pytest.raises(RuntimeError, match="did not start spinning within 0.3 s"):
+            with bench.busy_cpus(2, max_seconds=30):
+                pass
+
+
+def test_measure_goes_on_until_its_wall_time_is_spent():
+    timing = measure(lambda: time.sleep(0.01), warmup=0, repeats=2, device="cpu", min_seconds=0.2)
+    assert len(timing.times_s) >= 15 and sum(timing.times_s) >= 0.15
+    assert len(measure(lambda: None, warmup=0, repeats=3, device="cpu").times_s) == 3
+    with pytest.raises(ValueError, match="min_seconds=-1"):
+        measure(lambda: None, device="cpu", min_seconds=-1)
