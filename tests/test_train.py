@@ -13,7 +13,7 @@ from labkit import train
 from labkit.exercises.lab01 import random_model
 from labkit.load import load_checkpoint
 from labkit.train import (PRESETS, Distillation, Preset, agreement, check_teacher, continuation_batches, distill,
-                          distillation_loss, learning_rate, main, teacher_continuations)
+                          distillation_loss, learning_rate, main, t_95, teacher_continuations)
 
 
 def test_same_seed_same_weights_and_a_complete_checkpoint(tmp_path, monkeypatch):
@@ -154,3 +154,11 @@ def test_distillation_refuses_bad_settings_and_a_missing_or_mismatched_teacher()
         check_teacher(Distillation("target"), random_model(4, 2, seed=0).config)
     with pytest.raises(ValueError, match="one non-empty continuation per prompt"):
         continuation_batches([[1], [2]], [[3], []], batch_size=2)
+
+
+def test_t_95_is_students_two_sided_95_percent_value():
+    """Against a printed table of Student's t (two-sided 95%), for 1, 2, 7, 23 and 99 degrees of freedom."""
+    for samples, table in ((2, 12.706), (3, 4.303), (8, 2.365), (24, 2.069), (100, 1.984)):
+        assert t_95(samples) == pytest.approx(table, abs=1e-3), samples
+    with pytest.raises(ValueError, match="at least 2"):
+        t_95(1)
