@@ -313,12 +313,12 @@ def choose_threads(step: Callable[[], Any], *, repeats: int = 9, device: torch.d
             print(f"torch may use {counts[0]} thread here (OMP_NUM_THREADS or the core count): nothing to choose")
         return counts[0]
     timings = time_thread_counts(step, counts, repeats=repeats, device=device)
-    best = steadiest(timings)
+    ties = tied(timings)
+    best = ties[0]  # as steadiest() chooses: the fewest of the tied counts
     torch.set_num_threads(best)
     if verbose:
         rows = "; ".join(f"{n} thread{'s' * (n > 1)} median {t.median_s * 1e3:.3g} ms, 75th percentile "
                          f"{t.quartiles_s[1] * 1e3:.3g} ms" for n, t in timings.items())
-        ties = tied(timings)
         why = ("the lowest 75th percentile" if len(ties) == 1 else
                f"{' and '.join(map(str, ties))} threads are within {NEAR_THREADS:.0%} of each other's 75th "
                "percentile: a tie, which the fewest threads win")

@@ -106,9 +106,9 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
         raise AssertionError(
             f"the output is right, but a load read past a tensor: {strays[0]}"
             f"{f' (and {len(strays) - 1} more loads past a tensor)' if len(strays) > 1 else ''}. Its values were "
-            "dropped later (a score set to -inf, a column never stored), so no output shows it here; on a GPU such a read takes "
-            "another allocation's memory, or stops the kernel with an illegal memory access. Mask each load to the "
-            "lanes inside the tensor: keys < S and dims < HEAD_DIM")
+            "dropped later (a score set to -inf, a column never stored), so no output shows it here; on a GPU such "
+            "a read takes another allocation's memory, or stops the kernel with an illegal memory access. Mask "
+            "each load to the lanes inside the tensor: keys < S and dims < HEAD_DIM")
 
 
 def _kernel_cases() -> list[Scenario]:

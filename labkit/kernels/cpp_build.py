@@ -63,10 +63,10 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):  # a venv used without activating it
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     folder = build_directory(name)
-    missing = missing_compiler()
-    if missing and not (folder / f"{name}.so").exists():  # said at once: torch's builder prints a page of warning
-        raise RuntimeError(f"could not build labkit's {what} ({source.name}): {missing}; {without}")
     library = folder / f"{name}.so"
+    missing = missing_compiler()
+    if missing and not library.exists():  # said at once: torch's builder prints a page of warning
+        raise RuntimeError(f"could not build labkit's {what} ({source.name}): {missing}; {without}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         flags = FLAGS + VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
