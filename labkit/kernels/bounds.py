@@ -60,11 +60,12 @@ def _within(name: str, tensor: torch.Tensor, address: int) -> str:
 def describe(tensors: dict[str, torch.Tensor], address: int) -> str:
     """Where ``address`` lies: as an index of the tensor whose allocation holds it (the one that
     starts nearest below it, if several do), or in bytes past the allocation that ends nearest below it."""
-    holding = {name: t for name, t in tensors.items() if _memory(t)[0] <= address < _memory(t)[1]}
+    spans = {name: _memory(t) for name, t in tensors.items()}
+    holding = {name: tensors[name] for name, (start, end) in spans.items() if start <= address < end}
     if holding:
         name, tensor = max(holding.items(), key=lambda item: (item[1].data_ptr() <= address, item[1].data_ptr()))
         return _within(name, tensor, address)
-    ends = {name: _memory(t)[1] for name, t in tensors.items() if _memory(t)[1] <= address}
+    ends = {name: end for name, (_, end) in spans.items() if end <= address}
     if not ends:
         return "an address before the memory of every tensor the kernel was given"
     name = max(ends, key=ends.get)

@@ -1,0 +1,110 @@
+"""labkit.claims: the course texts' figures and the verdicts on figures measured here."""
+import json
+import math
+import re
+
+import pytest
+
+from labkit import claims
+from labkit.claims import Quote
+
+COURSE_TEXTS = "../shared/course_texts"  # beside the repository, where the course's texts are kept
+
+
+def test_a_quote_names_known_texts_and_units_and_a_range_that_is_not_empty() -> None:
+    with pytest.raises(ValueError, match="course texts"):
+        Quote(("textbook",), "x", 2, 3)
+    with pytest.raises(ValueError, match="course texts"):
+        Quote((), "x", 2, 3)
+    with pytest.raises(ValueError, match="unit='GiB'"):
+        Quote(("chapter",), "x", 2, unit="GiB")
+    with pytest.raises(ValueError, match="empty"):
+        Quote(("chapter",), "x", 3, 2)
+
+
+def test_figures_are_written_as_the_texts_write_them() -> None:
+    assert Quote(("chapter",), "x", 2, 3).figure() == "2-3x"
+    assert Quote(("chapter",), "x", 30, 50, "%").figure() == "30-50%"
+    assert Quote(("chapter",), "x", 5.2, unit="GB").figure() == "5.2 GB"
+    assert Quote(("chapter",), "x", 100, math.inf, "GB").figure() == "100+ GB"
+
+
+def test_a_range_says_inside_below_or_above() -> None:
+    speedup = Quote(("chapter",), "x", 2, 3)
+    assert [speedup.verdict(v) for v in (1.99, 2, 2.5, 3, 3.01)] == [
+        "below its range", "inside its range", "inside its range", "inside its range", "above its range"]
+    at_least = Quote(("survey",), "x", 100, math.inf, "GB")
+    assert at_least.verdict(43e9) == "below its range"
+    assert at_least.verdict(344e9) == "inside its range"
+
+
+def test_a_single_figure_agrees_within_five_percent_or_says_how_far_off() -> None:
+    assert Quote(("chapter",), "x", 0.67, unit="GB").verdict(0.671e9) == "agrees"
+    quote = Quote(("chapter",), "x", 10)
+    assert quote.verdict(9.51) == quote.verdict(10.49) == "agrees"
+    assert quote.verdict(10.6) == "6% above it"
+    assert quote.verdict(7) == "30% below it"
+    assert quote.verdict(42.9) == "4.29 times it"
+    assert quote.verdict(2.5) == "0.25 times it"
+    assert quote.verdict(0) == quote.verdict(-0.3) == "below it"  # no multiple of the quote
+    assert Quote(("chapter",), "x", -1, unit="%").verdict(0.2) == "above it"
+
+
+def test_gib_is_read_for_gb_only_where_the_quote_allows_it_and_that_alone_agrees() -> None:
+    assert Quote(("guide",), "x", 16, unit="GB").verdict(2 ** 34) == "7% above it"
+    with pytest.raises(ValueError, match="gib=True"):
+        Quote(("guide",), "x", 2, unit="x", gib=True)
+    with pytest.raises(ValueError, match="gib=True"):
+        Quote(("guide",), "x", 2, 3, unit="GB", gib=True)
+    quote = Quote(("guide",), "x", 16, unit="GB", gib=True)
+    assert quote.verdict(2 ** 34) == "agrees, taking its GB as GiB"  # 17.2 GB: 7% off as GB, exact as GiB
+    assert quote.reading(2 ** 34) == (16.0, "GiB")
+    assert quote.verdict(16e9) == "agrees"  # both readings agree: the quote's own unit
+    assert quote.reading(2 ** 37) == (2 ** 37 / 1e9, "GB")  # neither agrees: the quote's own unit
+    assert Quote(("guide",), "x", 512, unit="MB", gib=True).verdict(2 ** 29) == "agrees"  # 537 MB: within 5% as it is
+
+
+def test_check_and_said_name_the_texts_the_figure_and_the_verdict() -> None:
+    assert claims.said("speculation_speedup") == ("The textbook chapter, the summary and the study guide: 2-3x for "
+                                                  "speculative decoding's speed-up.")
+    assert claims.check("gqa_saves", 8) == "The summary: 4x for what GQA cuts the cache by. Here: 8x, 2 times it."
+    assert claims.check("kv_8b_128k", 2 ** 34).endswith("Here: 16 GiB, agrees, taking its GB as GiB.")
+    assert claims.check("static_utilization", 41.23, "41% of rows").endswith("Here: 41% of rows, inside its range.")
+    with pytest.raises(KeyError):
+        claims.check("no such quote", 1)
+
+
+def _solution_sources(root) -> str:
+    return "\n".join("".join(cell["source"]) for path in sorted((root / "solutions").glob("*.ipynb"))
+                     for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "code")
+
+
+def test_every_quote_is_used_by_a_notebook_and_every_one_used_exists(root) -> None:
+    sources = _solution_sources(root)
+    named = set(re.findall(r"claims\.(?:check|said)\(\s*[\"'](\w+)[\"']|claims\.QUOTES\[[\"'](\w+)[\"']\]", sources))
+    assert {key for pair in named for key in pair if key} - set(claims.QUOTES) == set(), \
+        "notebooks name quotes that labkit.claims lacks"
+    unused = {key for key in claims.QUOTES if f'"{key}"' not in sources and f"'{key}'" not in sources}
+    assert unused == set(), "quotes no notebook prints"
+
+
+def _figure_pattern(number: float) -> str:
+    """``number`` as a text may write it: 2 as '2' or '2.00', not as part of '12' or '2.5'."""
+    return rf"(?<![\d.]){re.escape(f'{number:g}')}(?:\.0+)?(?![\d]|\.\d)"
+
+
+def test_each_quote_is_in_the_texts_it_names(root) -> None:
+    """Typed once from the texts: each figure must be found in each text it is attributed to (a range as
+    'low-high', with any dash; 'at least' as 'low+')."""
+    folder = (root / COURSE_TEXTS).resolve()
+    files = {path.stem.split("_")[0]: path for path in folder.glob("*.txt")}
+    if not files:
+        pytest.skip(f"the course texts are not beside this checkout ({folder})")
+    number = {key: f"{i:03d}" for i, key in enumerate(claims.TEXTS)}  # 000: the chapter, ... 004: the blog post
+    for key, quote in claims.QUOTES.items():
+        low = _figure_pattern(quote.low)
+        pattern = (low if quote.high is None else low + r"\s*\+" if math.isinf(quote.high)
+                   else low + r"\s*[-\u2013]\s*" + _figure_pattern(quote.high))
+        for text in quote.texts:
+            body = files[number[text]].read_text(encoding="utf-8")
+            assert re.search(pattern, body), f"{key}: {quote.figure()} is not in {claims.TEXTS[text]}"
