@@ -4,11 +4,15 @@ whether it agrees. A notebook prints the quote beside its own figure, so that a 
 figures they read hold on their machine and which were slips. The texts' words stay in the texts: each
 quote keeps only its figure and what it is a figure of."""
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from labkit import notebook
 
 TEXTS = {"chapter": "the textbook chapter", "summary": "the summary", "guide": "the study guide",
          "survey": "the survey section", "blog": "the blog post"}
-_SCALE = {"x": 1.0, "%": 1.0, "GB": 1e9, "MB": 1e6, "ms": 1e-3}  # what one unit is, in the value's own units
+_SCALE = {"x": 1.0, "%": 1.0, "FLOP/byte": 1.0, "GB": 1e9, "MB": 1e6, "ms": 1e-3}  # one unit, in the value's units
 _BINARY = {"GB": float(1 << 30), "MB": float(1 << 20)}  # texts often write GB where they computed GiB
 AGREES = 0.05  # a single figure agrees with a value that differs from it by at most 5%
 
@@ -43,6 +47,8 @@ class Quote:
             return f"{self.low:g}{space}{self.unit}"
         if math.isinf(self.high):
             return f"{self.low:g}+{space}{self.unit}"
+        if self.low == 0:  # "under": a text's "< 4%"
+            return f"<{self.high:g}{space}{self.unit}"
         return f"{self.low:g}-{self.high:g}{space}{self.unit}"
 
     def reading(self, value: float) -> tuple[float, str]:
@@ -76,12 +82,31 @@ class Quote:
             return "below it" if self.low > 0 else "above it"
         return f"{ratio:.3g} times it{how}"
 
+    def spread_verdict(self, lowest: float, highest: float) -> str:
+        """Where figures measured over several cases, from ``lowest`` to ``highest``, fall against the quote."""
+        if lowest > highest:
+            raise ValueError(f"lowest={lowest} is above highest={highest}")
+        low, high = lowest / _SCALE[self.unit], highest / _SCALE[self.unit]
+        top = self.low if self.high is None else self.high
+        it = "it" if self.high is None else "its range"
+        if high < self.low or low > top:
+            return f"all {'below' if high < self.low else 'above'} {it}"
+        if self.low <= low and high <= top:
+            return f"all inside {it}"
+        return "they span it" if self.high is None else "partly inside its range"
+
 
 def _show(number: float, unit: str) -> str:
     return f"{number:.3g}{unit}" if unit in ("x", "%") else f"{number:.3g} {unit}"
 
 
 QUOTES = {
+    # notebook 00: the roofline
+    "decode_intensity": Quote(("summary",), "decode's arithmetic intensity", 1, unit="FLOP/byte"),
+    "compute_per_byte": Quote(("summary",), "how much more compute than memory bandwidth GPUs offer", 100, 1000),
+    "token_70b_a100": Quote(("blog",), "a decode step of a 70B model in fp16 on an A100", 70, unit="ms"),
+    # notebook 01: what the cache saves
+    "cache_speedup": Quote(("chapter",), "the KV cache's speed-up at typical generation lengths", 10, 50),
     # notebook 02: the KV cache's bytes
     "kv_70b_gqa_2k": Quote(("chapter",), "one 2,048-token fp16 sequence of Llama-2 70B with its 8 KV heads", 0.67,
                            unit="GB"),
@@ -96,6 +121,11 @@ QUOTES = {
                          unit="GB"),
     "gqa_saves": Quote(("summary",), "what GQA cuts the cache by", 4),
     "mqa_saves": Quote(("summary",), "what MQA cuts the cache by", 8),
+    # notebook 03: the paged cache
+    "paged_waste": Quote(("guide",), "the share of a paged cache's memory wasted", 0, 4, "%"),
+    "contiguous_waste": Quote(("guide",), "the share wasted by contiguous allocation", 60, 80, "%"),
+    "paged_requests": Quote(("summary",), "how many more requests run at once with paged attention", 2, 4),
+    "paged_requests_chapter": Quote(("chapter",), "the same, which it counts as throughput", 3, 4),
     # notebook 04: continuous against static batching
     "batching_throughput": Quote(("summary", "blog"), "continuous batching's throughput over static batching's", 10, 20),
     "batching_throughput_guide": Quote(("guide",), "the same", 5, 10),
@@ -112,6 +142,24 @@ QUOTES = {
     "int8_quality": Quote(("blog",), "INT8's loss of quality", 1, unit="%"),
     "int4_quality": Quote(("chapter",), "INT4's rise in perplexity with GPTQ or AWQ", 1, 2, "%"),
     "gptq_quality": Quote(("blog",), "GPTQ's loss of quality at 4 bits", 2, 5, "%"),
+    # notebook 07: FlashAttention
+    "flash_memory": Quote(("guide",), "FlashAttention's cut in memory", 2, 4),
+    "flash_speed": Quote(("blog",), "FlashAttention's speed-up over standard attention", 2, 4),
+    "flash_speed_guide": Quote(("guide",), "the same", 2),
+    # notebook 08: compilation
+    "compile_speedup": Quote(("survey",), "compiling the decode step, against eager", 1.5, 2),
+    # notebook 09: serving
+    "batch32_step": Quote(("chapter",), "how much longer a step of 32 sequences takes than a step of one (its table's "
+                          "80 against 10 ms)", 8),
+    "batch32_throughput": Quote(("chapter",), "the throughput at batch 32 against batch 1 (its table's 400 against "
+                                "100 requests/s)", 4),
+    "prefix_ttft": Quote(("summary",), "prefix caching's cut in the time to first token", 5, 10),
+    "prefix_prefill": Quote(("guide",), "the prefill time prefix caching saves", 50, 90, "%"),
+    # notebook 10: disaggregated serving
+    "splitwise_throughput": Quote(("survey",), "what disaggregation buys in throughput (Splitwise)", 1.4),
+    "splitwise_latency": Quote(("survey",), "what disaggregation buys in latency instead", 2.35),
+    # notebook 11: speculation without a draft model
+    "medusa_speedup": Quote(("survey",), "Medusa's speed-up", 2, 3),
 }
 
 
@@ -128,3 +176,43 @@ def check(key: str, value: float, shown: str | None = None) -> str:
     quote = QUOTES[key]
     here = shown if shown is not None else _show(*quote.reading(value))
     return f"{said(key)} Here: {here}, {quote.verdict(value)}."
+
+
+def check_spread(key: str, lowest: float, highest: float, shown: str) -> str:
+    """The quote, then figures measured over several cases (``shown``, from ``lowest`` to ``highest``) and
+    the verdict."""
+    return f"{said(key)} Here: {shown}, {QUOTES[key].spread_verdict(lowest, highest)}."
+
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+_NAMED = re.compile(r"""claims\.(?:check|check_spread|said)\(\s*["'](\w+)["']|claims\.QUOTES\[["'](\w+)["']\]""")
+
+
+def printed_by(folder: Path = SOLUTIONS) -> dict[str, list[str]]:
+    """Which notebooks in ``folder`` print each quote, by key; a notebook counts when its code names the key
+    as a string, in a call here or in a list it loops over (keys no notebook names map to []). Raises on a
+    key that a call here names and QUOTES lacks."""
+    users: dict[str, list[str]] = {key: [] for key in QUOTES}
+    for path in sorted(folder.glob("*.ipynb")):
+        code = "\n".join(notebook.source(cell) for cell in notebook.read(path)["cells"]
+                         if cell.get("cell_type") == "code")
+        unknown = {key for pair in _NAMED.findall(code) for key in pair if key and key not in QUOTES}
+        if unknown:
+            raise KeyError(f"{path.name} names quotes that labkit.claims lacks: {', '.join(sorted(unknown))}")
+        for key in QUOTES:
+            if f'"{key}"' in code or f"'{key}'" in code:
+                users[key].append(path.stem)
+    return users
+
+
+def main() -> None:
+    """``python -m labkit.claims``: every quote, its texts and the notebooks that set a measured figure
+    beside it."""
+    users = printed_by()
+    for key, quote in QUOTES.items():
+        texts = ", ".join(TEXTS[text].removeprefix("the ") for text in quote.texts)
+        print(f"{quote.figure():>10}  {quote.what} ({texts}): {', '.join(users[key]) or 'no notebook'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ def test_figures_are_written_as_the_texts_write_them() -> None:
     assert Quote(("chapter",), "x", 30, 50, "%").figure() == "30-50%"
     assert Quote(("chapter",), "x", 5.2, unit="GB").figure() == "5.2 GB"
     assert Quote(("chapter",), "x", 100, math.inf, "GB").figure() == "100+ GB"
+    assert Quote(("chapter",), "x", 0, 4, "%").figure() == "<4%"
 
 
 def test_a_range_says_inside_below_or_above() -> None:
@@ -64,6 +65,22 @@ def test_gib_is_read_for_gb_only_where_the_quote_allows_it_and_that_alone_agrees
     assert Quote(("guide",), "x", 512, unit="MB", gib=True).verdict(2 ** 29) == "agrees"  # 537 MB: within 5% as it is
 
 
+def test_figures_over_several_cases_fall_below_above_inside_or_across_a_quote() -> None:
+    speedup = Quote(("chapter",), "x", 10, 50)
+    assert speedup.spread_verdict(3, 9.9) == "all below its range"
+    assert speedup.spread_verdict(51, 60) == "all above its range"
+    assert speedup.spread_verdict(10, 50) == "all inside its range"
+    assert speedup.spread_verdict(5, 20) == speedup.spread_verdict(20, 80) == "partly inside its range"
+    single = Quote(("summary",), "x", 4)
+    assert single.spread_verdict(2, 16) == "they span it"
+    assert single.spread_verdict(16, 128) == "all above it"
+    assert single.spread_verdict(4, 4) == "all inside it"
+    with pytest.raises(ValueError, match="above highest"):
+        single.spread_verdict(3, 2)
+    assert claims.check_spread("gqa_saves", 2, 16, "2x to 16x") == ("The summary: 4x for what GQA cuts the cache by. "
+                                                                    "Here: 2x to 16x, they span it.")
+
+
 def test_check_and_said_name_the_texts_the_figure_and_the_verdict() -> None:
     assert claims.said("speculation_speedup") == ("The textbook chapter, the summary and the study guide: 2-3x for "
                                                   "speculative decoding's speed-up.")
@@ -74,18 +91,23 @@ def test_check_and_said_name_the_texts_the_figure_and_the_verdict() -> None:
         claims.check("no such quote", 1)
 
 
-def _solution_sources(root) -> str:
-    return "\n".join("".join(cell["source"]) for path in sorted((root / "solutions").glob("*.ipynb"))
-                     for cell in json.loads(path.read_text())["cells"] if cell["cell_type"] == "code")
+def test_every_quote_is_printed_by_a_notebook_and_every_one_named_exists(tmp_path) -> None:
+    assert {key: users for key, users in claims.printed_by().items() if not users} == {}, "quotes no notebook prints"
+    lab = {"cells": [{"cell_type": "code", "source": 'print(claims.check("no_such_quote", 2.0))'}]}
+    (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
+    with pytest.raises(KeyError, match="99_lab.ipynb names quotes that labkit.claims lacks: no_such_quote"):
+        claims.printed_by(tmp_path)
+    lab["cells"][0]["source"] = "for key in ('gqa_saves',):\n    print(claims.check(key, 4))"
+    (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
+    assert claims.printed_by(tmp_path)["gqa_saves"] == ["99_lab"]
 
 
-def test_every_quote_is_used_by_a_notebook_and_every_one_used_exists(root) -> None:
-    sources = _solution_sources(root)
-    named = set(re.findall(r"claims\.(?:check|said)\(\s*[\"'](\w+)[\"']|claims\.QUOTES\[[\"'](\w+)[\"']\]", sources))
-    assert {key for pair in named for key in pair if key} - set(claims.QUOTES) == set(), \
-        "notebooks name quotes that labkit.claims lacks"
-    unused = {key for key in claims.QUOTES if f'"{key}"' not in sources and f"'{key}'" not in sources}
-    assert unused == set(), "quotes no notebook prints"
+def test_the_listing_names_each_quote_and_its_notebooks(capsys) -> None:
+    claims.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(claims.QUOTES)
+    assert "2-3x  speculative decoding's speed-up (textbook chapter, summary, study guide): 05_speculative_decoding" \
+        in [line.strip() for line in lines]
 
 
 def _figure_pattern(number: float) -> str:
@@ -95,7 +117,7 @@ def _figure_pattern(number: float) -> str:
 
 def test_each_quote_is_in_the_texts_it_names(root) -> None:
     """Typed once from the texts: each figure must be found in each text it is attributed to (a range as
-    'low-high', with any dash; 'at least' as 'low+')."""
+    'low-high', with any dash; 'at least' as 'low+'; 'under' as '<high')."""
     folder = (root / COURSE_TEXTS).resolve()
     files = {path.stem.split("_")[0]: path for path in folder.glob("*.txt")}
     if not files:
@@ -104,6 +126,7 @@ def test_each_quote_is_in_the_texts_it_names(root) -> None:
     for key, quote in claims.QUOTES.items():
         low = _figure_pattern(quote.low)
         pattern = (low if quote.high is None else low + r"\s*\+" if math.isinf(quote.high)
+                   else r"<\s*" + _figure_pattern(quote.high) if quote.low == 0
                    else low + r"\s*[-\u2013]\s*" + _figure_pattern(quote.high))
         for text in quote.texts:
             body = files[number[text]].read_text(encoding="utf-8")
