@@ -142,6 +142,10 @@ QUOTES = {
     "int8_quality": Quote(("blog",), "INT8's loss of quality", 1, unit="%"),
     "int4_quality": Quote(("chapter",), "INT4's rise in perplexity with GPTQ or AWQ", 1, 2, "%"),
     "gptq_quality": Quote(("blog",), "GPTQ's loss of quality at 4 bits", 2, 5, "%"),
+    # notebook 06b: fused INT4 decode, and a model with outliers
+    "int4_speed": Quote(("blog",), "INT4 decode's speed-up (its GPTQ and AWQ rows)", 2, 3),
+    "quantized_latency": Quote(("guide",), "quantization's cut in latency", 1.5, 3),
+    "awq_quality": Quote(("blog",), "AWQ's loss of quality at 4 bits", 1, 3, "%"),
     # notebook 07: FlashAttention
     "flash_memory": Quote(("guide",), "FlashAttention's cut in memory", 2, 4),
     "flash_speed": Quote(("blog",), "FlashAttention's speed-up over standard attention", 2, 4),
