@@ -14,20 +14,30 @@ TEXTS = {"chapter": "the textbook chapter", "summary": "the summary", "guide": "
          "survey": "the survey section", "blog": "the blog post"}
 _SCALE = {"x": 1.0, "%": 1.0, "FLOP/byte": 1.0, "GB": 1e9, "MB": 1e6, "ms": 1e-3}  # one unit, in the value's units
 _BINARY = {"GB": float(1 << 30), "MB": float(1 << 20)}  # texts often write GB where they computed GiB
-AGREES = 0.05  # a single figure agrees with a value that differs from it by at most 5%
+AGREES = 0.05  # a single figure agrees with a value that differs from it by at most 5%; a range's edge is "just" missed
+
+
+def _number(value: float) -> str:
+    """A figure as a reader expects it: three significant digits, thousands grouped, never in e-notation."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 @dataclass(frozen=True)
 class Quote:
-    """``texts`` (keys of TEXTS) quote ``low`` to ``high`` ``unit`` (``high`` None: the single figure
-    ``low``; math.inf: at least ``low``) for ``what``; ``gib``: the texts' arithmetic shows that their GB or
-    MB may be GiB or MiB."""
+    """``texts`` (keys of TEXTS) quote, for ``what``, ``low`` to ``high`` in ``unit``:
+    - ``high`` None: the single figure ``low``, which must be positive;
+    - ``high`` math.inf: at least ``low`` (a text's "100+");
+    - ``low`` 0: under ``high`` (a text's "< 4%").
+    ``gib``: the texts' own arithmetic shows that their GB or MB are GiB or MiB, so values are read in those.
+    ``anchors``: patterns that find the figure in each text where the text words it otherwise than
+    ``figure()`` does, or where the figure is derived from others it gives (the tests look for them)."""
     texts: tuple[str, ...]
     what: str
     low: float
     high: float | None = None
     unit: str = "x"
     gib: bool = False
+    anchors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [text for text in self.texts if text not in TEXTS]
@@ -35,58 +45,59 @@ class Quote:
             raise ValueError(f"texts={self.texts!r}: each must be one of the course texts, {', '.join(TEXTS)}")
         if self.unit not in _SCALE:
             raise ValueError(f"unit={self.unit!r} is not one of {', '.join(_SCALE)}")
-        if self.high is not None and not self.low <= self.high:
-            raise ValueError(f"the range {self.low} to {self.high} is empty")
-        if self.gib and (self.unit not in _BINARY or self.high is not None):
-            raise ValueError(f"gib=True needs a single figure in {' or '.join(_BINARY)}")
+        if self.high is None and not self.low > 0:
+            raise ValueError(f"a single figure must be positive, not {self.low}")
+        if self.high is not None and not 0 <= self.low <= self.high:
+            raise ValueError(f"the range {self.low} to {self.high} is empty or negative")
+        if self.gib and self.unit not in _BINARY:
+            raise ValueError(f"gib=True needs a figure in {' or '.join(_BINARY)}, not {self.unit}")
 
     def figure(self) -> str:
-        """The quoted figure as the text gives it: '2-3x', '5.2 GB', '100+ GB'."""
+        """The quoted figure as the text gives it: '2-3x', '5.2 GB', '100+ GB', '<4%'."""
         space = "" if self.unit in ("x", "%") else " "
         if self.high is None:
             return f"{self.low:g}{space}{self.unit}"
         if math.isinf(self.high):
             return f"{self.low:g}+{space}{self.unit}"
-        if self.low == 0:  # "under": a text's "< 4%"
+        if self.low == 0:
             return f"<{self.high:g}{space}{self.unit}"
         return f"{self.low:g}-{self.high:g}{space}{self.unit}"
 
     def reading(self, value: float) -> tuple[float, str]:
-        """``value`` (a ratio, a percentage, bytes or seconds) in the quote's unit, and that unit; for a
-        single figure whose GB or MB may be GiB or MiB (``gib``), in those instead where only that reading
-        agrees with the quote."""
-        shown = value / _SCALE[self.unit]
-        if self.gib and not self._agrees(shown):
-            binary = value / _BINARY[self.unit]
-            if self._agrees(binary):
-                return binary, self.unit[0] + "iB"
-        return shown, self.unit
-
-    def _agrees(self, shown: float) -> bool:
-        return abs(shown / self.low - 1) <= AGREES
+        """``value`` (a ratio, percentage points, bytes or seconds) in the quote's unit, and that unit: GiB or
+        MiB where the quote's GB or MB mean those (``gib``)."""
+        if not math.isfinite(value):
+            raise ValueError(f"value={value} is not a finite figure")
+        if self.gib:
+            return value / _BINARY[self.unit], self.unit[0] + "iB"
+        return value / _SCALE[self.unit], self.unit
 
     def verdict(self, value: float) -> str:
-        """Where ``value`` falls against the quote: inside, below or above its range; for a single
-        figure, agrees (within AGREES) or how far off."""
+        """Where ``value`` falls against the quote: inside its range, or (just, within AGREES of its edge)
+        below or above it; for a single figure, agrees (within AGREES) or how far off."""
         shown, unit = self.reading(value)
         if self.high is not None:
-            return ("inside its range" if self.low <= shown <= self.high
-                    else "below its range" if shown < self.low else "above its range")
-        how = f", taking its {self.unit} as {unit}" if unit != self.unit else ""
-        if self._agrees(shown):
-            return f"agrees{how}"
+            if self.low <= shown <= self.high:
+                return "inside its range"
+            edge = self.low if shown < self.low else self.high
+            near = "just " if edge and abs(shown / edge - 1) <= AGREES else ""
+            return f"{near}{'below' if shown < self.low else 'above'} its range"
+        how = f", its {self.unit} read as {unit}" if unit != self.unit else ""
         ratio = shown / self.low
+        if abs(ratio - 1) <= AGREES:
+            return f"agrees{how}"
         if 0.5 < ratio < 2:
             return f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} it{how}"
         if ratio <= 0:  # a change of the opposite sign, or none: no multiple of the quote
-            return "below it" if self.low > 0 else "above it"
-        return f"{ratio:.3g} times it{how}"
+            return "below it"
+        return f"{_number(ratio)} times it{how}"
 
     def spread_verdict(self, lowest: float, highest: float) -> str:
-        """Where figures measured over several cases, from ``lowest`` to ``highest``, fall against the quote."""
+        """Where figures measured over several cases, from ``lowest`` to ``highest``, fall against the quote,
+        each as it stands (no tolerance: they are many cases, not one figure)."""
         if lowest > highest:
             raise ValueError(f"lowest={lowest} is above highest={highest}")
-        low, high = lowest / _SCALE[self.unit], highest / _SCALE[self.unit]
+        (low, _), (high, _) = self.reading(lowest), self.reading(highest)
         top = self.low if self.high is None else self.high
         it = "it" if self.high is None else "its range"
         if high < self.low or low > top:
@@ -97,12 +108,13 @@ class Quote:
 
 
 def _show(number: float, unit: str) -> str:
-    return f"{number:.3g}{unit}" if unit in ("x", "%") else f"{number:.3g} {unit}"
+    return f"{_number(number)}{unit}" if unit in ("x", "%") else f"{_number(number)} {unit}"
 
 
 QUOTES = {
     # notebook 00: the roofline
-    "decode_intensity": Quote(("summary",), "decode's arithmetic intensity", 1, unit="FLOP/byte"),
+    "decode_intensity": Quote(("summary",), "decode's arithmetic intensity", 1, unit="FLOP/byte",
+                              anchors=(r"approximately 1\b",)),
     "compute_per_byte": Quote(("summary",), "how much more compute than memory bandwidth GPUs offer", 100, 1000),
     "token_70b_a100": Quote(("blog",), "a decode step of a 70B model in fp16 on an A100", 70, unit="ms"),
     # notebook 01: what the cache saves
@@ -117,10 +129,13 @@ QUOTES = {
     "kv_8b_128k": Quote(("guide",), "the same at 128K tokens, in its prose", 16, unit="GB", gib=True),
     "kv_8b_128k_code": Quote(("guide",), "the same at 128K tokens, in its code's printed output", 2.0,
                             unit="GB", gib=True),
-    "kv_70b_128k": Quote(("survey",), "a 70B model's cache at 128K tokens, more than its weights", 100, math.inf,
+    "kv_70b_128k": Quote(("survey",), "a 70B model's cache at 128K tokens (often more than its weights, it adds)", 100,
+                         math.inf,
                          unit="GB"),
     "gqa_saves": Quote(("summary",), "what GQA cuts the cache by", 4),
     "mqa_saves": Quote(("summary",), "what MQA cuts the cache by", 8),
+    "mqa_saves_chapter": Quote(("chapter",), "the same, for a model of 32 heads", 32),
+    "gqa_saves_blog": Quote(("blog",), "what GQA cuts the cache by, in Llama 2 70B", 8),
     # notebook 03: the paged cache
     "paged_waste": Quote(("guide",), "the share of a paged cache's memory wasted", 0, 4, "%"),
     "contiguous_waste": Quote(("guide",), "the share wasted by contiguous allocation", 60, 80, "%"),
@@ -129,6 +144,7 @@ QUOTES = {
     # notebook 04: continuous against static batching
     "batching_throughput": Quote(("summary", "blog"), "continuous batching's throughput over static batching's", 10, 20),
     "batching_throughput_guide": Quote(("guide",), "the same", 5, 10),
+    "batching_throughput_survey": Quote(("survey",), "the same", 2, 36),
     "batching_latency": Quote(("chapter",), "continuous batching's cut in average latency", 2, 10),
     "static_utilization": Quote(("guide",), "the GPU's utilization under static batching", 30, 50, "%"),
     # notebook 05: speculative decoding
@@ -143,8 +159,8 @@ QUOTES = {
     "int4_quality": Quote(("chapter",), "INT4's rise in perplexity with GPTQ or AWQ", 1, 2, "%"),
     "gptq_quality": Quote(("blog",), "GPTQ's loss of quality at 4 bits", 2, 5, "%"),
     # notebook 06b: fused INT4 decode, and a model with outliers
-    "int4_speed": Quote(("blog",), "INT4 decode's speed-up (its GPTQ and AWQ rows)", 2, 3),
-    "quantized_latency": Quote(("guide",), "quantization's cut in latency", 1.5, 3),
+    "int4_speed": Quote(("blog",), "INT4 decode's speed-up over FP16 (its GPTQ and AWQ rows)", 2, 3),
+    "quantized_latency": Quote(("guide",), "quantization's cut in latency from FP16", 1.5, 3),
     "awq_quality": Quote(("blog",), "AWQ's loss of quality at 4 bits", 1, 3, "%"),
     # notebook 07: FlashAttention
     "flash_memory": Quote(("guide",), "FlashAttention's cut in memory", 2, 4),
@@ -153,10 +169,10 @@ QUOTES = {
     # notebook 08: compilation
     "compile_speedup": Quote(("survey",), "compiling the decode step, against eager", 1.5, 2),
     # notebook 09: serving
-    "batch32_step": Quote(("chapter",), "how much longer a step of 32 sequences takes than a step of one (its table's "
-                          "80 against 10 ms)", 8),
-    "batch32_throughput": Quote(("chapter",), "the throughput at batch 32 against batch 1 (its table's 400 against "
-                                "100 requests/s)", 4),
+    "batch32_step": Quote(("chapter",), "the latency at batch 32 against batch 1 (its table's 80 against 10 ms)", 8,
+                          anchors=(r"Batch size 1: 10 ms", r"Batch size 32: 80 ms")),
+    "batch32_throughput": Quote(("chapter",), "the requests per second at batch 32 against batch 1 (its table's 400 "
+                                "against 100)", 4, anchors=(r"100 req/sec", r"400 req/sec")),
     "prefix_ttft": Quote(("summary",), "prefix caching's cut in the time to first token", 5, 10),
     "prefix_prefill": Quote(("guide",), "the prefill time prefix caching saves", 50, 90, "%"),
     # notebook 10: disaggregated serving
@@ -193,18 +209,20 @@ _NAMED = re.compile(r"""claims\.(?:check|check_spread|said)\(\s*["'](\w+)["']|cl
 
 
 def printed_by(folder: Path = SOLUTIONS) -> dict[str, list[str]]:
-    """Which notebooks in ``folder`` print each quote, by key; a notebook counts when its code names the key
-    as a string, in a call here or in a list it loops over (keys no notebook names map to []). Raises on a
-    key that a call here names and QUOTES lacks."""
+    """Which notebooks in ``folder`` print each quote, by key: a notebook counts when one of its code cells
+    calls this module and names the key as a string (in the call, or in a list the cell loops over); keys
+    no notebook prints map to []. Raises on a key that a call here names and QUOTES lacks."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder of notebooks (the solutions are in the repository's)")
     users: dict[str, list[str]] = {key: [] for key in QUOTES}
     for path in sorted(folder.glob("*.ipynb")):
-        code = "\n".join(notebook.source(cell) for cell in notebook.read(path)["cells"]
-                         if cell.get("cell_type") == "code")
-        unknown = {key for pair in _NAMED.findall(code) for key in pair if key and key not in QUOTES}
+        cells = [notebook.source(cell) for cell in notebook.read(path)["cells"] if cell.get("cell_type") == "code"]
+        calling = [code for code in cells if "claims." in code]
+        unknown = {key for code in calling for pair in _NAMED.findall(code) for key in pair if key and key not in QUOTES}
         if unknown:
             raise KeyError(f"{path.name} names quotes that labkit.claims lacks: {', '.join(sorted(unknown))}")
         for key in QUOTES:
-            if f'"{key}"' in code or f"'{key}'" in code:
+            if any(f'"{key}"' in code or f"'{key}'" in code for code in calling):
                 users[key].append(path.stem)
     return users
 

@@ -18,8 +18,16 @@ def test_a_quote_names_known_texts_and_units_and_a_range_that_is_not_empty() -> 
         Quote((), "x", 2, 3)
     with pytest.raises(ValueError, match="unit='GiB'"):
         Quote(("chapter",), "x", 2, unit="GiB")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="empty or negative"):
         Quote(("chapter",), "x", 3, 2)
+    with pytest.raises(ValueError, match="empty or negative"):
+        Quote(("chapter",), "x", -2, 3)
+    for figure in (0, -1):
+        with pytest.raises(ValueError, match="single figure must be positive"):
+            Quote(("chapter",), "x", figure)
+    for value in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="not a finite figure"):
+            Quote(("chapter",), "x", 2, 3).verdict(value)
 
 
 def test_figures_are_written_as_the_texts_write_them() -> None:
@@ -32,8 +40,10 @@ def test_figures_are_written_as_the_texts_write_them() -> None:
 
 def test_a_range_says_inside_below_or_above() -> None:
     speedup = Quote(("chapter",), "x", 2, 3)
-    assert [speedup.verdict(v) for v in (1.99, 2, 2.5, 3, 3.01)] == [
-        "below its range", "inside its range", "inside its range", "inside its range", "above its range"]
+    assert [speedup.verdict(v) for v in (1.5, 1.99, 2, 2.5, 3, 3.01, 3.5)] == [
+        "below its range", "just below its range", "inside its range", "inside its range", "inside its range",
+        "just above its range", "above its range"]
+    assert Quote(("guide",), "x", 0, 4, "%").verdict(-1) == "below its range"  # an edge of 0: nothing is near it
     at_least = Quote(("survey",), "x", 100, math.inf, "GB")
     assert at_least.verdict(43e9) == "below its range"
     assert at_least.verdict(344e9) == "inside its range"
@@ -47,22 +57,20 @@ def test_a_single_figure_agrees_within_five_percent_or_says_how_far_off() -> Non
     assert quote.verdict(7) == "30% below it"
     assert quote.verdict(42.9) == "4.29 times it"
     assert quote.verdict(2.5) == "0.25 times it"
+    assert quote.verdict(12345) == "1,234 times it"  # grouped, not 1.23e+03
     assert quote.verdict(0) == quote.verdict(-0.3) == "below it"  # no multiple of the quote
-    assert Quote(("chapter",), "x", -1, unit="%").verdict(0.2) == "above it"
 
 
-def test_gib_is_read_for_gb_only_where_the_quote_allows_it_and_that_alone_agrees() -> None:
-    assert Quote(("guide",), "x", 16, unit="GB").verdict(2 ** 34) == "7% above it"
+def test_gb_is_read_as_gib_only_where_the_quote_says_its_texts_meant_it() -> None:
+    assert Quote(("guide",), "x", 16, unit="GB").verdict(2 ** 34) == "7% above it"  # 17.2 GB
     with pytest.raises(ValueError, match="gib=True"):
         Quote(("guide",), "x", 2, unit="x", gib=True)
-    with pytest.raises(ValueError, match="gib=True"):
-        Quote(("guide",), "x", 2, 3, unit="GB", gib=True)
     quote = Quote(("guide",), "x", 16, unit="GB", gib=True)
-    assert quote.verdict(2 ** 34) == "agrees, taking its GB as GiB"  # 17.2 GB: 7% off as GB, exact as GiB
     assert quote.reading(2 ** 34) == (16.0, "GiB")
-    assert quote.verdict(16e9) == "agrees"  # both readings agree: the quote's own unit
-    assert quote.reading(2 ** 37) == (2 ** 37 / 1e9, "GB")  # neither agrees: the quote's own unit
-    assert Quote(("guide",), "x", 512, unit="MB", gib=True).verdict(2 ** 29) == "agrees"  # 537 MB: within 5% as it is
+    assert quote.verdict(2 ** 34) == "agrees, its GB read as GiB"
+    assert quote.verdict(16e9) == "7% below it, its GB read as GiB"  # 14.9 GiB
+    assert Quote(("guide",), "x", 2, unit="GB", gib=True).verdict(2 ** 34) == "8 times it, its GB read as GiB"
+    assert claims.check("kv_8b_128k_code", 2 ** 34).endswith("Here: 16 GiB, 8 times it, its GB read as GiB.")
 
 
 def test_figures_over_several_cases_fall_below_above_inside_or_across_a_quote() -> None:
@@ -85,7 +93,7 @@ def test_check_and_said_name_the_texts_the_figure_and_the_verdict() -> None:
     assert claims.said("speculation_speedup") == ("The textbook chapter, the summary and the study guide: 2-3x for "
                                                   "speculative decoding's speed-up.")
     assert claims.check("gqa_saves", 8) == "The summary: 4x for what GQA cuts the cache by. Here: 8x, 2 times it."
-    assert claims.check("kv_8b_128k", 2 ** 34).endswith("Here: 16 GiB, agrees, taking its GB as GiB.")
+    assert claims.check("kv_8b_128k", 2 ** 34).endswith("Here: 16 GiB, agrees, its GB read as GiB.")
     assert claims.check("static_utilization", 41.23, "41% of rows").endswith("Here: 41% of rows, inside its range.")
     with pytest.raises(KeyError):
         claims.check("no such quote", 1)
@@ -100,6 +108,13 @@ def test_every_quote_is_printed_by_a_notebook_and_every_one_named_exists(tmp_pat
     lab["cells"][0]["source"] = "for key in ('gqa_saves',):\n    print(claims.check(key, 4))"
     (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
     assert claims.printed_by(tmp_path)["gqa_saves"] == ["99_lab"]
+    lab["cells"] = [{"cell_type": "code", "source": 'share = stats["gqa_saves"]'},  # a key, but no call here
+                    {"cell_type": "code", "source": "print(claims.said('mqa_saves'))"}]
+    (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
+    printed = claims.printed_by(tmp_path)
+    assert (printed["gqa_saves"], printed["mqa_saves"]) == ([], ["99_lab"])
+    with pytest.raises(FileNotFoundError, match="not a folder of notebooks"):
+        claims.printed_by(tmp_path / "absent")
 
 
 def test_the_listing_names_each_quote_and_its_notebooks(capsys) -> None:
@@ -115,19 +130,37 @@ def _figure_pattern(number: float) -> str:
     return rf"(?<![\d.]){re.escape(f'{number:g}')}(?:\.0+)?(?![\d]|\.\d)"
 
 
+_LATEX = r"\s*(?:\\text\{)?"  # the chapter writes 0.67\text{GB}
+_UNIT_PATTERNS = {"x": r"\s*[x\u00d7]", "%": r"\s*%", "GB": _LATEX + "GB", "MB": _LATEX + "MB", "ms": _LATEX + "ms"}
+
+
+def _quote_pattern(quote: Quote) -> str:
+    """The figure as the texts write it, with its unit: a range as 'low-high' with any dash, 'at least' as
+    'low+', 'under' as '<high'."""
+    low = _figure_pattern(quote.low)
+    figure = (low if quote.high is None else low + r"\s*\+" if math.isinf(quote.high)
+              else r"<\s*" + _figure_pattern(quote.high) if quote.low == 0
+              else low + r"\s*[-\u2013]\s*" + _figure_pattern(quote.high))
+    return figure + _UNIT_PATTERNS[quote.unit]
+
+
+def test_a_quote_is_looked_for_with_its_unit() -> None:
+    assert re.search(_quote_pattern(Quote(("blog",), "x", 70, unit="ms")), "70ms per token")
+    assert not re.search(_quote_pattern(Quote(("blog",), "x", 70, unit="ms")), "a 70B model")
+    assert re.search(_quote_pattern(Quote(("guide",), "x", 2, 3)), "2\u20133\u00d7 speedup")
+    assert not re.search(_quote_pattern(Quote(("guide",), "x", 2, 3)), "2-3 GPUs or 12-3x")
+
+
 def test_each_quote_is_in_the_texts_it_names(root) -> None:
-    """Typed once from the texts: each figure must be found in each text it is attributed to (a range as
-    'low-high', with any dash; 'at least' as 'low+'; 'under' as '<high')."""
+    """Typed once from the texts: each figure, with its unit, must be in each text it is attributed to; a quote
+    whose text words it otherwise, or whose figure is derived, must have each of its anchors there."""
     folder = (root / COURSE_TEXTS).resolve()
     files = {path.stem.split("_")[0]: path for path in folder.glob("*.txt")}
     if not files:
         pytest.skip(f"the course texts are not beside this checkout ({folder})")
     number = {key: f"{i:03d}" for i, key in enumerate(claims.TEXTS)}  # 000: the chapter, ... 004: the blog post
     for key, quote in claims.QUOTES.items():
-        low = _figure_pattern(quote.low)
-        pattern = (low if quote.high is None else low + r"\s*\+" if math.isinf(quote.high)
-                   else r"<\s*" + _figure_pattern(quote.high) if quote.low == 0
-                   else low + r"\s*[-\u2013]\s*" + _figure_pattern(quote.high))
         for text in quote.texts:
             body = files[number[text]].read_text(encoding="utf-8")
-            assert re.search(pattern, body), f"{key}: {quote.figure()} is not in {claims.TEXTS[text]}"
+            for pattern in quote.anchors or (_quote_pattern(quote),):
+                assert re.search(pattern, body), f"{key}: {pattern!r} is not in {claims.TEXTS[text]}"
