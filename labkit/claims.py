@@ -151,6 +151,8 @@ QUOTES = {
     "speculation_speedup": Quote(("chapter", "summary", "guide"), "speculative decoding's speed-up", 2, 3),
     "speculation_at_60_80": Quote(("chapter", "survey"), "the speed-up at acceptance rates of 60-80%", 2, 3),
     "draft_faster": Quote(("chapter",), "how many times faster the draft model's step is than the target's", 10),
+    "speculation_compute": Quote(("chapter",), "speculative decoding's total compute against the target alone's",
+                                 1.1, 1.2, anchors=(r"overhead is ~1\.1-1\.2",)),
     # notebook 06: weight quantization's bytes and quality
     "int8_memory": Quote(("chapter",), "INT8's cut in weight memory", 2),
     "int4_memory": Quote(("chapter",), "INT4's cut in weight memory", 4),
