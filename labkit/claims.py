@@ -49,8 +49,8 @@ class Quote:
             raise ValueError(f"a single figure must be positive, not {self.low}")
         if self.high is not None and not 0 <= self.low <= self.high:
             raise ValueError(f"the range {self.low} to {self.high} is empty or negative")
-        if self.gib and self.unit not in _BINARY:
-            raise ValueError(f"gib=True needs a figure in {' or '.join(_BINARY)}, not {self.unit}")
+        if self.gib and (self.unit not in _BINARY or self.high is not None):
+            raise ValueError(f"gib=True needs a single figure in {' or '.join(_BINARY)}")
 
     def figure(self) -> str:
         """The quoted figure as the text gives it: '2-3x', '5.2 GB', '100+ GB', '<4%'."""
@@ -94,7 +94,8 @@ class Quote:
 
     def spread_verdict(self, lowest: float, highest: float) -> str:
         """Where figures measured over several cases, from ``lowest`` to ``highest``, fall against the quote,
-        each as it stands (no tolerance: they are many cases, not one figure)."""
+        each as it stands: no tolerance, since they are many cases and not one figure (so against a single
+        figure, "all inside it" only where every case equals it)."""
         if lowest > highest:
             raise ValueError(f"lowest={lowest} is above highest={highest}")
         (low, _), (high, _) = self.reading(lowest), self.reading(highest)
@@ -151,6 +152,7 @@ QUOTES = {
     "speculation_speedup": Quote(("chapter", "summary", "guide"), "speculative decoding's speed-up", 2, 3),
     "speculation_at_60_80": Quote(("chapter", "survey"), "the speed-up at acceptance rates of 60-80%", 2, 3),
     "draft_faster": Quote(("chapter",), "how many times faster the draft model's step is than the target's", 10),
+    "draft_smaller": Quote(("chapter",), "how many times smaller the draft model is than the target", 10, 20),
     "speculation_compute": Quote(("chapter",), "speculative decoding's total compute against the target alone's",
                                  1.1, 1.2, anchors=(r"overhead is ~1\.1-1\.2",)),
     # notebook 06: weight quantization's bytes and quality

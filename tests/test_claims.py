@@ -65,6 +65,8 @@ def test_gb_is_read_as_gib_only_where_the_quote_says_its_texts_meant_it() -> Non
     assert Quote(("guide",), "x", 16, unit="GB").verdict(2 ** 34) == "7% above it"  # 17.2 GB
     with pytest.raises(ValueError, match="gib=True"):
         Quote(("guide",), "x", 2, unit="x", gib=True)
+    with pytest.raises(ValueError, match="gib=True"):
+        Quote(("guide",), "x", 2, 3, unit="GB", gib=True)
     quote = Quote(("guide",), "x", 16, unit="GB", gib=True)
     assert quote.reading(2 ** 34) == (16.0, "GiB")
     assert quote.verdict(2 ** 34) == "agrees, its GB read as GiB"
@@ -151,16 +153,31 @@ def test_a_quote_is_looked_for_with_its_unit() -> None:
     assert not re.search(_quote_pattern(Quote(("guide",), "x", 2, 3)), "2-3 GPUs or 12-3x")
 
 
-def test_each_quote_is_in_the_texts_it_names(root) -> None:
-    """Typed once from the texts: each figure, with its unit, must be in each text it is attributed to; a quote
-    whose text words it otherwise, or whose figure is derived, must have each of its anchors there."""
+def _texts(root) -> dict[str, str]:
+    """The course texts by key of claims.TEXTS (000: the chapter, ... 004: the blog post); the test skips
+    where they are not beside the checkout, as in a fresh clone that CI makes elsewhere."""
     folder = (root / COURSE_TEXTS).resolve()
     files = {path.stem.split("_")[0]: path for path in folder.glob("*.txt")}
     if not files:
         pytest.skip(f"the course texts are not beside this checkout ({folder})")
-    number = {key: f"{i:03d}" for i, key in enumerate(claims.TEXTS)}  # 000: the chapter, ... 004: the blog post
+    return {key: files[f"{i:03d}"].read_text(encoding="utf-8") for i, key in enumerate(claims.TEXTS)}
+
+
+def test_a_derived_figure_is_the_ratio_of_the_figures_its_anchors_find(root) -> None:
+    texts = _texts(root)
+    for key in ("batch32_step", "batch32_throughput"):
+        quote = claims.QUOTES[key]
+        base, top = (float(re.findall(r"\d+(?:\.\d+)?", re.search(anchor, texts["chapter"])[0])[-1])
+                     for anchor in quote.anchors)  # the last number each anchor finds: 10 ms, then 80 ms
+        assert top / base == quote.low, f"{key}: {top:g} / {base:g} is not {quote.figure()}"
+
+
+def test_each_quote_is_in_the_texts_it_names(root) -> None:
+    """Typed once from the texts: each figure, with its unit, must be in each text it is attributed to; a quote
+    whose text words it otherwise, or whose figure is derived, must have each of its anchors there."""
+    texts = _texts(root)
     for key, quote in claims.QUOTES.items():
         for text in quote.texts:
-            body = files[number[text]].read_text(encoding="utf-8")
+            body = texts[text]
             for pattern in quote.anchors or (_quote_pattern(quote),):
                 assert re.search(pattern, body), f"{key}: {pattern!r} is not in {claims.TEXTS[text]}"
