@@ -137,6 +137,8 @@ QUOTES = {
     "mqa_saves": Quote(("summary",), "what MQA cuts the cache by", 8),
     "mqa_saves_chapter": Quote(("chapter",), "the same, for a model of 32 heads", 32),
     "gqa_saves_blog": Quote(("blog",), "what GQA cuts the cache by, in Llama 2 70B", 8),
+    "kv_int8": Quote(("blog",), "an int8 KV cache's cut in memory against fp16", 2),
+    "kv_quantized": Quote(("guide",), "KV-cache quantization's cut in memory (INT8 or INT4)", 2, 4),
     # notebook 03: the paged cache
     "paged_waste": Quote(("guide",), "the share of a paged cache's memory wasted", 0, 4, "%"),
     "contiguous_waste": Quote(("guide",), "the share wasted by contiguous allocation", 60, 80, "%"),
