@@ -22,6 +22,25 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _check_texts(texts: tuple[str, ...]) -> None:
+    if not texts or any(text not in TEXTS for text in texts):
+        raise ValueError(f"texts={texts!r}: each must be one of the course texts, {', '.join(TEXTS)}")
+
+
+@dataclass(frozen=True)
+class Remark:
+    """A claim the texts make without a figure: ``texts`` (keys of TEXTS) say ``says``, in the lab's words.
+    ``anchors`` (at least one): patterns that find it in each text (the tests look for them)."""
+    texts: tuple[str, ...]
+    says: str
+    anchors: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_texts(self.texts)
+        if not self.anchors:
+            raise ValueError(f"a remark needs anchors that find it in its texts: {self.says!r} has none")
+
+
 @dataclass(frozen=True)
 class Quote:
     """``texts`` (keys of TEXTS) quote, for ``what``, ``low`` to ``high`` in ``unit``:
@@ -40,9 +59,7 @@ class Quote:
     anchors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [text for text in self.texts if text not in TEXTS]
-        if unknown or not self.texts:
-            raise ValueError(f"texts={self.texts!r}: each must be one of the course texts, {', '.join(TEXTS)}")
+        _check_texts(self.texts)
         if self.unit not in _SCALE:
             raise ValueError(f"unit={self.unit!r} is not one of {', '.join(_SCALE)}")
         if self.high is None and not self.low > 0:
@@ -189,12 +206,27 @@ QUOTES = {
 }
 
 
+REMARKS = {
+    "dozens": Remark(("chapter",), "dozens of 2,048-token sequences fit beside Llama-2 70B's INT4 weights on an 80 GB A100",
+                     anchors=(r"dozens of concurrent",)),
+    "batch32_cache": Remark(("blog",), "the cache of a 70B Llama with 64 heads, for 32 sequences of 2,048 tokens in fp16, "
+                            "exceeds most GPUs' memory (its figure is missing)",
+                            anchors=(r"batch size 32, sequence length 2048", r"exceeds most GPU")),
+    "awq_over_gptq": Remark(("blog",), "AWQ usually does better than GPTQ at the same bits",
+                            anchors=(r"AWQ.{0,30}better.{0,20}than GPTQ",)),
+    "tp_linear": Remark(("guide",), "tensor parallelism's latency scales linearly with the number of GPUs",
+                        anchors=(r"Linear latency scaling",)),
+}
+
+
 def said(key: str) -> str:
-    """The quote as a sentence: which text, its figure, and what it is a figure of."""
-    quote = QUOTES[key]
-    names = [TEXTS[text] for text in quote.texts]
+    """The quote (or remark) as a sentence: which texts, and the figure and what it is a figure of (or what
+    they say)."""
+    claim = REMARKS[key] if key in REMARKS else QUOTES[key]
+    names = [TEXTS[text] for text in claim.texts]
     who = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-    return f"{who[0].upper()}{who[1:]}: {quote.figure()} for {quote.what}."
+    what = claim.says if isinstance(claim, Remark) else f"{claim.figure()} for {claim.what}"
+    return f"{who[0].upper()}{who[1:]}: {what}."
 
 
 def check(key: str, value: float, shown: str | None = None) -> str:
@@ -215,31 +247,34 @@ _NAMED = re.compile(r"""claims\.(?:check|check_spread|said)\(\s*["'](\w+)["']|cl
 
 
 def printed_by(folder: Path = SOLUTIONS) -> dict[str, list[str]]:
-    """Which notebooks in ``folder`` print each quote, by key: a notebook counts when one of its code cells
-    calls this module and names the key as a string (in the call, or in a list the cell loops over); keys
-    no notebook prints map to []. Raises on a key that a call here names and QUOTES lacks."""
+    """Which notebooks in ``folder`` print each quote and remark, by key: a notebook counts when one of its
+    code cells calls this module and names the key as a string (in the call, or in a list the cell loops
+    over); keys no notebook prints map to []. Raises on a key that a call here names and neither QUOTES
+    nor REMARKS has."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder of notebooks (the solutions are in the repository's)")
-    users: dict[str, list[str]] = {key: [] for key in QUOTES}
+    users: dict[str, list[str]] = {key: [] for key in QUOTES | REMARKS}
     for path in sorted(folder.glob("*.ipynb")):
         cells = [notebook.source(cell) for cell in notebook.read(path)["cells"] if cell.get("cell_type") == "code"]
         calling = [code for code in cells if "claims." in code]
-        unknown = {key for code in calling for pair in _NAMED.findall(code) for key in pair if key and key not in QUOTES}
+        unknown = {key for code in calling for pair in _NAMED.findall(code) for key in pair
+                   if key and key not in users}
         if unknown:
             raise KeyError(f"{path.name} names quotes that labkit.claims lacks: {', '.join(sorted(unknown))}")
-        for key in QUOTES:
+        for key in users:
             if any(f'"{key}"' in code or f"'{key}'" in code for code in calling):
                 users[key].append(path.stem)
     return users
 
 
 def main() -> None:
-    """``python -m labkit.claims``: every quote, its texts and the notebooks that set a measured figure
-    beside it."""
+    """``python -m labkit.claims``: every quote and remark, its texts and the notebooks that set a measured
+    figure beside it."""
     users = printed_by()
-    for key, quote in QUOTES.items():
-        texts = ", ".join(TEXTS[text].removeprefix("the ") for text in quote.texts)
-        print(f"{quote.figure():>10}  {quote.what} ({texts}): {', '.join(users[key]) or 'no notebook'}")
+    for key, claim in (QUOTES | REMARKS).items():
+        texts = ", ".join(TEXTS[text].removeprefix("the ") for text in claim.texts)
+        figure, what = ("no figure", claim.says) if isinstance(claim, Remark) else (claim.figure(), claim.what)
+        print(f"{figure:>10}  {what} ({texts}): {', '.join(users[key]) or 'no notebook'}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from labkit import claims
-from labkit.claims import Quote
+from labkit.claims import Quote, Remark
 
 COURSE_TEXTS = "../shared/course_texts"  # beside the repository, where the course's texts are kept
 
@@ -28,6 +28,16 @@ def test_a_quote_names_known_texts_and_units_and_a_range_that_is_not_empty() -> 
     for value in (math.nan, math.inf):
         with pytest.raises(ValueError, match="not a finite figure"):
             Quote(("chapter",), "x", 2, 3).verdict(value)
+
+
+def test_a_remark_names_known_texts_and_is_said_as_a_sentence() -> None:
+    with pytest.raises(ValueError, match="course texts"):
+        Remark(("textbook",), "x", anchors=("x",))
+    with pytest.raises(ValueError, match="course texts"):
+        Remark((), "x", anchors=("x",))
+    with pytest.raises(ValueError, match="needs anchors"):
+        Remark(("blog",), "x")
+    assert claims.said("awq_over_gptq") == "The blog post: AWQ usually does better than GPTQ at the same bits."
 
 
 def test_figures_are_written_as_the_texts_write_them() -> None:
@@ -122,7 +132,9 @@ def test_every_quote_is_printed_by_a_notebook_and_every_one_named_exists(tmp_pat
 def test_the_listing_names_each_quote_and_its_notebooks(capsys) -> None:
     claims.main()
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(claims.QUOTES)
+    assert len(lines) == len(claims.QUOTES) + len(claims.REMARKS)
+    assert "no figure  AWQ usually does better than GPTQ at the same bits (blog post): 06b_fast_quantized_decode" \
+        in [line.strip() for line in lines]
     assert "2-3x  speculative decoding's speed-up (textbook chapter, summary, study guide): 05_speculative_decoding" \
         in [line.strip() for line in lines]
 
@@ -174,9 +186,10 @@ def test_a_derived_figure_is_the_ratio_of_the_figures_its_anchors_find(root) -> 
 
 def test_each_quote_is_in_the_texts_it_names(root) -> None:
     """Typed once from the texts: each figure, with its unit, must be in each text it is attributed to; a quote
-    whose text words it otherwise, or whose figure is derived, must have each of its anchors there."""
+    whose text words it otherwise, or whose figure is derived, and every remark, must have each of its
+    anchors there."""
     texts = _texts(root)
-    for key, quote in claims.QUOTES.items():
+    for key, quote in (claims.QUOTES | claims.REMARKS).items():
         for text in quote.texts:
             body = texts[text]
             for pattern in quote.anchors or (_quote_pattern(quote),):
