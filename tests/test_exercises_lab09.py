@@ -285,6 +285,11 @@ def test_edges_found_by_mutating_the_solutions_fail(root):
           "C2..DF two bytes")
     fails("ex09.2", mistake(root, "ex09.2", "0xF0 <= first <= 0xF4", "0xF0 <= first < 0xF4"),
           "first bytes at both edges", "F0..F4 four")
+    # the bit patterns alone (110xxxxx, 11110xxx) take C0, C1 and F5 to F7 for first bytes, which start nothing
+    fails("ex09.2", mistake(root, "ex09.2", "0xC2 <= first", "0xC0 <= first"),
+          "bytes that fit a first byte's bits but start no character", "two-byte characters start at C2")
+    fails("ex09.2", mistake(root, "ex09.2", "0xF0 <= first <= 0xF4", "0xF0 <= first <= 0xF7"),
+          "bytes that fit a first byte's bits but start no character", "four-byte ones end at F4")
     fails("ex09.3", mistake(root, "ex09.3", "tpot * 1000 <= slo_tpot_ms", "tpot * 1000 < slo_tpot_ms"),
           "the limits, met exactly", "exactly at its limit meets it (<=)")
     fails("ex09.3", mistake(root, "ex09.3", "ttft * 1000 <=", "ttft * 999 <="), "the limits, met exactly",

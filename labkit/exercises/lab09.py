@@ -132,11 +132,15 @@ def _text_cases() -> list[Case | Scenario]:
          [bytes([b]) for b in "\u0080\u07ff\u0800\uffff\U00010000\U0010ffff".encode()],
          "the first byte says the length: C2..DF two bytes, E0..EF three, F0..F4 four. Each edge of each range "
          "starts a character here (U+0080, U+07FF, U+0800, U+FFFF, U+10000, U+10FFFF), each cut after every byte: "
-         "check the bounds of your ranges, or the bit patterns (110xxxxx, 1110xxxx, 11110xxx)"),
+         "check the bounds of your ranges"),
         ("invalid bytes never become a character", [b"a\xff", b"b", b"\x80c"],
          "FF starts no character, and 80 (10xxxxxx) continues nothing here: they can never be completed, so they "
          "become U+FFFD at once, as bytes.decode(errors='replace') makes them. Hold back only the start of a "
          "character at the very end"),
+        ("bytes that fit a first byte's bits but start no character", [b"a\xc0", b"\x80", b"\xc1", b"b\xf5", b"\x80"],
+         "C0 and C1 fit 110xxxxx, and F5 fits 11110xxx, but none of them starts a character (the table's last row: "
+         "C0 and C1 could only spell ASCII the long way round, and F5 would go past U+10FFFF). Like FF they can never "
+         "be completed, so they become U+FFFD at once: two-byte characters start at C2, four-byte ones end at F4"),
         ("a character cut short by the next token", [b"\xc3", b"(x"],
          "C3 announces a two-byte character, but '(' is no continuation byte: the C3 is a broken character, U+FFFD, "
          "and the '(x' after it is text"),
