@@ -1,8 +1,9 @@
 """The figures the course texts quote (the five the course is built from), held here once, and a verdict on
 a figure that a notebook measured or worked out: inside the quoted range or not, or for a single figure
 whether it agrees. A notebook prints the quote beside its own figure, so that a student sees which of the
-figures they read hold on their machine and which were slips. The texts' words stay in the texts: each
-quote keeps only its figure and what it is a figure of."""
+figures they read hold on their machine and which were slips; the few claims the texts make without a
+figure (REMARKS) are printed the same way, beside what the notebook found. The texts' words stay in the
+texts: each quote keeps only its figure and what it is a figure of, each remark a paraphrase."""
 import math
 import re
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class Remark:
     ``anchors`` (at least one): patterns that find it in each text (the tests look for them)."""
     texts: tuple[str, ...]
     says: str
-    anchors: tuple[str, ...] = ()
+    anchors: tuple[str, ...]
 
     def __post_init__(self) -> None:
         _check_texts(self.texts)
@@ -208,14 +209,15 @@ QUOTES = {
 
 REMARKS = {
     "dozens": Remark(("chapter",), "dozens of 2,048-token sequences fit beside Llama-2 70B's INT4 weights on an 80 GB A100",
-                     anchors=(r"dozens of concurrent",)),
+                     anchors=(r"80GB A100.{0,40}INT4", r"dozens of concurrent")),
     "batch32_cache": Remark(("blog",), "the cache of a 70B Llama with 64 heads, for 32 sequences of 2,048 tokens in fp16, "
-                            "exceeds most GPUs' memory (its figure is missing)",
-                            anchors=(r"batch size 32, sequence length 2048", r"exceeds most GPU")),
-    "awq_over_gptq": Remark(("blog",), "AWQ usually does better than GPTQ at the same bits",
-                            anchors=(r"AWQ.{0,30}better.{0,20}than GPTQ",)),
-    "tp_linear": Remark(("guide",), "tensor parallelism's latency scales linearly with the number of GPUs",
-                        anchors=(r"Linear latency scaling",)),
+                            "exceeds most GPUs' memory", anchors=(r"batch size 32, sequence length 2048", r"exceeds most GPU")),
+    "tokens_per_call": Remark(("survey",), "a target call yields 1/(1 - a) tokens on average at acceptance rate a",
+                              anchors=(r"per target model call is 1/\(1-alpha\)",)),
+    "awq_over_gptq": Remark(("blog",), "AWQ usually gives better quality than GPTQ at the same bits",
+                            anchors=(r"AWQ.{0,30}better quality.{0,20}than GPTQ",)),
+    "tp_linear": Remark(("guide",), "tensor parallelism cuts latency in proportion to the number of GPUs",
+                        anchors=(r"Tensor Parallelism \|[^\n]*Linear latency scaling",)),
 }
 
 
@@ -260,7 +262,7 @@ def printed_by(folder: Path = SOLUTIONS) -> dict[str, list[str]]:
         unknown = {key for code in calling for pair in _NAMED.findall(code) for key in pair
                    if key and key not in users}
         if unknown:
-            raise KeyError(f"{path.name} names quotes that labkit.claims lacks: {', '.join(sorted(unknown))}")
+            raise KeyError(f"{path.name} names quotes or remarks that labkit.claims lacks: {', '.join(sorted(unknown))}")
         for key in users:
             if any(f'"{key}"' in code or f"'{key}'" in code for code in calling):
                 users[key].append(path.stem)

@@ -36,8 +36,9 @@ def test_a_remark_names_known_texts_and_is_said_as_a_sentence() -> None:
     with pytest.raises(ValueError, match="course texts"):
         Remark((), "x", anchors=("x",))
     with pytest.raises(ValueError, match="needs anchors"):
-        Remark(("blog",), "x")
-    assert claims.said("awq_over_gptq") == "The blog post: AWQ usually does better than GPTQ at the same bits."
+        Remark(("blog",), "x", ())
+    assert claims.said("awq_over_gptq") == "The blog post: AWQ usually gives better quality than GPTQ at the same bits."
+    assert not claims.QUOTES.keys() & claims.REMARKS.keys(), "a key in both: said() would hide the quote"
 
 
 def test_figures_are_written_as_the_texts_write_them() -> None:
@@ -115,7 +116,7 @@ def test_every_quote_is_printed_by_a_notebook_and_every_one_named_exists(tmp_pat
     assert {key: users for key, users in claims.printed_by().items() if not users} == {}, "quotes no notebook prints"
     lab = {"cells": [{"cell_type": "code", "source": 'print(claims.check("no_such_quote", 2.0))'}]}
     (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
-    with pytest.raises(KeyError, match="99_lab.ipynb names quotes that labkit.claims lacks: no_such_quote"):
+    with pytest.raises(KeyError, match="99_lab.ipynb names quotes or remarks that labkit.claims lacks: no_such_quote"):
         claims.printed_by(tmp_path)
     lab["cells"][0]["source"] = "for key in ('gqa_saves',):\n    print(claims.check(key, 4))"
     (tmp_path / "99_lab.ipynb").write_text(json.dumps(lab))
@@ -133,7 +134,7 @@ def test_the_listing_names_each_quote_and_its_notebooks(capsys) -> None:
     claims.main()
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(claims.QUOTES) + len(claims.REMARKS)
-    assert "no figure  AWQ usually does better than GPTQ at the same bits (blog post): 06b_fast_quantized_decode" \
+    assert "no figure  AWQ usually gives better quality than GPTQ at the same bits (blog post): 06b_fast_quantized_decode" \
         in [line.strip() for line in lines]
     assert "2-3x  speculative decoding's speed-up (textbook chapter, summary, study guide): 05_speculative_decoding" \
         in [line.strip() for line in lines]

@@ -138,8 +138,8 @@ def _text_cases() -> list[Case | Scenario]:
          "become U+FFFD at once, as bytes.decode(errors='replace') makes them. Hold back only the start of a "
          "character at the very end"),
         ("bytes that fit a first byte's bits but start no character", [b"a\xc0", b"\x80", b"\xc1", b"b\xf5", b"\x80"],
-         "C0 and C1 fit 110xxxxx, and F5 fits 11110xxx, but none of them starts a character (the table's last row: "
-         "C0 and C1 could only spell ASCII the long way round, and F5 would go past U+10FFFF). Like FF they can never "
+         "C0 and C1 fit 110xxxxx, and F5 fits 11110xxx, but none of them starts a character (the table's last row "
+         "lists them: C0 and C1 could only spell ASCII the long way round, and F5 would go past U+10FFFF). Like FF they can never "
          "be completed, so they become U+FFFD at once: two-byte characters start at C2, four-byte ones end at F4"),
         ("a character cut short by the next token", [b"\xc3", b"(x"],
          "C3 announces a two-byte character, but '(' is no continuation byte: the C3 is a broken character, U+FFFD, "
