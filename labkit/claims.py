@@ -23,6 +23,11 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _with_unit(figure: str, unit: str) -> str:
+    """'2-3x', '30%', but '5.2 GB': a ratio's and a share's sign close up, a unit stands apart."""
+    return f"{figure}{unit}" if unit in ("x", "%") else f"{figure} {unit}"
+
+
 def _check_texts(texts: tuple[str, ...]) -> None:
     if not texts or any(text not in TEXTS for text in texts):
         raise ValueError(f"texts={texts!r}: each must be one of the course texts, {', '.join(TEXTS)}")
@@ -72,14 +77,9 @@ class Quote:
 
     def figure(self) -> str:
         """The quoted figure as the text gives it: '2-3x', '5.2 GB', '100+ GB', '<4%'."""
-        space = "" if self.unit in ("x", "%") else " "
-        if self.high is None:
-            return f"{self.low:g}{space}{self.unit}"
-        if math.isinf(self.high):
-            return f"{self.low:g}+{space}{self.unit}"
-        if self.low == 0:
-            return f"<{self.high:g}{space}{self.unit}"
-        return f"{self.low:g}-{self.high:g}{space}{self.unit}"
+        figure = (f"{self.low:g}" if self.high is None else f"{self.low:g}+" if math.isinf(self.high)
+                  else f"<{self.high:g}" if self.low == 0 else f"{self.low:g}-{self.high:g}")
+        return _with_unit(figure, self.unit)
 
     def reading(self, value: float) -> tuple[float, str]:
         """``value`` (a ratio, percentage points, bytes or seconds) in the quote's unit, and that unit: GiB or
@@ -126,10 +126,6 @@ class Quote:
         return "they span it" if self.high is None else "partly inside its range"
 
 
-def _show(number: float, unit: str) -> str:
-    return f"{_number(number)}{unit}" if unit in ("x", "%") else f"{_number(number)} {unit}"
-
-
 QUOTES = {
     # notebook 00: the roofline
     "decode_intensity": Quote(("summary",), "decode's arithmetic intensity", 1, unit="FLOP/byte",
@@ -149,8 +145,7 @@ QUOTES = {
     "kv_8b_128k_code": Quote(("guide",), "the same at 128K tokens, in its code's printed output", 2.0,
                             unit="GB", gib=True),
     "kv_70b_128k": Quote(("survey",), "a 70B model's cache at 128K tokens (often more than its weights, it adds)", 100,
-                         math.inf,
-                         unit="GB"),
+                         math.inf, unit="GB"),
     "gqa_saves": Quote(("summary",), "what GQA cuts the cache by", 4),
     "mqa_saves": Quote(("summary",), "what MQA cuts the cache by", 8),
     "mqa_saves_chapter": Quote(("chapter",), "the same, for a model of 32 heads", 32),
@@ -234,7 +229,8 @@ def said(key: str) -> str:
 def check(key: str, value: float, shown: str | None = None) -> str:
     """The quote, then ``value`` (printed as ``shown`` if given) and the verdict."""
     quote = QUOTES[key]
-    here = shown if shown is not None else _show(*quote.reading(value))
+    number, unit = quote.reading(value)
+    here = shown if shown is not None else _with_unit(_number(number), unit)
     return f"{said(key)} Here: {here}, {quote.verdict(value)}."
 
 

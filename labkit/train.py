@@ -154,6 +154,16 @@ def paired_difference(losses_a: torch.Tensor, losses_b: torch.Tensor) -> tuple[f
     return diff.mean().item(), diff.std().item() / math.sqrt(len(diff))
 
 
+def perplexity_change(losses_a: torch.Tensor, losses_b: torch.Tensor) -> tuple[float, float, float]:
+    """How much higher model a's perplexity is than model b's, in percent, over the same windows, and the
+    two-sided 95% interval of that (Student's t over the windows, ``t_95``): perplexity is e to the mean
+    loss, so the ratio of two is e to the mean paired gap (``paired_difference``)."""
+    gap, error = paired_difference(losses_a, losses_b)
+    margin = t_95(len(losses_a)) * error
+    change, lowest, highest = (100 * math.expm1(g) for g in (gap, gap - margin, gap + margin))
+    return change, lowest, highest
+
+
 def validation_loss(model: Transformer, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 64,
                     batch_size: int = 16) -> float:
     """Mean next-token loss over the windows of ``window_losses``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -154,6 +155,20 @@ def test_distillation_refuses_bad_settings_and_a_missing_or_mismatched_teacher()
         check_teacher(Distillation("target"), random_model(4, 2, seed=0).config)
     with pytest.raises(ValueError, match="one non-empty continuation per prompt"):
         continuation_batches([[1], [2]], [[3], []], batch_size=2)
+
+
+def test_perplexity_change_is_the_ratio_of_the_perplexities_with_its_95_percent_interval():
+    from labkit.train import perplexity_change
+    a, b = [4.30, 4.25, 4.41, 4.18, 4.33], [4.21, 4.22, 4.30, 4.15, 4.25]  # per-window losses, nats
+    ratio = math.exp(statistics.mean(a)) / math.exp(statistics.mean(b))  # the perplexities, as a model card gives them
+    gaps = [x - y for x, y in zip(a, b)]
+    margin = 2.7764451 * statistics.stdev(gaps) / math.sqrt(len(gaps))  # Student's t, 4 degrees of freedom, printed
+    a64, b64 = (torch.tensor(losses, dtype=torch.float64) for losses in (a, b))
+    change, lowest, highest = perplexity_change(a64, b64)
+    assert change == pytest.approx(100 * (ratio - 1), rel=1e-9)
+    assert (lowest, highest) == pytest.approx((100 * (ratio * math.exp(-margin) - 1),
+                                               100 * (ratio * math.exp(margin) - 1)), rel=1e-5)
+    assert perplexity_change(b64, b64) == (0.0, 0.0, 0.0)
 
 
 def test_t_95_is_students_two_sided_95_percent_value():
