@@ -96,7 +96,8 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     """Run every case of ``exercise`` on ``fn``; all must pass for the points. ``failed_before``
     counts, by case label, the earlier checks that failed first on that case: the recipe is shown
     when the case that fails now has failed before. ``starting`` is told each case as it starts
-    (``case 2 (its label)``), so that whoever stops a case that never ends can say which it was."""
+    (``case 2 (its label)``), with how many of the cases before it passed and how many there are, so that
+    whoever stops a case that never ends can say which it was and what had passed."""
     if not callable(fn):
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
@@ -107,7 +108,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     first_failure, first_case, first_needs_hint, passed, stubs = "", None, False, 0, []
     for number, case in enumerate(cases, 1):
         if starting is not None:
-            starting(f"case {number} ({case.label})")
+            starting(f"case {number} ({case.label})", passed, len(cases))
         try:
             with checking(exercise.id), _case_limit(case):  # labkit's answer to it refuses the student's calls
                 case.run(fn)
@@ -119,8 +120,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
                     else _name_item(_describe_error(error), exercise))
             if first_case is None:
                 first_case, first_failure = case, f"case {number} ({case.label}): {what}".replace("\n", "\n    ")
-                says_what_to_do = isinstance(error, (SaysWhatToDo, BorrowedAnswer))
-                first_needs_hint = not stub and not says_what_to_do
+                first_needs_hint = not stub and not _not_about_values(error)
     if passed == len(cases):
         return Result(exercise.id, PASSED, exercise.points, exercise.points, passed, len(cases))
     if len(stubs) == len(cases):  # every case stopped at a stub
@@ -128,11 +128,16 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
         return Result(exercise.id, NOT_ATTEMPTED, 0, exercise.points, 0, len(cases),
                       f"{names} still raise{'s' * (' and ' not in names)} NotImplementedError: replace the stub "
                       "with your code")
-    if not first_needs_hint:
-        return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases), f"first failure, {first_failure}")
-    return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases),
-                  f"first failure, {first_failure}\n    {_hints(exercise, first_case, failed_before)}",
+    hints = f"\n    {_hints(exercise, first_case, failed_before)}" if first_needs_hint else ""
+    return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases), f"first failure, {first_failure}{hints}",
                   failed_case=first_case.label)
+
+
+def _not_about_values(error: BaseException) -> bool:
+    """Whether a case's failure is one its hint, which is about the values, cannot help with: a message
+    that says what to change, a name the function's cell does not define, memory that ran out."""
+    return (isinstance(error, (SaysWhatToDo, BorrowedAnswer, NameError, MemoryError))
+            or "can't allocate memory" in str(error))
 
 
 def _hints(exercise: Exercise, case: Case | Scenario, failed_before: Mapping[str, int] | None) -> str:
@@ -268,7 +273,7 @@ def check(exercise_id: str, fn: Callable[..., Any]) -> None:
     running = [""]
     try:
         with time_limit(exercise.timeout_s):
-            result = run_cases(exercise, fn, failed, starting=lambda case: running.append(f" in {case}"))
+            result = run_cases(exercise, fn, failed, starting=lambda case, *_: running.append(f" in {case}"))
     except Overtime as stopped:
         result = Result(exercise.id, FAILED, 0, exercise.points,
                         message=f"{stopped}{running[-1]}: an endless loop, or far too slow (the grader stops it too)")

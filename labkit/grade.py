@@ -199,23 +199,36 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
                 outcome["message"] += ("\n    note: the process did not end once it had its result (a thread of "
                                        "the exercise's left running?)")
             return outcome
-        reached, label = _case_reached(Path(tmp, CASE_FILE))
-        where = f" in {reached}" if reached else ""
+        reached = _case_reached(Path(tmp, CASE_FILE))
+        where = _where_stopped(reached)
+        reached.pop("number", None)
         if timed_out:
-            return {"status": TIMEOUT, "failed_case": label,
+            return {"status": TIMEOUT, **reached,
                     "message": f"stopped after {timeout_s:g} s{where}: an endless loop, or far too slow"}
         how = (f"killed by signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                else f"exited with code {proc.exitcode}")
-        return {"status": CRASHED, "failed_case": label,
+        return {"status": CRASHED, **reached,
                 "message": f"the process {how}{where} before reporting a result (os._exit, a crash, too much "
                            "output or memory?)"}
 
 
-def _case_reached(case_file: Path) -> tuple[str, str]:
-    """The case a worker had started, as ``case 2 (its label)``, and its label; empty before any case."""
-    reached = case_file.read_text(encoding="utf-8") if case_file.exists() else ""
-    label = re.fullmatch(r"case \d+ \((.*)\)", reached, re.DOTALL)
-    return reached, label.group(1) if label else ""
+def _case_reached(case_file: Path) -> dict:
+    """What a worker's ``run_cases`` had told it when it stopped: the number and label (``failed_case``) of
+    the case it had started, how many cases before it passed and how many there are; only an empty
+    ``failed_case`` where no case had started."""
+    if not case_file.exists():
+        return {"failed_case": ""}
+    return json.loads(case_file.read_text(encoding="utf-8"))
+
+
+def _where_stopped(reached: dict) -> str:
+    """Where a worker stopped: `` in case 3 of 5 (its label); 2 of the 2 cases before it passed``, or that
+    no case had started."""
+    if "number" not in reached:
+        return " before its first case (in a setup cell, an earlier exercise's cell or the exercise cell)"
+    number, label = reached["number"], reached["failed_case"]
+    before = f"; {reached['passed']} of the {number - 1} cases before it passed" if number > 1 else ""
+    return f" in case {number} of {reached['total']} ({label}){before}"
 
 
 def _kill_group(pgid: int) -> None:
@@ -590,12 +603,24 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
         outcome = {"status": ERROR, "message": failed or f"the exercise cell does not define {exercise.function}"}
     else:
         case_file = Path(result_path).with_name(CASE_FILE)
-        result = run_cases(exercise, fn, starting=lambda case: case_file.write_text(case, encoding="utf-8"))
+        result = run_cases(exercise, fn, starting=lambda case, passed, total: _write_whole(case_file, _case_fields(
+            case, passed, total)))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
     outcome["message"] = _shortened(outcome["message"]) + _notes(outcome["message"], spec["memory_bytes"])
-    partial = Path(result_path).with_suffix(".partial")  # whole or not at all: the file cap may stop a write
-    partial.write_text(json.dumps(outcome), encoding="utf-8")
-    os.replace(partial, result_path)
+    _write_whole(Path(result_path), outcome)
+
+
+def _case_fields(case: str, passed: int, total: int) -> dict:
+    """What a worker writes as a case starts (``case 2 (its label)``), for the result should it never end."""
+    number, label = re.fullmatch(r"case (\d+) \((.*)\)", case, re.DOTALL).groups()
+    return {"number": int(number), "failed_case": label, "passed": passed, "total": total}
+
+
+def _write_whole(path: Path, record: dict) -> None:
+    """Write ``record`` as JSON whole or not at all: the file cap, or a kill, may stop a write."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _shortened(message: str) -> str:

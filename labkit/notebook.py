@@ -5,6 +5,7 @@ lists of lines), so a notebook saved by JupyterLab and one written here diff cle
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -64,3 +65,52 @@ def lab_of_name(name: str) -> str | None:
     ``06b`` (a second notebook of lab 06); None for a name that starts with no number."""
     match = re.match(r"(\d\d[a-z]?)_", name)
     return match.group(1) if match else None
+
+
+def bound_names(code: str) -> set[str]:
+    """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
+    functions, classes and assignments (not the names local to a function or a comprehension). Lines of
+    IPython's own syntax (``%time``, ``!ls``) are passed over; a cell that does not parse binds none."""
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines()]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return set()
+    binder = _Binder()
+    binder.visit(tree)
+    return binder.names
+
+
+class _Binder(ast.NodeVisitor):
+    """Collects the module-level names a tree binds."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.names.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.names.update(alias.asname or alias.name for alias in node.names if alias.name != "*")
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.names.add(node.name)  # its body's names are its own
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        pass
+
+    def visit_comprehension(self, node: ast.comprehension) -> None:
+        self.visit(node.iter)  # its target is the comprehension's own
+        for condition in node.ifs:
+            self.visit(condition)
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.name:
+            self.names.add(node.name)
+        self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.names.add(node.id)

@@ -143,6 +143,7 @@ def test_lab08_pad_batch_mistakes_fail():
         (lambda t, p, s: pad(t, p, smallest(t.shape[0] + 1, s)), "4 rows", "not the next one up"),
         (lambda t, p, s: pad(t, p, smallest(t.shape[0], s), dtype=torch.float32), "4 rows", "of float32"),
         (lambda t, p, s: pad(t, p, next(b for b in s if b >= t.shape[0])), "9 rows", "not the first one in the list"),
+        (lambda t, p, s: pad(t, p, 1 << (t.shape[0] - 1).bit_length()), "33 rows", "not the next power of two"),
         (lambda t, p, s: pad(t, p, max(t.shape[0], min([b for b in s if b >= t.shape[0]] or [0]))), "20 rows",
          "raise ValueError"),
     ]

@@ -26,6 +26,9 @@ BROKEN_EX1 = {
     "hard_exits": "import os\ndef matmul_intensity(m, n, k, b=2):\n    os._exit(7)\n",
     "crashes_at_top": "import os\nos._exit(9)\n",  # and ex00.2's worker, which runs this cell first, crashes too
     "loops_at_top": "while True:\n    pass\n",
+    # right in case 1, wrong in case 2, endless in case 3: a timeout says what had passed before it
+    "loops_late": "def matmul_intensity(m, n, k, b=2):\n    while m == n == k:\n        pass\n    if m == 512:\n"
+                  "        return 0.0\n    return 2 * m * n * k / (b * (m * k + k * n + m * n))\n",
     "exits_when_called": "import sys\ndef matmul_intensity(m, n, k, b=2):\n    sys.exit(4)\n",
     "wrong": "def matmul_intensity(m, n, k, b=2):\n    return 2 * m * n * k / (b * n * k)\n",
     "renamed": "def intensity(m, n, k, b=2):\n    return 1.0\n",
@@ -166,7 +169,7 @@ def class_book(class_folder):
 
 
 @pytest.mark.parametrize("student, status, says", [
-    ("loops", TIMEOUT, "stopped after 8 s in case 1 ("),  # the message names the case that never ended
+    ("loops", TIMEOUT, "stopped after 8 s in case 1 of 5 ("),  # the message names the case that never ended
     ("raises", ERROR, "RuntimeError: boom"),
     ("syntax", ERROR, "the exercise cell raised SyntaxError: expected ':' (line 1 of the cell)"),
     ("imports_broken", ERROR, "broken_helper.py, line 2)"),
@@ -175,7 +178,7 @@ def class_book(class_folder):
     ("crashes_at_top", CRASHED, "exited with code 9"),
     ("zipped", MISSING, "no notebook 00_* submitted"),  # a folder with its notebook one level deeper
     ("exits_when_called", "failed", "raised SystemExit: 4"),
-    ("loops_at_top", TIMEOUT, "stopped after 8 s: "),  # before any case; and ex00.2, which runs this cell first, is not held up
+    ("loops_at_top", TIMEOUT, "stopped after 8 s before its first case"),  # before any case; and ex00.2, which runs this cell first, is not held up
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
@@ -201,8 +204,11 @@ def test_each_broken_submission_costs_only_its_exercise(class_book, student, sta
 def test_a_timeout_or_a_crash_names_its_case_for_scripts_too(class_book):
     for student in ("loops", "hard_exits"):  # in a case: its label, as a failed case's
         result = class_book[student]["ex00.1"]
-        assert result.failed_case and f"in case 1 ({result.failed_case})" in result.message, result
+        assert result.failed_case and f"in case 1 of 5 ({result.failed_case})" in result.message, result
     assert class_book["crashes_at_top"]["ex00.1"].failed_case == ""  # before any case
+    late = class_book["loops_late"]["ex00.1"]  # the cases before the endless one counted, passed or not
+    assert (late.status, late.passed, late.total) == (TIMEOUT, 1, 5), late
+    assert "in case 3 of 5 (square 4096 fp16 matmul); 1 of the 2 cases before it passed" in late.message, late
 
 
 def test_the_table_and_reports(class_folder, tmp_path):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from labkit.cuda_graphs import bucket_for, pad_to_bucket
+from labkit.cuda_graphs import bucket_for, buckets, pad_to_bucket
 from labkit.exercises.spec import Case, Exercise, Scenario, assert_matches, items_of
 from labkit.model import ContiguousKVCache, ModelConfig, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache, StaticPlan
@@ -304,6 +304,9 @@ def _pad_cases() -> list[Case | Scenario]:
         _pad_case("9 rows, the sizes in no order: 32, 1, 16, 2, 4, 8", 9, 1, [32, 1, 16, 2, 4, 8],
                   hint="the smallest size that holds the batch, whatever the order of the list: not the first one "
                        "in the list that does (min over the sizes >= B)"),
+        _pad_case("33 rows, the engine's buckets(64): 1, 2, 4, 8, 16, 32, 48, 64", 33, 1, buckets(64),
+                  hint="the bucket is one of the sizes given, the smallest that holds the batch: 48 here, not the "
+                       "next power of two (64); past 8, the engine's buckets are multiples of 16"),
         Scenario("20 rows, buckets up to 16: no bucket holds them, a ValueError", _too_large,
                  hint="when no size holds the batch, raise ValueError saying so (a batch cut down to a bucket "
                       "would drop sequences)"),
