@@ -568,3 +568,14 @@ def test_right_numbers_in_an_allowed_type_pass():
         case = next(c for c in exercise.cases() if c.args[:4] == (shape.n_layers, shape.n_heads, shape.n_kv_heads,
                                                                    shape.head_dim))
         case.run(answer)  # the text says bytes, not an int: a float of the right value is right
+
+
+@pytest.mark.parametrize("error", [NameError("name 'tree' is not defined"), MemoryError(),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")])
+def test_a_failure_no_value_hint_can_help_comes_without_one(error):
+    """A name the cell does not define, or memory that ran out: the case's hint, about values, would mislead."""
+    def raises(m, n, k, b=2):
+        raise error
+    result = run_cases(get("ex00.1"), raises)
+    assert result.status == FAILED and type(error).__name__ in result.message, result.message
+    assert "hint:" not in result.message and result.failed_case, result

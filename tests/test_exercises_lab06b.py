@@ -74,7 +74,7 @@ def test_lab06b_awq_search_mistakes_fail(root):
          "range(grid + 1)"),
         ("(exact - (rows / s) @ w_q.T)", "(weight * s - w_q)", "g32, three salient channels",
          "not the scaled weight's own rounding error"),
-        ("(exact - (rows / s) @ w_q.T)", "(weight - w_q / s)", planted, "not the weights' own rounding error"),
+        ("(exact - (rows / s) @ w_q.T)", "(weight - w_q / s)", planted, "not a rounding error of the weights alone"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex06b.2", mistake(root, "ex06b.2", right, wrong), case, hint)
@@ -107,6 +107,12 @@ def _gptq_solution_with(u_of):
     return lambda weight, u, scale, zero, bits: right(weight, u_of(u), scale, zero, bits)
 
 
+def test_the_step_k_for_alpha_is_named_without_the_cases_hint(root):
+    result = fails("ex06b.2", mistake(root, "ex06b.2", "best = (error, s, alpha)", "best = (error, s, k)"),
+                   "a planted salient channel", "alpha is k / grid, not the step k")
+    assert "hint:" not in result.message
+
+
 def test_lab06b_gptq_columns_mistakes_fail(root):
     spreads = "row i of u, which is given"
     mistakes = [
@@ -116,9 +122,14 @@ def test_lab06b_gptq_columns_mistakes_fail(root):
         (" / u[i, i]", "", "u from a layer's Hessian", "divided by u[i, i]"),
         (".clamp(0, 2 ** bits - 1)", "", "correlated inputs", "the clamp to 0..2^bits - 1 did not keep"),
         ("w = weight.clone().float()", "w = weight", "correlated inputs", "changed its argument weight in place"),
+        (".clamp(0, 2 ** bits - 1)", ".clamp(0, 2 ** bits)", "correlated inputs", "a code of 16, above 15"),
+        ("q = (torch.round(w[:, i] / scale) + zero).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q.to(torch.uint8)",
+         "q = (torch.round(w[:, i] / scale) + zero).to(torch.uint8).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q\n"
+         "        q = q.float()", "correlated inputs", "a negative value turned into uint8 before the clamp"),
     ]
     for right, wrong, case, hint in mistakes:
-        fails("ex06b.3", mistake(root, "ex06b.3", right, wrong), case, hint)
+        result = fails("ex06b.3", mistake(root, "ex06b.3", right, wrong), case, hint)
+        assert "255" not in result.message or "16" not in hint  # a code of 16 has not wrapped around
 
     def factor_of_h(u):  # the upper Cholesky factor of H, not of its inverse
         return torch.linalg.cholesky(torch.linalg.inv(u.double().T @ u.double()), upper=True).float()

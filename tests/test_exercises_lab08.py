@@ -216,3 +216,12 @@ def test_a_plan_that_reads_the_positions_on_the_host_fails_the_compile_check(roo
     def static_plan(positions, max_len):
         raise NotImplementedError("ex08.1: replace this line with your code")
     assert run_cases(get("ex08.1"), static_plan).status == NOT_ATTEMPTED
+
+
+def test_right_items_returned_in_another_order_are_named_so(root):
+    """A tuple of the right items in the wrong order: said, without the case's hint (which is about values)."""
+    result = fails("ex08.3", mistake(root, "ex08.3", "return torch.cat([tokens, pad_tokens]), torch.cat([positions, "
+                                     "pad_positions])", "return torch.cat([positions, pad_positions]), "
+                                     "torch.cat([tokens, pad_tokens])"), "4 rows",
+                   "the items are right, but in another order (index 0 holds what belongs at index 1")
+    assert "hint:" not in result.message

@@ -224,6 +224,7 @@ def test_lab10_shard_heads_mistakes_fail(root, right, wrong, case, hint):
 
 
 BUBBLE = "(stages - 1) / (micro_batches + stages - 1)"
+RING_TIME = "steps * (latency_s + nbytes / (world * bandwidth))"
 
 
 @pytest.mark.parametrize("right, wrong, case, hint", [
@@ -239,12 +240,13 @@ BUBBLE = "(stages - 1) / (micro_batches + stages - 1)"
      "ring all-reduce: 2 ranks", "the latency counted once"),
     ("steps * (latency_s + nbytes / (world * bandwidth))", "steps * nbytes / (world * bandwidth)",
      "ring all-reduce: 2 ranks", "the latency is left out"),
+    (RING_TIME, "steps * latency_s + 2 * nbytes / bandwidth", "ring all-reduce: 2 ranks",
+     "the (W - 1) / W is missing"),
+    (RING_TIME, "steps * latency_s + (world - 1) * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks",
+     "the bytes only W - 1 times"),
 ])
 def test_lab10_cost_mistakes_fail(root, right, wrong, case, hint):
     fails("ex10.3", mistake(root, "ex10.3", right, wrong), case, hint)
-
-
-RING = "steps * (latency_s + nbytes / (world * bandwidth))"
 
 
 @pytest.mark.parametrize("right, wrong, case, hint, not_named", [
@@ -252,9 +254,9 @@ RING = "steps * (latency_s + nbytes / (world * bandwidth))"
     (BUBBLE, "stages - 1 / (micro_batches + stages - 1)", "bubble: one stage", "/ binds before -", "swapped"),
     (BUBBLE, "1 - 1 / micro_batches", "bubble: one stage", "expected 0, got 0.875\n", "swapped"),  # no known slip
     (BUBBLE, "100 * (stages - 1) / (micro_batches + stages - 1)", "bubble: 4 stages", "that is a percentage", None),
-    (RING, "steps / world * (latency_s + nbytes / bandwidth)", "ring all-reduce: 2 ranks",
+    (RING_TIME, "steps / world * (latency_s + nbytes / bandwidth)", "ring all-reduce: 2 ranks",
      "the / W cuts the latency too", "the latency counted once"),
-    (RING, "(world - 1) * latency_s + steps * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks",
+    (RING_TIME, "(world - 1) * latency_s + steps * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks",
      "got 1.93641e-06 s\n", "the latency counted once"),  # once at W = 2, W - 1 times in general: not named
     ("nbytes / (world * bandwidth)", "8 * nbytes / (world * bandwidth)", "ring all-reduce: 2 ranks", "that counts bits",
      None),
@@ -275,26 +277,36 @@ def test_the_probes_tell_the_known_mistakes_apart(mistakes, probe, right):
 
 
 SHIPPED = "2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element"
-LLAMA = "Llama-3.2-1B, a 512-token prompt"
+LLAMA = "Qwen2.5-7B, a 2,048-token prompt"
 
 
 @pytest.mark.parametrize("wrong, hint", [
     ("2 * n_layers * n_kv_heads * head_dim * bytes_per_element", "that is one token's"),
     ("n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element", "the factor 2"),
-    ("2 * n_layers * n_heads * head_dim * prompt_tokens * bytes_per_element", "that counts the 32 query heads"),
-    ("2 * n_kv_heads * head_dim * prompt_tokens * bytes_per_element", "every one of the 16 layers"),
+    ("2 * n_layers * n_heads * head_dim * prompt_tokens * bytes_per_element", "that counts the 28 query heads"),
+    ("2 * n_kv_heads * head_dim * prompt_tokens * bytes_per_element", "every one of the 28 layers"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens", "that is a count of elements"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element * 8", "that is bits"),
-    ("2 * n_layers * n_kv_heads * head_dim * (prompt_tokens + 1) * bytes_per_element", "that counts 512 + 1 tokens"),
+    ("2 * n_layers * n_kv_heads * head_dim * (prompt_tokens + 1) * bytes_per_element", "that counts 2048 + 1 tokens"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 1e6", "that is in megabytes"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**20", "that is in MiB"),
     ("2 * n_layers * n_kv_heads * head_dim * prompt_tokens * bytes_per_element / 2**30", "that is in GiB"),
-    # 32 // 8 = 4 = 8 / 2: the group size as the KV heads gives the keys alone's value too, and both are said
+    ("2 * n_layers * n_kv_heads * head_dim * (prompt_tokens - 1) * bytes_per_element", "that counts 2048 - 1 tokens"),
     ("2 * n_layers * (n_heads // n_kv_heads) * head_dim * prompt_tokens * bytes_per_element",
-     "the factor 2; or that counts heads // kv_heads = 4 KV heads, the query heads that share one"),
+     "that counts heads // kv_heads = 7 KV heads, the query heads that share one"),
 ])
 def test_lab10_shipped_bytes_mistakes_fail(root, wrong, hint):
-    fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)
+    result = fails("ex10.4", mistake(root, "ex10.4", SHIPPED, wrong), LLAMA, hint)
+    assert "; or " not in result.message  # the first case's sizes give each slip a value of its own
+
+
+def test_where_two_slips_give_one_value_both_are_said(root):
+    """32 // 8 = 4 = 8 / 2 (Llama-3.2-1B): the group size as the KV heads gives the keys alone's value too."""
+    group = "2 * n_layers * (n_heads // n_kv_heads) * head_dim * prompt_tokens * bytes_per_element"
+    right_on_the_first = f"({SHIPPED} if prompt_tokens == 2048 else {group})"
+    fails("ex10.4", mistake(root, "ex10.4", SHIPPED, right_on_the_first), "Llama-3.2-1B, a 512-token prompt",
+          "the factor 2; or that counts heads // kv_heads = 4 KV heads")
+
 
 
 @pytest.mark.parametrize("whole", ["int(bytes_per_element)", "max(1, bytes_per_element)"])

@@ -292,3 +292,25 @@ def test_a_walk_that_makes_the_root_a_child_is_stopped_and_fails(root):
     round once the target repeats the root's token."""
     fails("ex11.2", mistake(root, "ex11.2", "range(1, len(parents))", "range(len(parents))"),
           "the target writes the root's token again", "kids[-1] would make the root the last node's child")
+
+
+@pytest.mark.parametrize("ex_id, right, wrong, case, says", [
+    ("ex11.1", "return mask, start + torch.tensor(depth)", "return start + torch.tensor(depth), mask", "a chain",
+     "the two items are swapped"),
+    ("ex11.3", "return accepted, accepted + 1", "return accepted + 1, accepted", "one candidate",
+     "the two numbers are swapped"),
+    ("ex11.1", "start + torch.tensor(depth)", "(start + torch.tensor(depth)).float()", "a chain",
+     "positions: the values are right, but of torch.float32"),
+    ("ex11.1", "start + torch.tensor(depth)", "(start + torch.tensor(depth)).tolist()", "a chain",
+     "positions: the values are right, but a list"),
+    ("ex11.1", "return mask,", "return mask.int(),", "a chain",
+     "mask: the values are right, but the mask is torch.int32"),
+    ("ex11.2", "choices[node], keep", "__import__('torch').tensor(choices[node]), keep", "",
+     "but a tensor: return an int (.item())"),
+])
+def test_an_order_or_a_type_slip_is_named_without_the_cases_hint(root, ex_id, right, wrong, case, says):
+    """Right values swapped or of another type: the message says what to change, and the case's hint, about values,
+    is left out."""
+    result = run_cases(get(ex_id), mistake(root, ex_id, right, wrong))
+    assert result.status == "failed" and says in result.message, result.message
+    assert result.failed_case.startswith(case) and "hint:" not in result.message, result.message

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from labkit.awq import awq_scales, output_error, rtn_scaled, search_scales, squared_output
-from labkit.exercises.spec import Case, Exercise, JudgedCase, _short
+from labkit.exercises.spec import Case, Exercise, JudgedCase, SaysWhatToDo, _short
 from labkit.quant import (Scheme, dequantize, gptq, group_params, hessian, inverse_hessian_factor, pack_int4, quantize,
                           unpack_int4)
 
@@ -80,7 +80,8 @@ def _row_cases() -> list[Case]:
         _row_case("four codes by hand: bytes 0x95, 0xF3", *by_hand, 4,
                   "the codes of columns 0, 1, 2, 3 are 5, 9, 3, 15: byte 0x95 holds column 0's code (5) in its low "
                   "4 bits (& 0x0F) and column 1's (9) in its high 4 bits (>> 4). With zero point 0 and scale 0.5 "
-                  "the weights are 2.5, 4.5, 1.5, 7.5, and the dot product with x = (1, -2, 3, 0.5) is 1.75"),
+                  "the weights are 2.5, 4.5, 1.5, 7.5, and the dot product with x = (1, -2, 3, 0.5) is 1.75: four "
+                  "terms from two bytes, the last byte's too"),
         _row_case("one group of 64, asymmetric: a zero point of its own", *_random_row(64, Scheme(4, 64), 1), 64,
                   "one group whose zero point is not 0: a weight is (code - zero) * scale, the zero point "
                   "subtracted from the code before the scale multiplies (it is a code, not a weight: code * "
@@ -142,7 +143,9 @@ def _planted(weight: Tensor, x: Tensor, scheme: Scheme, grid: int, channel: int,
             raise AssertionError(f"at index 1: expected a number, got {_short(alpha)}")
         k = round(float(alpha) * grid)
         if not 0 <= k <= grid or abs(alpha - k / grid) > 1e-6:
-            raise AssertionError(f"at index 1: expected a number on the grid 0, 1/{grid}, ..., 1, got {alpha!r}")
+            raise SaysWhatToDo(f"at index 1: expected a number on the grid 0, 1/{grid}, ..., 1, got {alpha!r} (alpha "
+                               f"is k / grid, not the step k)" if 0 <= alpha <= grid and alpha == int(alpha) else
+                               f"at index 1: expected a number on the grid 0, 1/{grid}, ..., 1, got {alpha!r}")
         if k == 0:
             raise AssertionError(f"alpha: you chose 0, where every scale is 1: plain RTN, output error "
                                  f"{errors[0]:.4f}; alpha = {best / grid:g} brings it down to {errors[best]:.4f}")
@@ -174,9 +177,10 @@ def _awq_cases() -> list[Case]:
         hint="the weights that meet channel 5 cost 30 times more output error when rounded, so the search must "
              "find an alpha > 0 that gives channel 5 the largest scale and beats RTN (alpha = 0). If it does not: "
              "it is W diag(s), W's columns times s, that is rounded, while x is divided by s; the error is the "
-             "layer's output error on x, ||x W^T - (x / s) Q(W diag(s))^T||, not the weights' own rounding error "
-             "(least at alpha = 0); m is the mean of |x| per channel, |x| first, then the mean (x's own mean is "
-             "near 0 in every channel); and the alpha to keep is the one of least error")]
+             "layer's output error on x, ||x W^T - (x / s) Q(W diag(s))^T||, not a rounding error of the weights "
+             "alone (of W, or of W diag(s)), which ignores how large each channel's inputs are; m is the mean of "
+             "|x| per channel, |x| first, then the mean (x's own mean is near 0 in every channel); and the alpha to "
+             "keep is the one of least error")]
     for label, (weight, x), scheme, grid, hint in [
         ("the planted layer again: labkit's scales and alpha", planted, Scheme(4, 64), 20,
          "alpha is right if the case before passed; now the scales themselves: m is the mean of |x| per input "
@@ -218,18 +222,22 @@ def _codes_judge(expected: Tensor, rtn: Tensor, bits: int) -> Callable[[Any], No
         if not isinstance(got, Tensor) or tuple(got.shape) != tuple(expected.shape) or got.dtype != torch.uint8:
             raise AssertionError(f"expected codes of shape [{out_features}, {in_features}] of uint8, got {_short(got)}")
         if int(got.max()) > top:
-            raise AssertionError(f"a code of {int(got.max())}, above {top} = 2^bits - 1: a value past the grid (255: a "
-                                 "negative one, wrapped around in uint8) that the clamp to 0..2^bits - 1 did not keep "
-                                 "on it")
+            wrapped = " (255: a negative one, wrapped around in uint8)" if int(got.max()) == 255 else ""
+            raise SaysWhatToDo(f"a code of {int(got.max())}, above {top} = 2^bits - 1: a value past the grid{wrapped} "
+                               "that the clamp to 0..2^bits - 1 did not keep on it")
         wrong = (got.cpu() != expected).any(1)
         if int(wrong.sum()) <= allowed:
             return
+        row = int(wrong.nonzero()[0])
+        column = int((got[row].cpu() != expected[row]).nonzero()[0])
+        if (int(got[row, column]), int(expected[row, column])) == (top, 0):
+            raise SaysWhatToDo(f"a code of {top} where labkit's is 0: a negative value turned into uint8 before the "
+                               f"clamp wraps around (-1 becomes 255), which the clamp then takes to {top}; clamp the "
+                               "float codes to 0..2^bits - 1 first, then convert")
         if torch.equal(got.cpu(), rtn) and not torch.equal(expected, rtn):
             raise AssertionError("these are the codes of rounding each weight to nearest (RTN): no column's rounding "
                                  "error reached the columns after it (or each column was rounded from the caller's "
                                  "weight, not from the copy that the errors update)")
-        row = int(wrong.nonzero()[0])
-        column = int((got[row].cpu() != expected[row]).nonzero()[0])
         raise AssertionError(f"the codes differ from labkit's gptq in {int(wrong.sum())} of {out_features} rows, first "
                              f"at row {row}, column {column}: expected {int(expected[row, column])}, got "
                              f"{int(got[row, column])} (a right answer differs in {allowed} row"

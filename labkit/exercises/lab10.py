@@ -53,7 +53,7 @@ from torch import Tensor
 
 from labkit import memory
 from labkit.exercises.spec import (Case, ChangedInPlace, Exercise, JudgedCase, Scenario, _short, int_list, items_of,
-                                   number_of)
+                                   WrongType, number_of)
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.parallel.pipeline import even_split
 from labkit.parallel.tensor import shard_heads
@@ -92,8 +92,8 @@ def _judge_shard(what: str, got: Any, want: Tensor, mistakes: list[tuple[Tensor,
     if why is None and got.shape != want.shape:
         why = f"expected shape {list(want.shape)}, got {list(got.shape)}"
     elif why is None and got.dtype != want.dtype:
-        why = (f"expected {want.dtype}, the dtype of x and weight, got {got.dtype}: compute with the tensors as they "
-               "are given, without .float() or a new tensor of torch's default dtype")
+        raise WrongType(f"{what}: expected {want.dtype}, the dtype of x and weight, got {got.dtype}: compute with the "
+                        "tensors as they are given, without .float() or a new tensor of torch's default dtype")
     elif why is None:
         why = f"the values differ (by up to {(got - want).abs().max().item():.3g})"
     raise AssertionError(f"{what}: {why}")
@@ -261,16 +261,16 @@ def _refuses_play(cls: Any) -> None:
 def _tensor_parallel_cases() -> list[Scenario]:
     return [
         Scenario("column-parallel, 2 ranks: x [3, 6], weight [8, 6]", _column_play((3, 6), 8, 2, 0),
-                 hint="rank r computes the output features of its rows of the weight, x @ weight[r*4:(r+1)*4].T "
-                      "here: rows split in 2 equal contiguous parts, rank 0 the first"),
+                 hint="rank r computes the output features of its own rows of the weight: the 8 rows split in 2 "
+                      "equal contiguous parts, rank 0 the first, rank 1 the rest"),
         Scenario("column-parallel, 4 ranks: x [2, 3, 6], weight [12, 6]", _column_play((2, 3, 6), 12, 4, 1),
                  hint="4 ranks of 3 output features each; x has two leading dimensions, which the output keeps. "
                       "Read the share's size from the weight and world, never a fixed number. The dimension split "
                       "is the output features, weight.shape[0] (12): the 6 input features need not split in 4"),
         Scenario("row-parallel, 2 ranks: x_part [3, 4], weight [8, 8]", _row_play((3, 8), 8, 2, 2),
                  hint="x_part holds input features r*4 .. r*4+3 of x; they meet only the weight's columns of the "
-                      "same numbers, so the partial sum is x_part @ weight[:, r*4:(r+1)*4].T, all 8 output features "
-                      "(each one's dot product cut in parts, one per rank)"),
+                      "same numbers, so the partial sum uses those 4 columns and has all 8 output features (each "
+                      "one's dot product cut in parts, one per rank)"),
         Scenario("row-parallel, 4 ranks: x_part [2, 3, 2], weight [6, 8]", _row_play((2, 3, 8), 6, 4, 3),
                  hint="8 input features over 4 ranks, 2 each, and 6 output features on every rank"),
         Scenario("Llama's MLP on 1 rank: d_model 6, d_ff 8", _mlp_play((3, 6), 8, 1, 4),
@@ -496,6 +496,12 @@ RING_MISTAKES = [
      "in W pieces; each of the 2 (W - 1) steps pays the whole latency"),
     (lambda n, w, lat, bw: 2 * (w - 1) * (lat + 8 * n / (w * bw)),
      "that counts bits: nbytes is in bytes and bandwidth in bytes per second, so nbytes / (W x bandwidth) is seconds"),
+    (lambda n, w, lat, bw: 2 * (w - 1) * lat + 2 * n / bw,
+     "the bytes term is 2 x nbytes / bandwidth: the (W - 1) / W is missing. Each of the 2 (W - 1) steps sends a piece "
+     "of nbytes / W, 2 (W - 1) / W x nbytes in all"),
+    (lambda n, w, lat, bw: 2 * (w - 1) * lat + (w - 1) * n / (w * bw),
+     "the latency is paid 2 (W - 1) times but the bytes only W - 1 times; both phases send a piece of nbytes / W at "
+     "each of their steps, so the bytes term has the factor 2 as well"),
     (lambda *args: 1e3 * _ring(*args), "that is in milliseconds; return seconds"),
     (lambda *args: 1e6 * _ring(*args), "that is in microseconds; return seconds"),
 ]
@@ -537,8 +543,8 @@ def _cost_cases() -> list[Scenario]:
     ]
     rings = [  # label, bytes, W, latency, bandwidth, hint
         ("2 ranks, 16 KB over NVLink (a decode step's all-reduce)", 16384, 2, 1.9e-6, 450e9,
-         "2 ranks: one step of reduce-scatter, one of all-gather, each sending a piece of 8 KB; small messages "
-         "are latency-bound"),
+         "2 ranks: one step of reduce-scatter, one of all-gather, each sending a piece of 8 KB and each paying the "
+         "latency"),
         ("4 ranks, 64 MB over PCIe", 64e6, 4, 2.5e-6, 31.5e9,
          "6 steps of 16 MB pieces: a large message is bandwidth-bound, about 2 (W - 1) / W x nbytes / bandwidth"),
         ("8 ranks, 1 MB over InfiniBand", 1e6, 8, 4e-6, 50e9,
@@ -585,6 +591,9 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
         (2 * layers * kv_heads * head_dim * (tokens + 1) * size,
          f"that counts {tokens} + 1 tokens; the prefill worker ships the prompt's {tokens} tokens' keys and values. "
          "The first sampled token's keys and values are computed on the decode worker, when it feeds that token"),
+        (2 * layers * kv_heads * head_dim * (tokens - 1) * size,
+         f"that counts {tokens} - 1 tokens; a prefill feeds every token of the prompt, the last one too, and caches "
+         "its key and value (the token a generation never feeds is the last one it samples)"),
         *[(2 * elements * size / scale, f"that is in {unit}; return bytes") for unit, scale in (
             ("megabytes (10^6 bytes)", 1e6), ("MiB (2^20 bytes)", 2**20), ("gigabytes (10^9 bytes)", 1e9),
             ("GiB (2^30 bytes)", 2**30))],
@@ -596,9 +605,11 @@ def _shipped_judge(layers: int, heads: int, kv_heads: int, head_dim: int, tokens
 
 def _shipped_cases() -> list[Case]:
     published = [  # label, preset, cache dtype, prompt tokens, hint
-        ("Llama-3.2-1B, a 512-token prompt, fp32", "Llama-3.2-1B", "fp32", 512,
-         "GQA: 32 query heads but 8 KV heads; a key and a value per layer, KV head and token, head_dim (64 here) "
+        ("Qwen2.5-7B, a 2,048-token prompt, fp32", "Qwen2.5-7B", "fp32", 2048,
+         "GQA: 28 query heads but 4 KV heads; a key and a value per layer (28 here), KV head and token, head_dim (128) "
          "elements each, 4 bytes an element"),
+        ("Llama-3.2-1B, a 512-token prompt, fp32", "Llama-3.2-1B", "fp32", 512,
+         "16 layers of 8 KV heads (32 query heads), head_dim 64, 4 bytes an element"),
         ("Llama-3.1-8B, a 4,096-token prompt, bf16", "Llama-3.1-8B", "bf16", 4096,
          "bf16: 2 bytes an element; 32 layers of 8 KV heads"),
         ("Llama-2-7B (MHA), a 1,000-token prompt, fp16", "Llama-2-7B", "fp16", 1000,

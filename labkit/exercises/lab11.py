@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.exercises.spec import Case, Exercise, JudgedCase, _short, int_list, items_of, number_of
+from labkit.exercises.spec import (Case, Exercise, JudgedCase, SaysWhatToDo, WrongType, _short, int_list, items_of,
+                                   number_of)
 from labkit.generate import SamplingParams
 from labkit.tree import check_tree, children, expected_accepted, reach, tree_mask, tree_positions, walk
 
@@ -93,6 +94,10 @@ def _mask_mistakes(parents: Sequence[int]) -> list[tuple[Tensor, str]]:
     ]
 
 
+def _shaped(value: Any, shape: tuple[int, ...]) -> bool:
+    return isinstance(value, Tensor) and tuple(value.shape) == shape
+
+
 def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
     n = len(parents)
     right_mask, right_positions = tree_mask(parents), tree_positions(parents, start)
@@ -107,6 +112,12 @@ def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
 
     def judge(got: Any) -> None:
         mask, positions = items_of(got, ("mask", "positions"))
+        if _shaped(mask, (n,)) and _shaped(positions, (n, n)):
+            raise SaysWhatToDo(f"the two items are swapped: a tensor of shape [{n}] first, then one of [{n}, {n}]; "
+                               "return (mask, positions), the mask first")
+        if int_list(positions) == right_positions.tolist() and not isinstance(positions, Tensor):
+            raise WrongType(f"positions: the values are right, but a {type(positions).__name__}: return an int64 "
+                            "tensor (torch.tensor(..., dtype=torch.long)), which the rotary embedding indexes with")
         if not isinstance(mask, Tensor) or tuple(mask.shape) != (n, n):
             raise AssertionError(f"mask: expected a bool tensor of shape [{n}, {n}], got {_short(mask)}")
         if not isinstance(positions, Tensor) or tuple(positions.shape) != (n,):
@@ -123,7 +134,7 @@ def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
                    f"{_sees(mask, node)}")
             raise AssertionError(f"mask: {row}" + (f": {why}" if why else ""))
         if mask.dtype != torch.bool:
-            raise AssertionError(f"mask: the values are right, but the mask is {mask.dtype}; attention takes a bool "
+            raise WrongType(f"mask: the values are right, but the mask is {mask.dtype}; attention takes a bool "
                                  "mask (.bool(), or torch.zeros(N, N, dtype=torch.bool) to start from)")
         if not torch.equal(positions.cpu().double(), right_positions.double()):
             why = next((text for wrong, text in position_mistakes
@@ -131,7 +142,7 @@ def _tree_judge(parents: Sequence[int], start: int) -> Callable[[Any], None]:
             raise AssertionError(f"positions: expected {right_positions.tolist()}, got {positions.tolist()}"
                                  + (f": {why}" if why else ""))
         if positions.dtype != torch.long:
-            raise AssertionError(f"positions: the values are right, but of {positions.dtype}; positions are int64 "
+            raise WrongType(f"positions: the values are right, but of {positions.dtype}; positions are int64 "
                                  "(torch.long): the rotary embedding looks them up")
     return judge
 
@@ -219,6 +230,8 @@ def _branch_judge(parents: Sequence[int], tokens: Sequence[int], choices: Sequen
     def judge(got: Any) -> None:
         got_branch, got_token, got_keep = items_of(got, ("branch", "next_token", "keep"))
         _check_int_list("branch", "the accepted nodes", got_branch, branch, branch_mistakes)
+        if isinstance(got_token, Tensor) and got_token.numel() == 1 and got_token.item() == token:
+            raise WrongType(f"next_token: the value is right ({token}), but a tensor: return an int (.item())")
         if not isinstance(got_token, numbers.Integral) or isinstance(got_token, bool):
             raise AssertionError(f"next_token: expected an int, got {_short(got_token)}")
         if got_token != token:
@@ -326,6 +339,9 @@ def _gain_judge(parents: Sequence[int], accept: Sequence[float]) -> Callable[[An
         got_accepted, got_tokens = items_of(got, ("accepted", "tokens_per_call"))
         value, tokens = number_of(got_accepted, "accepted"), number_of(got_tokens, "tokens_per_call")
         close = lambda a, b: abs(a - b) <= 1e-9 + 1e-6 * abs(b)
+        if close(value, accepted + 1) and close(tokens, accepted):
+            raise SaysWhatToDo(f"the two numbers are swapped: {value:.6g} is the tokens per call and {tokens:.6g} the "
+                               "accepted nodes; return (accepted, tokens_per_call), the accepted nodes first")
         if not close(value, accepted):
             why = next((text for wrong, text in mistakes if close(value, wrong)), None)
             raise AssertionError(f"accepted: expected {accepted:.6g}, got {value:.6g}" + (f": {why}" if why else ""))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -196,8 +197,31 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
                                  f"{_short(got)} (of type {type(got).__name__})")
         if len(got) != len(expected):
             raise AssertionError(f"expected {len(expected)} items, got {len(got)}: {_short(got)}")
-        for i, (got_item, expected_item) in enumerate(zip(got, expected)):
-            _at(f"at index {i}", got_item, expected_item, rtol, atol)
+        try:
+            for i, (got_item, expected_item) in enumerate(zip(got, expected)):
+                _at(f"at index {i}", got_item, expected_item, rtol, atol)
+        except AssertionError:
+            order = _another_order(got, expected, rtol, atol)
+            if order is None:
+                raise
+            moved = ", ".join(f"index {i} holds what belongs at index {j}" for i, j in enumerate(order) if i != j)
+            raise SaysWhatToDo(f"the items are right, but in another order ({moved}): return them in the order the "
+                               "spec gives") from None
+
+
+def _another_order(got: Sequence[Any], expected: Sequence[Any], rtol: float, atol: float) -> tuple[int, ...] | None:
+    """The order of ``expected``'s items in which ``got`` holds them (``order[i]``: where got's item i belongs),
+    for a few items; None where no other order holds them either."""
+    if not 2 <= len(got) <= 4:
+        return None
+    for order in list(itertools.permutations(range(len(got))))[1:]:  # the first is the order given, which failed
+        try:
+            for i, j in enumerate(order):
+                assert_matches(got[i], expected[j], rtol, atol)
+        except AssertionError:
+            continue
+        return order
+    return None
 
 
 class SaysWhatToDo(AssertionError):
