@@ -10,14 +10,17 @@ and each may run for a few seconds at most), then the exercise cell, then the ex
 (the same ones ``labkit.check`` runs) on the function the cell defines. No other cell runs. A
 crash, an endless loop, a syntax error, ``sys.exit`` or (on Linux) an allocation past the exercise's
 share of memory (``memory_limit``) in a submission costs that exercise's points and nothing more.
-The grader prints a points table and writes ``grades.json`` (every result with its reason and the
-notebook it came from) and ``grades.csv`` (a row per student: a
-column per exercise, a total per notebook when there are several, the total, and the exercises
-that did not pass, each with its status). A notebook whose lab cannot be told (no ``NN_`` prefix, no
-exercise cell, tagged or defining an exercise's function) is not graded: it is an entry of its own,
-named by its file, 0 points of 0, that says what would place it. The exit status is 0 when some
-exercise was graded, 1 when no notebook could be placed (the reports are written all the same),
-and 2 for a path that does not exist, holds no notebook or is a file of another kind.
+The grader prints a points table (a notebook none of whose exercises was attempted, or submitted, takes
+one line of reasons) and writes ``grades.json`` (every result with its reason and the notebook it came
+from) and ``grades.csv`` (a row per student: a column per exercise, blank where it is missing; a total
+and a maximum per notebook when there are several, the total blank where all of that notebook is missing;
+the total, and the exercises that did not pass, each with its status). A notebook whose lab cannot be told
+(no ``NN_`` prefix, no exercise cell, tagged or defining an exercise's function) is not graded: it is an
+entry of its own in the table and the CSV, named by its file, 0 points of 0, that says what would place
+it; in grades.json it is under the student's ``unplaced`` (file name: that message), beside
+``exercises``. Of a student's two copies of one notebook the better counts, and a note says so. The exit
+status is 0 when some exercise was graded, 1 when no notebook could be placed (the reports are written all
+the same), and 2 for a path that does not exist, holds no notebook or is a file of another kind.
 """
 from __future__ import annotations
 
@@ -33,16 +36,17 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from labkit import notebook
-from labkit.check import NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
+from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import cores, fork_server, process, threads_each
 
@@ -196,8 +200,8 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         if result_path.exists():  # written whole (os.replace): the process may have lingered after it
             outcome = json.loads(result_path.read_text(encoding="utf-8"))
             if timed_out:
-                outcome["message"] += ("\n    note: the process did not end once it had its result (a thread of "
-                                       "the exercise's left running?)")
+                outcome["message"] = _with_note(outcome["message"], "the process did not end once it had its result "
+                                                "(a thread of the exercise's left running?)")
             return outcome
         reached = _case_reached(Path(tmp, CASE_FILE))
         where = _where_stopped(reached)
@@ -208,8 +212,8 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         how = (f"killed by signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                else f"exited with code {proc.exitcode}")
         return {"status": CRASHED, **reached,
-                "message": f"the process {how}{where} before reporting a result (os._exit, a crash, too much "
-                           "output or memory?)"}
+                "message": f"the process {how}{where}, with no result reported (os._exit, a crash, too much output "
+                           "or memory?)"}
 
 
 def _case_reached(case_file: Path) -> dict:
@@ -250,9 +254,15 @@ def _exercise_cell(nb: notebook.Notebook, exercise: Exercise) -> tuple[str | Non
     sources = [notebook.source(c) for c in nb["cells"] if c.get("cell_type") == "code"
                and defines.search(notebook.source(c))]
     if sources:
-        return sources[-1], (f"note: no cell is tagged 'exercise' for {exercise.id} (its tags lost?): graded the "
-                             f"last cell that defines {exercise.function}")
+        return sources[-1], (f"no cell is tagged 'exercise' for {exercise.id} (its tags lost?): graded the last "
+                             f"cell that defines {exercise.function}")
     return None, ""
+
+
+def _unrun_cells(nb: notebook.Notebook, run: list[str]) -> list[str]:
+    """The sources of the notebook's code cells that the grader does not run for an exercise, in order: those
+    other than ``run`` (its setup cells, the earlier exercises' cells and its own)."""
+    return [src for c in nb["cells"] if c.get("cell_type") == "code" and (src := notebook.source(c)) not in run]
 
 
 def _setup_cells(nb: notebook.Notebook) -> list[str]:
@@ -309,11 +319,12 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
             if alone["status"] != CRASHED:  # it was one of them
                 outcome = alone
-                if alone["status"] != "passed":
-                    outcome["message"] += ("\n    note: graded without the cells of the exercises before it, since "
-                                           "with them the process crashed")
-        if note:
-            outcome["message"] = f"{outcome.get('message') or ''}\n    {note}".lstrip("\n ")
+                if alone["status"] != PASSED:
+                    outcome["message"] = _with_note(outcome["message"], "graded without the cells of the exercises "
+                                                    "before it, since with them the process crashed")
+        unrun = _unrun_cells(nb, [*setup, *spec["earlier"], cell])
+        for extra in (*_notes(outcome["message"], spec["memory_bytes"], unrun), note):
+            outcome["message"] = _with_note(outcome["message"], extra)
         results[ex.id] = Result(**{"exercise": ex.id, "points": 0, "max_points": ex.points, **outcome,
                                    "notebook": str(sub.path)})
     return results
@@ -334,13 +345,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
-        best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
-        if len(copies) > 1:
-            names = ", ".join(sub.path.name for sub, _ in copies)
-            hint = "" if per_file else " (if they are different students' copies, grade with --per-file)"
-            print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
-                  f"{best_sub.path.name}{hint}", file=sys.stderr)
-        book[student].update(best)
+        book[student].update(_best_copy(student, lab, copies, per_file))
     _add_missing(book, submissions, per_file)
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
 
@@ -451,6 +456,23 @@ def _by_student_and_lab(graded: list[tuple[Submission, dict[str, Result]]]
     return groups
 
 
+def _best_copy(student: str, lab: str, copies: list[tuple[Submission, dict[str, Result]]], per_file: bool
+               ) -> dict[str, Result]:
+    """The results of the copy of one lab's notebook with the most points; where a student submitted several, the
+    choice is said on stderr and in a note of each counted result that names the other copies."""
+    best_sub, best = max(copies, key=lambda c: _total(c[1])[0])
+    if len(copies) == 1:
+        return best
+    names = ", ".join(sub.path.name for sub, _ in copies)
+    hint = "" if per_file else " (if they are different students' copies, grade with --per-file)"
+    print(f"{student} has {len(copies)} notebooks for {lab}_ ({names}): counting the best, "
+          f"{best_sub.path.name}{hint}", file=sys.stderr)
+    others = ", ".join(f"{sub.path.name} ({_total(results)[0]:g}/{_total(results)[1]} points)"
+                       for sub, results in copies if sub is not best_sub)
+    note = f"counted the best of the {len(copies)} notebooks submitted for {lab}_, this one; not {others}"
+    return {key: replace(r, message=_with_note(r.message, note)) for key, r in best.items()}
+
+
 def _total(results: dict[str, Result]) -> tuple[float, int]:
     return sum(r.points for r in results.values()), sum(r.max_points for r in results.values())
 
@@ -467,7 +489,8 @@ def _lab_of_entry(key: str) -> str:
 
 
 def table(book: dict[str, dict[str, Result]]) -> str:
-    """A points table, then the reason for every exercise that did not pass; for one student, a list."""
+    """A points table, then the reason for every exercise that did not pass, or for a notebook none of whose
+    exercises was attempted, or submitted, in one line (``_groups``); for one student, a list."""
     if len(book) == 1:
         return _one_student(*next(iter(book.items())))
     columns = _columns(book)
@@ -477,61 +500,94 @@ def table(book: dict[str, dict[str, Result]]) -> str:
         got, most = _total(results)
         cells = [(f"{results[c].points:g}/{results[c].max_points}" if c in results else "-").rjust(7) for c in columns]
         lines.append("  ".join([student.ljust(width), *cells, f"{got:g}/{most}".rjust(7)]))
-    notes = [f"{student} {r.exercise}: {r.status}" + (f": {r.message}" if r.message else "")
-             for student, results in book.items() for r in results.values() if r.status != "passed"]
+    notes = [f"{student} {_label(group)}: {_verdict(group)}" for student, results in book.items()
+             for group in _groups(results) if next(iter(group.values())).status != PASSED]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def _one_student(student: str, results: dict[str, Result]) -> str:
-    """A line per exercise, with the reason where it did not pass; a notebook none of whose exercises was
-    attempted (or submitted) takes one line."""
+    """A line per exercise, with the reason where it did not pass, or per notebook (``_groups``)."""
     got, most = _total(results)
     lines = [f"{student}: {got:g}/{most} points"]
-    by_lab: dict[str, list[Result]] = {}
-    for result in results.values():
-        by_lab.setdefault(_lab_of_entry(result.exercise), []).append(result)
-    for lab, labs_results in by_lab.items():
-        statuses = {r.status for r in labs_results}
-        if len(labs_results) > 1 and len(statuses) == 1 and statuses <= {NOT_ATTEMPTED, MISSING}:
-            points = sum(r.max_points for r in labs_results)
-            reasons = {r.message for r in labs_results}
-            why = f" ({reasons.pop()})" if len(reasons) == 1 and "" not in reasons else ""
-            lines.append(f"  {lab + '_*':<8}{f'0/{points}':>6}  {statuses.pop()}: "
-                         f"{', '.join(r.exercise for r in labs_results)}{why}")
-            continue
-        for r in labs_results:
-            why = f": {r.message}" if r.message and r.status != PASSED else ""
-            lines.append(f"  {r.exercise:<8}{f'{r.points:g}/{r.max_points}':>6}  {r.status}{why}")
+    for group in _groups(results):
+        got, most = _total(group)
+        lines.append(f"  {_label(group):<8}{f'{got:g}/{most}':>6}  {_verdict(group)}")
     return "\n".join(lines)
 
 
+def _groups(results: dict[str, Result]) -> list[dict[str, Result]]:
+    """The results in their order, an exercise's alone, but a notebook's together where it has several exercises
+    and none was attempted, or none submitted: all of them ``not attempted``, or all ``missing``."""
+    by_lab: dict[str, dict[str, Result]] = {}
+    for key, result in results.items():
+        by_lab.setdefault(_lab_of_entry(key), {})[key] = result
+    groups = []
+    for ours in by_lab.values():
+        statuses = {r.status for r in ours.values()}
+        untouched = len(ours) > 1 and len(statuses) == 1 and statuses <= {NOT_ATTEMPTED, MISSING}
+        groups += [ours] if untouched else [{key: r} for key, r in ours.items()]
+    return groups
+
+
+def _label(group: dict[str, Result]) -> str:
+    """An exercise's id (or a file's name, for a notebook whose lab cannot be told); ``03_*`` for a notebook's."""
+    return next(iter(group)) if len(group) == 1 else f"{_lab_of_entry(next(iter(group)))}_*"
+
+
+def _verdict(group: dict[str, Result]) -> str:
+    """An exercise's status, with how many of its cases passed where one failed or never ended (``failed (2/5
+    cases)``), and the reason it did not pass; a notebook's status, its exercises, and their reason where
+    they share one."""
+    if len(group) > 1:
+        reasons = {r.message for r in group.values()}
+        why = f" ({reasons.pop()})" if len(reasons) == 1 and "" not in reasons else ""
+        return f"{next(iter(group.values())).status}: {', '.join(group)}{why}"
+    (r,) = group.values()
+    cases = f" ({r.passed}/{r.total} cases)" if r.total and r.status in (FAILED, TIMEOUT, CRASHED) else ""
+    why = f": {r.message}" if r.message and r.status != PASSED else ""
+    return f"{r.status}{cases}{why}"
+
+
 def write_reports(book: dict[str, dict[str, Result]], out: Path) -> tuple[Path, Path]:
-    """grades.json (every result) and grades.csv (a row per student: the points of each exercise,
-    of each notebook where there are several (a gradebook's assignments), in all, and which
-    exercises did not pass and why, in a word; a notebook whose lab cannot be told, by its file name)."""
+    """grades.json (``_report``) and grades.csv (a row per student: the points of each exercise, blank where
+    it is missing; where there are several notebooks (a gradebook's assignments), the points of each and out of
+    how many (``_lab_total``); the points in all, out of how many, and which exercises did not pass and why, in a
+    word; a notebook whose lab cannot be told, by its file name)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
-    report = {s: {"total": _total(r)[0], "max": _total(r)[1],
-                  "exercises": {e: res.to_dict() for e, res in r.items()}} for s, r in book.items()}
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps({s: _report(r) for s, r in book.items()}, indent=2) + "\n", encoding="utf-8")
     columns = _columns(book)
     labs = sorted({get(c).lab for c in columns})
     labs = labs if len(labs) > 1 else []  # one notebook: its total is the total
     with csv_path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["student", *columns, *(f"{lab} total" for lab in labs), "total", "max", "not passed"])
+        writer.writerow(["student", *columns, *(f"{lab} {of}" for lab in labs for of in ("total", "max")), "total",
+                         "max", "not passed"])
         for student, results in book.items():
-            missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != "passed")
-            points = (f"{results[c].points:g}" if c in results else "" for c in columns)
-            per_lab = (_lab_total(results, lab) for lab in labs)
+            missed = "; ".join(f"{r.exercise} {r.status}" for r in results.values() if r.status != PASSED)
+            points = ("" if c not in results or results[c].status == MISSING else f"{results[c].points:g}"
+                      for c in columns)
+            per_lab = (cell for lab in labs for cell in _lab_total(results, lab))
             writer.writerow([student, *points, *per_lab, *map(str, _total(results)), missed])
     return json_path, csv_path
 
 
-def _lab_total(results: dict[str, Result], lab: str) -> str:
-    """The points of one notebook's exercises; blank for a student graded on none of them."""
+def _report(results: dict[str, Result]) -> dict:
+    """A student's grades.json: the points in all and out of how many, every exercise's result, and under
+    ``unplaced`` each notebook whose lab cannot be told, by its file name, with what would place it."""
+    got, most = _total(results)
+    return {"total": got, "max": most, "exercises": {e: r.to_dict() for e, r in results.items() if e in EXERCISES},
+            "unplaced": {name: r.message for name, r in results.items() if name not in EXERCISES}}
+
+
+def _lab_total(results: dict[str, Result], lab: str) -> tuple[str, str]:
+    """The points of one notebook's exercises and out of how many: both blank for a student graded on none of
+    them, the points blank where all of them are missing."""
     ours = {e: r for e, r in results.items() if _lab_of_entry(e) == lab}
-    return f"{_total(ours)[0]:g}" if ours else ""
+    if not ours:
+        return "", ""
+    got, most = _total(ours)
+    return ("" if all(r.status == MISSING for r in ours.values()) else f"{got:g}"), str(most)
 
 
 def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
@@ -592,6 +648,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"], spec["threads"])
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
+    shell.user_ns.update(exit=sys.exit, quit=sys.exit)  # IPython's, which ask a terminal or kernel to end, fail here
     failed = _run_cells(shell, "a setup cell", spec["setup"])
     if failed is None:
         for src in spec["earlier"]:  # what an earlier exercise's cell defines is this one's to use, its errors are not
@@ -606,7 +663,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
         result = run_cases(exercise, fn, starting=lambda case, passed, total: _write_whole(case_file, _case_fields(
             case, passed, total)))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
-    outcome["message"] = _shortened(outcome["message"]) + _notes(outcome["message"], spec["memory_bytes"])
+    outcome["message"] = _shortened(outcome["message"])
     _write_whole(Path(result_path), outcome)
 
 
@@ -624,22 +681,50 @@ def _write_whole(path: Path, record: dict) -> None:
 
 
 def _shortened(message: str) -> str:
-    """A message cut to ``_MESSAGE_LIMIT`` characters (a student's exception may hold megabytes)."""
+    """A message without its lines of only spaces (torch's after "Tensor-likes are not close!"), cut to
+    ``_MESSAGE_LIMIT`` characters (a student's exception may hold megabytes)."""
+    message = "\n".join(line for line in message.split("\n") if line.strip())
     if len(message) <= _MESSAGE_LIMIT:
         return message
     return f"{message[:_MESSAGE_LIMIT]}... ({len(message) - _MESSAGE_LIMIT:,} more characters)"
 
 
-def _notes(message: str, memory_bytes: int) -> str:
-    """What the grader does differently from the notebook, where a failure's message suggests that it mattered."""
+def _with_note(message: str, note: str) -> str:
+    """``message`` with ``note: ...`` on a line of its own (the note alone where there is no message, the
+    message alone where there is no note)."""
+    if not note:
+        return message
+    return f"{message}\n    note: {note}" if message else f"note: {note}"
+
+
+def _notes(message: str, memory_bytes: int, unrun: list[str]) -> list[str]:
+    """What the grader does differently from the notebook, where a failure's message suggests that it mattered;
+    ``unrun``: the sources of the notebook's code cells that the grader did not run."""
     notes = []
     if "raised NameError" in message and "a setup cell" not in message:  # it passes inline, maybe
-        notes.append("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell "
-                     "of your own, move it into the exercise cell")
+        notes.append(_name_note(message, unrun))
     if re.search(r"\bMemoryError\b|can't allocate memory", message):  # not CUDA's OutOfMemoryError: uncapped
         notes.append(f"while graded, an exercise may allocate {memory_bytes / 2**30:.1f} GiB beyond what the "
                      "grader's own process holds")
-    return "".join(f"\n    note: {note}" for note in notes)
+    return notes
+
+
+def _name_note(message: str, unrun: list[str]) -> str:
+    """For a NameError, the first cell the grader did not run that binds the name (a demo's import, say), by its
+    first line; where none does, that the grader runs only the setup cells and the exercise cells."""
+    name = re.search(r"NameError: name '(\w+)' is not defined", message)
+    binder = next((src for src in unrun if name and name[1] in notebook.bound_names(src)), None)
+    if binder is None:
+        return ("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell of "
+                "your own, move it into the exercise cell")
+    return (f"{name[1]} is defined by a cell the grader does not run (the one that begins "
+            f"`{_first_line(binder)}`): import or define it in the exercise cell")
+
+
+def _first_line(source: str, limit: int = 60) -> str:
+    """The first line of a cell that is not blank, cut to ``limit`` characters."""
+    line = next((line.strip() for line in source.split("\n") if line.strip()), "")
+    return line if len(line) <= limit else f"{line[:limit - 3]}..."
 
 
 def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | None:
@@ -650,9 +735,21 @@ def _run_cells(shell: InteractiveShell, kind: str, sources: list[str]) -> str | 
         # a syntax error in the cell itself: its text names IPython's file for the cell, so say the line
         if isinstance(ran.error_before_exec, SyntaxError) and error.lineno:
             return f"{kind} raised {type(error).__name__}: {error.msg} (line {error.lineno} of the cell)"
+        if isinstance(error, SystemExit):  # its text is only its code, often none
+            code = "" if error.code is None else f" with code {error.code!r}"
+            return f"{kind} called sys.exit, exit() or quit(){code}{_cell_line(error)}: remove the call"
         if error is not None:
             return f"{kind} raised {type(error).__name__}: {error}"
     return None
+
+
+def _cell_line(error: BaseException) -> str:
+    """`` (line 3 of the cell)``: the last line of the cell's own code that ``error`` passed through (the cell
+    is the first ``<module>`` of its traceback); empty where it passed through none."""
+    frames = traceback.extract_tb(error.__traceback__)
+    cell = next((f.filename for f in frames if f.name == "<module>"), None)
+    lines = [f.lineno for f in frames if f.filename == cell]
+    return f" (line {lines[-1]} of the cell)" if lines else ""
 
 
 def _limits() -> str:

@@ -23,6 +23,7 @@ BROKEN_EX1 = {
     "raises": "raise RuntimeError('boom')\n",
     "syntax": "def matmul_intensity(m, n, k, b=2)\n    return 1\n",
     "exits": "import sys\nsys.exit(3)\n",
+    "quits": "x = 1\nquit()\n",  # IPython's quit, which a bare shell cannot honour
     "hard_exits": "import os\ndef matmul_intensity(m, n, k, b=2):\n    os._exit(7)\n",
     "crashes_at_top": "import os\nos._exit(9)\n",  # and ex00.2's worker, which runs this cell first, crashes too
     "loops_at_top": "while True:\n    pass\n",
@@ -34,6 +35,10 @@ BROKEN_EX1 = {
     "renamed": "def intensity(m, n, k, b=2):\n    return 1.0\n",
     # a helper defined in a cell of the student's own: the inline check saw it, the grader does not
     "helper_elsewhere": "def matmul_intensity(m, n, k, b=2):\n    return _intensity(m, n, k, b)\n",
+    # a name the notebook's own Explore cell imports, which the grader does not run
+    "uses_a_demo": "def matmul_intensity(m, n, k, b=2):\n    assert widgets\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+    # a message with a blank line in it, as torch's "Tensor-likes are not close!\n\nMismatched elements..."
+    "blank_line": "def matmul_intensity(m, n, k, b=2):\n    raise ValueError('not close!\\n\\nMismatched')\n",
     "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
     # an exception's message of 2 MB, past the cap on a file the worker writes (its result among them)
     "shouts": "def matmul_intensity(m, n, k, b=2):\n    raise ValueError('x' * (2 << 20))\n",
@@ -173,7 +178,8 @@ def class_book(class_folder):
     ("raises", ERROR, "RuntimeError: boom"),
     ("syntax", ERROR, "the exercise cell raised SyntaxError: expected ':' (line 1 of the cell)"),
     ("imports_broken", ERROR, "broken_helper.py, line 2)"),
-    ("exits", ERROR, "SystemExit: 3"),
+    ("exits", ERROR, "the exercise cell called sys.exit, exit() or quit() with code 3 (line 2 of the cell): remove"),
+    ("quits", ERROR, "the exercise cell called sys.exit, exit() or quit() (line 2 of the cell): remove the call"),
     ("hard_exits", CRASHED, "exited with code 7"),
     ("crashes_at_top", CRASHED, "exited with code 9"),
     ("zipped", MISSING, "no notebook 00_* submitted"),  # a folder with its notebook one level deeper
@@ -182,11 +188,15 @@ def class_book(class_folder):
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
+    ("uses_a_demo", "failed", "note: widgets is defined by a cell the grader does not run (the one that begins "
+                              "`import ipywidgets as widgets`): import or define it in the exercise cell"),
+    ("blank_line", "failed", "raised ValueError: not close!\n    Mismatched"),  # the line of spaces between, dropped
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
     ("reuses", "passed", ""),
     ("copy_renamed", "passed", ""),
-    ("two_copies", "passed", ""),
+    ("two_copies", "passed", "note: counted the best of the 2 notebooks submitted for 00_, this one; not "
+                             "00_welcome.ipynb (1/3 points)"),
     ("garbage", ERROR, "not a readable notebook"),
     ("hoards", "failed", "can't allocate memory: you tried to allocate"),  # and the note of the cap after it
     ("shouts", "failed", "xxx... (2,"),  # cut short, where the whole message stopped the grader
@@ -444,6 +454,55 @@ def test_one_students_grades_are_a_list_and_a_notebook_left_untouched_is_one_lin
     assert lines[1].split() == ["ex00.1", "2/2", "passed"] and lines[2].split()[:3] == ["ex00.2", "0/1", "failed:"]
     assert lines[3].split()[:4] == ["01_*", f"0/{sum(e.points for e in for_lab('01'))}", "not", "attempted:"]
     assert len(lines) == 4
+
+
+def _results(lab, status, **fields):
+    """Every exercise of ``lab`` with ``status``, 0 points (full points where passed)."""
+    from labkit.check import Result
+
+    return {ex.id: Result(ex.id, status, ex.points if status == "passed" else 0, ex.points, **fields)
+            for ex in for_lab(lab)}
+
+
+def test_the_table_gives_an_untouched_notebook_one_line_and_a_failure_its_cases():
+    from labkit.check import FAILED, NOT_ATTEMPTED, Result
+
+    book = {"bob": {**_results("00", NOT_ATTEMPTED, message="a stub"), **_results("01", "passed")},
+            "carol": {"ex00.1": Result("ex00.1", FAILED, 0, 2, 2, 5, "first failure, case 3"),
+                      "ex00.2": Result("ex00.2", TIMEOUT, 0, 1, 1, 4, "stopped after 8 s in case 2 of 4"),
+                      "ex01.1": Result("ex01.1", ERROR, 0, 1, message="the exercise cell raised NameError"),
+                      **{k: r for k, r in _results("01", "passed").items() if k != "ex01.1"}},
+            "ivan": {**_results("00", MISSING, message="no notebook 00_* submitted"),
+                     **_results("01", MISSING, message="no notebook 01_* submitted")}}
+    notes = table(book).split("\n\n")[1].splitlines()
+    assert notes == ["bob 00_*: not attempted: ex00.1, ex00.2 (a stub)",
+                     "carol ex00.1: failed (2/5 cases): first failure, case 3",
+                     "carol ex00.2: timeout (1/4 cases): stopped after 8 s in case 2 of 4",
+                     "carol ex01.1: error: the exercise cell raised NameError",
+                     "ivan 00_*: missing: ex00.1, ex00.2 (no notebook 00_* submitted)",
+                     "ivan 01_*: missing: ex01.1, ex01.2, ex01.3 (no notebook 01_* submitted)"], notes
+
+
+def test_the_reports_leave_what_is_missing_blank_and_give_each_notebook_its_maximum(tmp_path):
+    from labkit.check import FAILED, Result
+
+    untitled = Result("Untitled.ipynb", MISSING, 0, 0, message="its lab cannot be told")
+    book = {"ann": {**_results("00", "passed"), "ex00.1": Result("ex00.1", FAILED, 0, 2),  # submitted, wrong: 0
+                    **_results("01", MISSING)},
+            "heidi": {**_results("00", "passed"), **_results("01", MISSING), "Untitled.ipynb": untitled},
+            "ivan": {**_results("00", MISSING), **_results("01", MISSING)}}
+    write_reports(book, tmp_path)
+    with (tmp_path / "grades.csv").open() as f:
+        header, *rows = list(csv.reader(f))
+    assert header[6:] == ["00 total", "00 max", "01 total", "01 max", "total", "max", "not passed"], header
+    assert [row[1:10] for row in rows] == [["0", "1", "", "", "", "1", "3", "", "5"],
+                                           ["2", "1", "", "", "", "3", "3", "", "5"],
+                                           ["", "", "", "", "", "", "3", "", "5"]], rows
+    assert [row[10:12] for row in rows] == [["1", "8"], ["3", "8"], ["0", "8"]]  # the total, a number still
+    report = json.loads((tmp_path / "grades.json").read_text())
+    assert sorted(report["heidi"]["exercises"]) == ["ex00.1", "ex00.2", "ex01.1", "ex01.2", "ex01.3"]
+    assert report["heidi"]["unplaced"] == {"Untitled.ipynb": "its lab cannot be told"}
+    assert report["ann"]["unplaced"] == {}
 
 
 def test_a_missing_notebook_and_bad_paths(class_book, tmp_path):
