@@ -131,6 +131,7 @@ class BlockPool:
         self.tables.setdefault(seq_id, []).extend(blocks)
         return blocks
 
+    @answer_to("ex03.3")  # a fork in one call
     def share(self, seq_id: Hashable, blocks: Sequence[int]) -> None:
         """Append ``blocks``, which others hold, to ``seq_id``'s table (a new table if it has none):
         each gains an owner, and no data is copied. Every block is checked before any is held."""

@@ -36,6 +36,7 @@ def slot_mapping(block_tables: Tensor, positions: Tensor, block_size: int) -> Te
     return torch.where(positions >= 0, blocks * block_size + clamped % block_size, -1)
 
 
+@answer_to("ex03.4")
 def gather_kv(pool: Tensor, block_tables: Tensor, length: int) -> Tensor:
     """Positions 0..length-1 of each sequence, ``[B, n_kv_heads, length, head_dim]``, read from a
     layer's pool ``[num_blocks, block_size, n_kv_heads, head_dim]`` a whole block at a time

@@ -1,6 +1,7 @@
 """Exercises of notebook 03: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from labkit.check import FAILED, run_cases
@@ -35,7 +36,8 @@ def test_lab03_plausible_mistakes_fail(root):
                 raise OutOfBlocks("too few")
             return blocks
     result = run_cases(get("ex03.2"), Greedy)
-    assert result.status == FAILED and "changed the pool first" in result.message, result.message
+    assert result.status == FAILED and "raised OutOfBlocks but changed the free blocks" in result.message, \
+        result.message
 
     class IgnoresCounts(solution):  # every block back to the free list, whoever else holds it
         def free(self, seq_id):
@@ -60,7 +62,9 @@ def test_lab03_plausible_mistakes_fail(root):
 
     class AlwaysCopies(BlockPool):  # copies even an exclusive block
         def fork(self, parent, child):
-            self.share(child, list(self.table(parent)))
+            self.tables[child] = list(self.tables[parent])
+            for block in self.tables[child]:
+                self.ref_count[block] += 1
 
         def copy_on_write(self, seq_id, index):
             new, = self.take(1)
@@ -71,7 +75,6 @@ def test_lab03_plausible_mistakes_fail(root):
     assert "labkit's own" not in result.message, result.message
 
     def unmasked(q, k_pool, v_pool, block_tables, lengths):  # attends to the noise past each length
-        from labkit.paged_attention import gather_kv
         longest = int(lengths.max())
         keys, values = gather_kv(k_pool, block_tables, longest), gather_kv(v_pool, block_tables, longest)
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)[:, :, 0]
@@ -79,8 +82,32 @@ def test_lab03_plausible_mistakes_fail(root):
     assert 0 < result.passed < result.total
 
 
+def gather_kv(pool, block_tables, length):
+    """A student's gather of each sequence's first ``length`` keys or values, [B, kv_heads, length, head_dim]
+    (labkit's own is its answer to ex03.4, which refuses a student's call)."""
+    return pool[block_tables].flatten(1, 2)[:, :length].transpose(1, 2)
+
+
+def test_labkits_own_gather_and_share_are_refused(root):
+    from labkit.paged import BlockPool
+    from labkit.paged_attention import gather_kv as labkits_gather
+
+    def borrows(q, k_pool, v_pool, block_tables, lengths):
+        longest = int(lengths.max())
+        keys, values = labkits_gather(k_pool, block_tables, longest), labkits_gather(v_pool, block_tables, longest)
+        mask = torch.arange(longest)[None] < lengths[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True,
+                                                                attn_mask=mask[:, None, None])[:, :, 0]
+    assert "labkit's answer to ex03.4" in run_cases(get("ex03.4"), borrows).message
+    solution = define(cells("solutions", root)["ex03.3"], "ForkingPool")
+
+    class ForksByShare(solution):
+        def fork(self, parent, child):
+            BlockPool.share(self, child, self.tables[parent])
+    assert "labkit's answer to ex03.3" in run_cases(get("ex03.3"), ForksByShare).message
+
+
 def test_lab03_a_failing_case_shows_its_own_hint(root):
-    from labkit.paged_attention import gather_kv
     solution = define(cells("solutions", root)["ex03.2"], "SimplePool")
 
     def position_as_slot(block_tables, positions, block_size):  # never looks at the table
@@ -139,3 +166,32 @@ def test_a_fork_that_leaves_the_counts_as_they_were_fails_and_says_so(root):
     uncounted = mistake(root, "ex03.3", counted, "")
     fails("ex03.3", uncounted, "fork, then both write the last block",
           "block 0 still has ref_count 1, expected 2: a fork gives each of the parent's blocks one more owner")
+
+
+@pytest.mark.parametrize("right, wrong, case, says", [
+    ("        for block in self.tables.pop(seq_id):", "        for block in self.tables[seq_id]:",  # the table stays
+     "allocate, then free everything", "tables have {'a': 4, 'b': 2} blocks, expected {'b': 2}"),
+])
+def test_lab03_pool_mistakes_name_what_they_left(root, right, wrong, case, says):
+    fails("ex03.2", mistake(root, "ex03.2", right, wrong), case, says)
+
+
+def test_an_undo_that_puts_the_free_blocks_back_in_another_order_passes(root):
+    """Which free block is taken next does not matter: a refused allocation may leave them in another order."""
+    undoes = ("        if n_blocks > len(self.free_blocks):\n"
+              "            raise OutOfBlocks(f\"need {n_blocks} blocks, {len(self.free_blocks)} free\")\n"
+              "        blocks = [self.free_blocks.pop() for _ in range(n_blocks)]\n",
+              "        blocks = []\n        try:\n            for _ in range(n_blocks):\n"
+              "                blocks.append(self.free_blocks.pop())\n        except IndexError:\n"
+              "            self.free_blocks.extend(blocks)  # the taken ones back, in the order taken\n"
+              "            raise OutOfBlocks('too few') from None\n")
+    assert run_cases(get("ex03.2"), mistake(root, "ex03.2", *undoes)).status == "passed"
+
+
+@pytest.mark.parametrize("wrong, says", [
+    ("return new", "expected (1, a block that was free)"),  # not a pair: said, not the check's own TypeError
+    ("return new, old", "the new block first; return (old, new)"),
+])
+def test_copy_on_write_returning_the_wrong_shape_is_said(root, wrong, says):
+    result = fails("ex03.3", mistake(root, "ex03.3", "return old, new", wrong), "fork, then both write", says)
+    assert "TypeError" not in result.message

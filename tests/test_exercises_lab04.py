@@ -1,6 +1,8 @@
 """Exercises of notebook 04: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import pytest
+
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
@@ -69,7 +71,7 @@ def test_lab04_plausible_mistakes_fail():
 
     def oldest(waiting, running, allocator):
         return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
-    result = fails("ex04.2", oldest, "three running", "returned should be run2, got run0")
+    result = fails("ex04.2", oldest, "three running", "returned should be request run2, got request run0")
     assert "of the newest request (the last in running)" in result.message, result.message
 
     def keeps_blocks(waiting, running, allocator):  # forgets to free: the blocks leak
@@ -149,3 +151,23 @@ def test_off_by_ones_found_by_mutating_the_solutions_fail(root):
           "the one left is still a budget")
     fails("ex04.3", mistake(root, "ex04.3", "if len(token_times) > 1", "if len(token_times) > 2"),
           "two tokens: one gap", "None only for a single token")
+
+
+@pytest.mark.parametrize("ex_id, right, wrong, case, says", [
+    ("ex04.2", "return victim", "return victim.request_id", "three running", "got the id 'run2', not the request"),
+    ("ex04.1", "scheduled.append((request, n))", "scheduled.append((request.request_id, n))", "three prompts",
+     "('r0', 5), not a (request, tokens) pair"),  # the check's own AttributeError no more
+    ("ex04.1", "    return scheduled", "    return tuple(scheduled)", "three prompts", "of type tuple"),
+    ("ex04.1", "budget > 0 and", "budget >= 0 and", "one token of budget left",
+     "a request admitted with 0 tokens scheduled"),
+])
+def test_lab04_a_result_of_another_shape_is_said_so(root, ex_id, right, wrong, case, says):
+    result = fails(ex_id, mistake(root, ex_id, right, wrong), case, says)
+    assert "AttributeError" not in result.message, result.message
+
+
+def test_gaps_in_an_array_are_right_values_of_another_type(root):
+    result = fails("ex04.3", mistake(root, "ex04.3", "[b - a for a, b in zip(token_times, token_times[1:])]",
+                                     "__import__('numpy').diff(token_times)"), "three tokens",
+                   "'itl': the values are right, but in a ndarray: expected a list")
+    assert "hint:" not in result.message

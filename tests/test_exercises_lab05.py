@@ -37,7 +37,7 @@ def test_lab05_plausible_mistakes_fail():
     def k_terms(a, k, c):  # sums a^0..a^(k-1): forgets the bonus token
         tokens = k if a == 1 else (1 - a ** k) / (1 - a)
         return tokens, tokens / (k * c + 1)
-    result = fails("ex05.3", k_terms, "a = 0.8, k = 4, free draft", "1 + a + ... + a^k tokens: k + 1 terms")
+    result = fails("ex05.3", k_terms, "a = 0.8, k = 4, free draft", "the target's own token, which every call emits")
     assert "tokens_per_call: expected 3.3616, got 2.952" in result.message, result.message
 
 
@@ -86,3 +86,9 @@ def test_lab05_a_failing_case_shows_its_own_hint():
 def test_a_speedup_without_the_verification_step_fails_naming_the_rounds_cost(root):
     no_verification = mistake(root, "ex05.3", "tokens / (k * c + 1)", "tokens / (k * c)")  # the round's cost forgets v
     fails("ex05.3", no_verification, "a = 0.8, k = 4, free draft", "plus one target step, the verification")
+
+
+def test_accepted_tokens_as_a_tensor_are_right_values_of_another_type(root):
+    result = fails("ex05.2", mistake(root, "ex05.2", "list(draft[:accepted])", "torch.tensor(draft[:accepted])"),
+                   "all three accepted", "the values are right, but in a Tensor: expected a list")
+    assert "hint:" not in result.message

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, SaysWhatToDo, Scenario
 from labkit.paged import BlockPool, OutOfBlocks, check_invariants
 
 
@@ -42,20 +42,24 @@ def _slot_cases() -> list[Case]:
             for label, tables, positions, size, hint in runs]
 
 
+_PARTS = ("the free blocks", "the reference counts", "the tables")
+
+
 def _state(pool: Any) -> tuple:
-    return list(pool.free_blocks), list(pool.ref_count), {s: list(t) for s, t in pool.tables.items()}
+    """What a refused call must leave as it was (the free blocks in any order: which is taken next does not matter)."""
+    return sorted(pool.free_blocks), list(pool.ref_count), {s: list(t) for s, t in pool.tables.items()}
 
 
 def _compare(pool: Any, reference: BlockPool, what: str) -> None:
-    """The pool's invariants hold, and it has as many free blocks and as long tables as the reference."""
-    try:
-        check_invariants(pool.free_blocks, pool.ref_count, pool.tables)
-    except AssertionError as error:
-        raise AssertionError(f"after {what}: {error}") from None
+    """The pool has as long tables as the reference, its invariants hold, and it has as many free blocks."""
     lengths = {s: len(t) for s, t in pool.tables.items()}
     expected = {s: len(t) for s, t in reference.tables.items()}
     if lengths != expected:
         raise AssertionError(f"after {what}: tables have {lengths} blocks, expected {expected}")
+    try:
+        check_invariants(pool.free_blocks, pool.ref_count, pool.tables)
+    except AssertionError as error:
+        raise AssertionError(f"after {what}: {error}") from None
     if len(pool.free_blocks) != reference.num_free:
         raise AssertionError(f"after {what}: {len(pool.free_blocks)} free blocks, expected {reference.num_free}")
 
@@ -71,8 +75,9 @@ def _refused(what: str, pool: Any, reference_call: Callable[[], Any], pool_call:
         try:
             pool_call()
         except OutOfBlocks:
-            if _state(pool) != before:
-                raise AssertionError(f"{what} raised OutOfBlocks but changed the pool first") from None
+            changed = [part for part, was, now in zip(_PARTS, before, _state(pool)) if was != now]
+            if changed:
+                raise AssertionError(f"{what} raised OutOfBlocks but changed {' and '.join(changed)} first") from None
             return True
         raise AssertionError(f"{what} should raise OutOfBlocks: {why}") from None
     return False
@@ -180,14 +185,14 @@ def _fork(pool: Any, reference: BlockPool, parent: str, child: str) -> None:
     pool.fork(parent, child)
     reference.fork(parent, child)
     if pool.tables[child] is pool.tables[parent]:
-        raise AssertionError(f"after {what}: the child's table is the parent's list object itself; give the child "
+        raise SaysWhatToDo(f"after {what}: the child's table is the parent's list object itself; give the child "
                              f"a copy (list(...)), or a write to one would change both tables")
     if pool.tables[child] != pool.tables[parent]:
         raise AssertionError(f"after {what}: the child's table {pool.tables[child]} must be the parent's "
                              f"{pool.tables[parent]} (shared blocks, nothing copied)")
     for block, before in zip(parent_blocks, counts_before):
         if pool.ref_count[block] != before + 1:
-            raise AssertionError(
+            raise SaysWhatToDo(
                 f"after {what}: block {block} {'still ' * (pool.ref_count[block] == before)}has ref_count "
                 f"{pool.ref_count[block]}, expected {before + 1}: a fork gives each of the parent's blocks one more "
                 f"owner, the child, so fork must raise each one's ref_count by one")
@@ -210,7 +215,10 @@ def _copy_on_write(pool: Any, reference: BlockPool, seq: str, index: int) -> Non
         if got is not None or pool.tables[seq][index] != old:
             raise AssertionError(f"{what}: block {old} is not shared, so nothing to copy: expected None and "
                                  f"the table unchanged, got {got!r}")
-    elif got is None or tuple(got) != (old, pool.tables[seq][index]) or got[1] not in free_before:
+    elif isinstance(got, (tuple, list)) and list(got) == [pool.tables[seq][index], old] != [old, old]:
+        raise SaysWhatToDo(f"{what}: returned {got!r}, the new block first; return (old, new), the old block first")
+    elif (not isinstance(got, (tuple, list)) or tuple(got) != (old, pool.tables[seq][index])
+          or got[1] not in free_before):
         raise AssertionError(f"{what}: block {old} is shared, so expected ({old}, a block that was free) with "
                              f"the table pointing at the new block, got {got!r} and table {pool.tables[seq]}")
     _compare(pool, reference, what)

@@ -5,7 +5,7 @@ from collections import deque
 from typing import Any, Callable
 
 from labkit.engine import Request, admit, preempt_newest
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, SaysWhatToDo, Scenario, _short
 from labkit.generate import SamplingParams
 from labkit.paged import BlockAllocator
 
@@ -28,15 +28,28 @@ def _running(allocator: BlockAllocator, *requests: Request) -> list[Request]:
 
 
 def _summary(state: State, result: Any) -> tuple:
-    """What a scheduling function must leave behind: the result (ids), the queues (ids), the
+    """What a scheduling function must leave behind: the result (requests by their ids), the queues (ids), the
     pool's free blocks and tables, and each request's progress."""
     waiting, running, allocator = state
     allocator.check()
-    ids = [(r.request_id, n) for r, n in result] if isinstance(result, list) else getattr(result, "request_id", result)
     requests = list(waiting) + running
-    return (ids, [r.request_id for r in waiting], [r.request_id for r in running], allocator.num_free,
+    return (_returned(result), [r.request_id for r in waiting], [r.request_id for r in running], allocator.num_free,
             {s: len(t) for s, t in allocator.tables.items()},
             {r.request_id: (r.num_computed, r.status, r.preemptions, r.output) for r in requests})
+
+
+def _returned(result: Any) -> Any:
+    """A returned request as ``request r0``; a list of (request, tokens) pairs as such pairs; anything else as
+    what it is, so that an id or a pair of another shape never matches a request."""
+    if isinstance(result, Request):
+        return f"request {result.request_id}"
+    if isinstance(result, list):
+        return [(_returned(item[0]), item[1]) if isinstance(item, tuple) and len(item) == 2
+                and isinstance(item[0], Request) else f"{_short(item)}, not a (request, tokens) pair"
+                for item in result]
+    if isinstance(result, str):
+        return f"the id {result!r}, not the request"
+    return f"{_short(result)}, of type {type(result).__name__}"
 
 
 _FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "free blocks", "blocks per sequence",
@@ -51,7 +64,11 @@ def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: C
         state, extra = build()
         expected = _summary(state, reference(*state, *extra))
         state, extra = build()
-        got = _summary(state, fn(*state, *extra))
+        result = fn(*state, *extra)
+        if isinstance(result, list) and any(isinstance(item, tuple) and item[1:] == (0,) for item in result):
+            raise SaysWhatToDo("a request admitted with 0 tokens scheduled: once the budget is spent, admit no one "
+                               "(the loop runs while the budget is above 0)")
+        got = _summary(state, result)
         for name, want, have in zip(_FIELDS, expected, got):
             if want != have:
                 raise AssertionError(f"{name} should be {want}, got {have}")  # check names the case

@@ -59,10 +59,9 @@ def _verify_cases() -> list[Case]:
 def _gain_cases() -> list[Case]:
     settings = [
         ("a = 0.8, k = 4, free draft", (0.8, 4, 0.0),
-         "a round costs k draft steps of c target steps each plus one target step, the verification: k c + 1, which "
-         "is 1 for a free draft (c = 0), so here the speedup equals the tokens per call; a round yields "
-         "1 + a + ... + a^k tokens: k + 1 terms, the 1 for the target's own token, which every call emits, and a^i for "
-         "the chance that the first i drafts are all accepted"),
+         "a round costs k draft steps of c target steps each plus one target step, the verification, so with a free "
+         "draft (c = 0) the speedup equals the tokens per call. Those count the target's own token, which every "
+         "call emits, and each draft token with the chance that it and every draft before it are accepted"),
         ("a = 0.6, k = 3, draft at 1/10 of the target", (0.6, 3, 0.1),
          "a round costs k draft steps of c target steps each, plus one verification costing one target step"),
         ("a perfect draft: k + 1 tokens per call", (1.0, 5, 0.05),

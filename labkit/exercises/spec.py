@@ -193,6 +193,10 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             _at(repr(key), got[key], expected[key], rtol, atol)
     else:
         if not isinstance(got, (tuple, list)):
+            if _listed_matches(got, expected, rtol, atol):
+                kind = type(expected).__name__
+                raise WrongType(f"the values are right, but in a {type(got).__name__}: expected a {kind} "
+                                f"({kind}(x.tolist()))")
             raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
                                  f"{_short(got)} (of type {type(got).__name__})")
         if len(got) != len(expected):
@@ -207,6 +211,18 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             moved = ", ".join(f"index {i} holds what belongs at index {j}" for i, j in enumerate(order) if i != j)
             raise SaysWhatToDo(f"the items are right, but in another order ({moved}): return them in the order the "
                                "spec gives") from None
+
+
+def _listed_matches(got: Any, expected: Sequence[Any], rtol: float, atol: float) -> bool:
+    """Whether ``got``, a tensor or an array (anything with ``tolist``), holds ``expected``'s items."""
+    listed = got.tolist() if callable(getattr(got, "tolist", None)) else None
+    if not isinstance(listed, list):
+        return False
+    try:
+        assert_matches(type(expected)(listed), expected, rtol, atol)
+    except AssertionError:
+        return False
+    return True
 
 
 def _another_order(got: Sequence[Any], expected: Sequence[Any], rtol: float, atol: float) -> tuple[int, ...] | None:
