@@ -48,6 +48,11 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
                                             "tl.max over axis 1, the keys"),
     "V's tokens at K's stride": ((("V + keys[:, None] * stride_vt", "V + keys[:, None] * stride_kt"),), STRIDES,
                                  "use stride_kt for keys and stride_vt for values"),
+    "the value load reads one key past S": (((V_MASK, "mask=(keys[:, None] <= S) & (dims[None, :] < HEAD_DIM)"),),
+                                            RAGGED, "the output is wrong, and a load read past a tensor: 32 "
+                                                    "elements outside the tensors; the first: V[0, 0, 40, 0]"),
+    "the running maximum dropped": ((("m_new = tl.maximum(m_i, tl.max(scores, 1))", "m_new = tl.max(scores, 1)"),),
+                                    PREFIX, "a NaN in the running state comes from -inf - (-inf)"),
 }
 
 
@@ -66,7 +71,8 @@ def test_ex07_1_mistakes_fail_first_where_their_hint_names_them():
 
 
 # caught by watching the loads, which only Triton's interpreter allows: on a GPU the check passes them
-WATCHED_ONLY = {"the key load reads one key past S", "the value load reads one dim past the head",
+WATCHED_ONLY = {"the key load reads one key past S", "the value load reads one key past S",
+                "the value load reads one dim past the head",
                 "the key load without other=0.0", "the value load without other=0.0"}
 
 

@@ -211,7 +211,8 @@ def test_lab09_router_mistakes_fail(root, quick):
          "                queue = self.queues[request_id]\n", "a client disconnects", "raised KeyError: 'a'"),
         ("        self.engine.abort(request_id)\n", "", "a client disconnects", "the engine still holds the request"),
         ("        self.engine.abort(request_id)\n        queue.put_nowait(None)\n",
-         "        self.engine.abort(request_id)\n", "a client disconnects", "received [100, 101] and then nothing"),
+         "        self.engine.abort(request_id)\n", "a client disconnects",  # ended later (a step), or never
+         "abort('a') returned, but the request's stream has not ended: put None in its queue now"),
         ("        queue = self.queues.pop(request_id, None)\n"
          "        if queue is None:  # finished, aborted already, or never added: nothing to do\n"
          "            return\n",
@@ -294,3 +295,31 @@ def test_edges_found_by_mutating_the_solutions_fail(root):
           "the limits, met exactly", "exactly at its limit meets it (<=)")
     fails("ex09.3", mistake(root, "ex09.3", "ttft * 1000 <=", "ttft * 999 <="), "the limits, met exactly",
           "one a hair over (0.1 ms, 0.05 ms) does not")
+
+
+@pytest.mark.parametrize("ex_id, right, wrong, case", [
+    # str chunks never carried over: only a text case cut inside a line catches it
+    ("ex09.1", "buffer += chunk.encode() if isinstance(chunk, str) else chunk",
+     "buffer = (chunk.encode() if isinstance(chunk, str) else buffer + chunk)", "text, cut every 11 characters"),
+])
+def test_lab09_slips_the_earlier_cases_let_through_fail(root, ex_id, right, wrong, case):
+    fails(ex_id, mistake(root, ex_id, right, wrong), case, "")
+
+
+def test_a_decoder_that_replaces_only_the_first_invalid_byte_fails():
+    def first_error_only(token_bytes):
+        out, pending = [], b""
+        for token in token_bytes:
+            pending += token
+            try:
+                out.append(pending.decode())
+                pending = b""
+            except UnicodeDecodeError as error:
+                if error.reason == "unexpected end of data":
+                    out.append(pending[:error.start].decode(errors="replace"))
+                    pending = pending[error.start:]
+                else:
+                    out.append(pending.decode(errors="replace"))
+                    pending = b""
+        return out + [pending.decode(errors="replace")]
+    fails("ex09.2", first_error_only, "an invalid byte, then the start of a character", "Every invalid byte")

@@ -20,7 +20,7 @@ def _bytes_cases() -> list[Case]:
         ("Llama-2-70B as if MHA (64 KV heads), 2,048 tokens, fp16", "Llama-2-70B", 64, 2048, 1, "fp16",
          "MHA, where both head counts are equal: if this fails, the formula itself is off (a key AND a value, "
          "per layer, per head, per token, head_dim elements each, times the bytes of one element: bytes, not "
-         "bits, so 2 for fp16)"),
+         "bits, so 2 for fp16; and the count in bytes, not GB or GiB)"),
         ("Llama-2-70B with GQA (8 KV heads), 2,048 tokens, fp16", "Llama-2-70B", None, 2048, 1, "fp16",
          "GQA: 64 query heads but only 8 KV heads. Which of the two head counts has a key and a value in "
          "the cache?"),
@@ -64,11 +64,13 @@ class _CopyWatch(TorchFunctionMode):
         for name, tensor in (("q", q), ("k", k), ("v", v)):
             self._remember(tensor, frozenset(name))
         self.copy: str | None = None
+        self.fused = False  # whether it called torch's fused attention, the check's reference
 
     def _remember(self, tensor: Tensor, source: frozenset) -> None:
         self.sources[id(tensor)] = (source, tensor)  # the tensor is kept alive, so its id is not reused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.fused = self.fused or func is F.scaled_dot_product_attention
         out = func(*args, **(kwargs or {}))
         inputs = [self.sources[id(t)][0] for t in _tensors((args, kwargs)) if id(t) in self.sources]
         source = frozenset().union(*inputs)  # which of q, k and v the result was computed from
@@ -103,6 +105,10 @@ class _ViewsCase(Case):
                 return fn(q, k, v)
 
         super().run(watched)  # first the result: a wrong one is reported as such
+        if any(watch.fused for watch in watches):
+            raise SaysWhatToDo("the result is right, but it is torch's scaled_dot_product_attention, the reference "
+                               "the check compares with: write the arithmetic yourself (the scores, their scale, the "
+                               "causal mask, the softmax over the keys, the weights times the values)")
         copy = next((watch.copy for watch in watches if watch.copy), None)
         if copy:
             raise SaysWhatToDo(f"the result is right, but {copy}: the text asks for views: expand (or a size-1 "
@@ -115,8 +121,9 @@ class _ViewsCase(Case):
 def _gqa_cases() -> list[Case]:
     shapes = [  # batch, query heads, KV heads, tokens, head_dim, what the case tests
         ("MHA: 4 query heads, 4 KV heads", (1, 4, 4, 6, 16),
-         "one query head per KV head, plain causal attention: check the scale 1/sqrt(head_dim) and that "
-         "query i sees keys 0..i only (the future masked with -inf before the softmax)"),
+         "one query head per KV head, plain causal attention: check the scale 1/sqrt(head_dim), that "
+         "query i sees keys 0..i only (the future masked with -inf before the softmax), and that the softmax "
+         "runs over the keys, the last dimension (each query's weights sum to 1)"),
         ("GQA: 8 query heads in 2 groups of 4, batch 2", (2, 8, 2, 9, 32),
          "query heads 0-3 share KV head 0 and 4-7 share KV head 1 (consecutive heads, not every other "
          "one); with batch 2, no shape may assume batch 1. The first case where a copy of k per query "

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit.exercises.spec import Case, Exercise, Scenario
+from labkit.exercises.spec import Case, Exercise, SaysWhatToDo, Scenario
 from labkit.kernels import flash_attention, interpreted, online_softmax_update, reference_attention
 from labkit.kernels.bounds import watched_loads
 
@@ -40,7 +40,8 @@ def _online_cases() -> list[Case | Scenario]:
              hint="from the empty state the factor exp(m - m_new) is exp(-inf) = 0, so m, l and acc are the tile's "
                   "own: its row maximum, the sum of exp(scores - that maximum), and those weights times values; "
                   "acc stays unnormalised (not divided by l: that happens once, after the last tile); "
-                  "a NaN here comes from -inf - (-inf), taken where it should not be"),
+                  "a NaN here comes from -inf - (-inf), taken where it should not be, or from exp of a positive "
+                  "difference overflowing to inf, times a sum of 0 (the factor is exp(m - m_new), at most 1)"),
         Case("a tile with larger scores: the running sum and output are rescaled", (*first, larger, values[8:16]),
              online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6,
              hint="every row's maximum grows here: l and acc were summed as exp(s - old m) and must be multiplied by "
@@ -101,14 +102,34 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
             raise NotImplementedError("the kernel still raises NotImplementedError") from None
         raise
     tolerance = 2e-5 if dtype == torch.float32 and device == "cpu" else 2e-3  # a GPU runs fp32 dots in TF32
-    torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal), rtol=tolerance, atol=tolerance)
+    try:
+        torch.testing.assert_close(out.float(), reference_attention(q, k, v, causal), rtol=tolerance, atol=tolerance)
+    except AssertionError as error:
+        if strays:  # what it read may be what went wrong: said first
+            raise AssertionError(f"the output is wrong, and a load read past a tensor: {_strays(strays)}: a mask too "
+                                 "wide or missing, or a pointer at another tensor's stride, reads there, and what it "
+                                 "reads can reach the output") from None
+        if bool(out.isnan().any()):
+            raise AssertionError(f"{error}\n{_NAN_IN_THE_STATE}") from None
+        raise
     if strays:
-        raise AssertionError(
-            f"the output is right, but a load read past a tensor: {strays[0]}"
-            f"{f' (and {len(strays) - 1} more loads past a tensor)' if len(strays) > 1 else ''}. Its values were "
-            "dropped later (a score set to -inf, a column never stored), so no output shows it here; on a GPU such "
-            "a read takes another allocation's memory, or stops the kernel with an illegal memory access. Mask "
-            "each load to the lanes inside the tensor: keys < S and dims < HEAD_DIM")
+        raise SaysWhatToDo(f"the output is right, but a load read past a tensor: {_strays(strays)}. Its values were "
+                           "dropped later (a score set to -inf, a column never stored), so no output shows it here; on "
+                           "a GPU such a read takes another allocation's memory, or stops the kernel with an illegal "
+                           f"memory access. {_MASK_EACH_LOAD}")
+
+
+_MASK_EACH_LOAD = "Mask each load to the lanes inside the tensor: keys < S and dims < HEAD_DIM"
+_NAN_IN_THE_STATE = ("NaN in the output, though every load stayed inside its tensor: a NaN in the running state comes "
+                     "from -inf - (-inf), where a row's keys in a tile are all masked and the maximum is the tile's "
+                     "alone (the running maximum is tl.maximum(m_i, the tile's), finite once a key was seen), or from "
+                     "tl.exp2 of a positive difference, inf times a sum of 0 (alpha = tl.exp2(m_i - m_new), at most 1)")
+
+
+def _strays(strays: list[str]) -> str:
+    """The first read past a tensor, and how many more there were."""
+    more = f" (and {len(strays) - 1} more loads past a tensor)" if len(strays) > 1 else ""
+    return f"{strays[0]}{more}"
 
 
 def _kernel_cases() -> list[Scenario]:

@@ -74,13 +74,19 @@ def _parse_cases() -> list[Case | Scenario]:
         Case("bytes, cut every 7 bytes: lines and JSON split across chunks", (_cut(whole.encode(), 7),), hello,
              hint="a network chunk ends anywhere, in the middle of a line or of the JSON: keep what follows the last "
                   "newline of a chunk and put it before the next chunk; parse complete lines only"),
+        Case("text, cut every 11 characters: lines and JSON split across str chunks", ([whole[i:i + 11] for i in
+                                                                                        range(0, len(whole), 11)],),
+             hello,
+             hint="aiter_text() hands over str chunks, and they end anywhere too, in the middle of a line or of the "
+                  "JSON: keep what follows the last newline and put it before the next chunk, as for bytes"),
         Case("the whole stream in one chunk", ([whole],), hello,
              hint="one chunk may hold several events: split it into lines and handle every line, not only the "
                   "chunk's first"),
         Case("lines that end with \\r\\n, a chunk cut between the \\r and the \\n", ([crlf[:between], crlf[between:]],),
              hello,
-             hint="server-sent events may end their lines with \\r\\n: strip the \\r, or 'data: [DONE]\\r' is not "
-                  "[DONE] (and the \\r and the \\n may come in different chunks)"),
+             hint="server-sent events may end their lines with \\r\\n: split on \\n and strip the \\r from each "
+                  "line, or 'data: [DONE]\\r' is not [DONE]; an event then ends at '\\r\\n\\r\\n', not '\\n\\n' (and "
+                  "the \\r and the \\n may come in different chunks)"),
         Case("a keep-alive comment between events", ([_event("Hello"), ": keep-alive\n\n", _event(","),
                                                       _stream([" world", "!"]), _DONE],), hello,
              hint="a line that starts with ':' is a comment (servers send them so that proxies keep the connection "
@@ -141,6 +147,9 @@ def _text_cases() -> list[Case | Scenario]:
          "C0 and C1 fit 110xxxxx, and F5 fits 11110xxx, but none of them starts a character (the table's last row "
          "lists them: C0 and C1 could only spell ASCII the long way round, and F5 would go past U+10FFFF). Like FF they can never "
          "be completed, so they become U+FFFD at once: two-byte characters start at C2, four-byte ones end at F4"),
+        ("an invalid byte, then the start of a character, in one token", [b"a\x80\xe6\x97", b"\xa5"],
+         "80 continues nothing: U+FFFD at once; but the E6 97 after it start a character that the next token "
+         "completes: hold them back. Every invalid byte is replaced, not only the first, and not the bytes after it"),
         ("a character cut short by the next token", [b"\xc3", b"(x"],
          "C3 announces a two-byte character, but '(' is no continuation byte: the C3 is a broken character, U+FFFD, "
          "and the '(x' after it is text"),
@@ -228,14 +237,15 @@ def _metric_cases() -> list[Case]:
              _metrics((200, 200, 200), (50, 50, 50), 1, 5, 1, 0.4),
              hint="TTFT = first token - send; TPOT = (finish - send - TTFT) / (n - 1): the time after the first token "
                   "spread over the n - 1 tokens that follow it, not over all n; both in ms. One request: every "
-                  "percentile is its value. The three rates are per second of the run (0.4 s here, the first send "
-                  "to the last finish): 1 request, 5 output tokens (the first one too), 1 good request, not a "
-                  "fraction of the requests"),
+                  "percentile is its value, and the median is the 50th percentile (not the mean). The three rates "
+                  "are per second of the run (0.4 s here, the first send to the last finish): 1 request, 5 output "
+                  "tokens (the first one too), 1 good request, not a fraction of the requests"),
         Case("five requests sent at once: percentiles interpolate", (at_once, 1000, 100),
              _metrics((300, 460, 496), (50, 72, 79.2), 5, 15, 5, 0.58),
              hint="the p-th percentile of sorted values v_0..v_(n-1) sits at rank p/100 * (n - 1), interpolated "
                   "linearly between the two ranks around it (numpy.percentile's default): of 5 TTFTs .1 .. .5 s, p90 "
-                  "is at rank 3.6: 400 + 0.6 * 100 = 460 ms, not the nearest rank's 500"),
+                  "is at rank 3.6: 400 + 0.6 * 100 = 460 ms, not the nearest rank's 500. The run lasts from the first "
+                  "send to the last finish, 0.58 s here, not the sum of the requests' times (they overlap)"),
         Case("requests sent at different times", (staggered, 1000, 200),
              _metrics((200, 280, 298), (350 / 3, 430 / 3, 448 / 3), 3, 9, 3, 2.35),
              hint="each request's TTFT runs from its own send, not the first request's; the finish may come after the "
@@ -375,6 +385,11 @@ class _Harness:
         if self.engine.holds(request_id):
             raise AssertionError(f"abort({request_id!r}) returned, but the engine still holds the request: it would "
                                  "go on generating and keep its memory")
+        reader, task = self.readers.get(request_id, (None, None))
+        if reader is not None and not task.done() and not _ends(reader.queue):
+            raise AssertionError(f"abort({request_id!r}) returned, but the request's stream has not ended: put None "
+                                 "in its queue now, in abort (its client is gone; run() would end it a step later, "
+                                 "or never)")
 
     def tasks(self) -> list[asyncio.Task]:
         """run() (once started) and the readers."""
@@ -426,6 +441,12 @@ class _Harness:
             if after:
                 raise AssertionError(f"request {request_id!r}'s stream ended (None), and then its queue received "
                                      f"{after}: nothing may come after the end")
+
+
+def _ends(queue: asyncio.Queue) -> bool:
+    """Whether the last item put in ``queue`` and not yet taken is None, the stream's end."""
+    waiting = queue._queue  # asyncio.Queue keeps its items in a deque, and has no public way to look at them
+    return bool(waiting) and waiting[-1] is None
 
 
 def _stop_thread(thread: threading.Thread) -> None:
