@@ -19,7 +19,7 @@ import site
 import sys
 import sysconfig
 from contextlib import contextmanager
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,3 +97,42 @@ def _runs_students_code(frame: FrameType) -> bool:
         module_file = frame.f_globals.get("__file__")
         return module_file is None or is_students(module_file)
     return is_students(frame.f_code.co_filename)
+
+
+def students_code(fn: Any) -> list[CodeType]:
+    """The code a student's function or class runs: its own (a class's functions'), the functions, classes,
+    lambdas and comprehensions nested in it, and the code of the functions defined beside it (in the same
+    namespace) that it names, each once."""
+    found: list[CodeType] = []
+    for function in functions_of(fn):
+        _collect(function.__code__, function.__globals__, found)
+    return found
+
+
+def functions_of(fn: Any) -> list[Any]:
+    """A function (unwrapped from a method or a partial); a class's own functions, properties' included."""
+    if not isinstance(fn, type):
+        fn = _plain(fn)
+        return [fn] if hasattr(fn, "__code__") else []
+    members = [m.fget if isinstance(m, property) else _plain(m) for m in vars(fn).values()]
+    return [m for m in members if hasattr(m, "__code__") and hasattr(m, "__globals__")]
+
+
+def _plain(fn: Any) -> Any:
+    """What a bound method, a static or class method, or a partial calls."""
+    while isinstance(fn, (staticmethod, classmethod, functools.partial)) or inspect.ismethod(fn):
+        fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
+    return fn
+
+
+def _collect(code: CodeType, namespace: dict, found: list[CodeType]) -> None:
+    if any(code is seen for seen in found):
+        return
+    found.append(code)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            _collect(const, namespace, found)
+    for name in code.co_names:
+        helper = namespace.get(name)
+        if getattr(helper, "__globals__", None) is namespace and hasattr(helper, "__code__"):
+            _collect(helper.__code__, namespace, found)

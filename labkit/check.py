@@ -21,7 +21,7 @@ import time
 import traceback
 from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
@@ -131,6 +131,24 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     hints = f"\n    {_hints(exercise, first_case, failed_before)}" if first_needs_hint else ""
     return Result(exercise.id, FAILED, 0, exercise.points, passed, len(cases), f"first failure, {first_failure}{hints}",
                   failed_case=first_case.label)
+
+
+def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Result:
+    """``result``, unless the grader, which runs only the setup cells and the exercise cells, would not define a
+    name ``fn`` reads: a pass is then a failure, and any result says which names."""
+    from labkit.grade import names_the_grader_lacks  # grade imports this module
+
+    lacking = names_the_grader_lacks(exercise, fn)
+    if not lacking:
+        return result
+    names = "; ".join(lacking)
+    why = (f"the grader runs only the setup cells and the exercise cells, where {names} "
+           f"{'is' if len(lacking) == 1 else 'are'} not defined: import or define "
+           f"{'it' if len(lacking) == 1 else 'them'} in this exercise's cell (and save: the grader reads the file)")
+    if result.status != PASSED:
+        return replace(result, message=f"{result.message}\n    note: {why}")
+    return replace(result, status=FAILED, points=0,
+                   message=f"every case passes here, but graded it would raise NameError: {why}")
 
 
 def _not_about_values(error: BaseException) -> bool:
@@ -279,5 +297,6 @@ def check(exercise_id: str, fn: Callable[..., Any]) -> None:
                         message=f"{stopped}{running[-1]}: an endless loop, or far too slow (the grader stops it too)")
     if result.failed_case:
         failed[result.failed_case] += 1
+    result = _as_the_grader_sees_it(result, exercise, fn)
     print(f"{exercise.title} -- {result.verdict()}")
     fail_if_strict(result.verdict() if result.status != PASSED else None)

@@ -25,8 +25,11 @@ the same), and 2 for a path that does not exist, holds no notebook or is a file 
 from __future__ import annotations
 
 import argparse
+import builtins
 import csv
+import dis
 import json
+import linecache
 import math
 import multiprocessing
 import multiprocessing.context
@@ -43,9 +46,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from labkit import notebook
+from labkit.answers import functions_of, students_code
 from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import cores, fork_server, process, threads_each
@@ -386,17 +390,75 @@ def this_notebook(name: str) -> Path:
     (``__vsc_ipynb_file__``). Where neither says (nbconvert, papermill), the notebooks of ``name``'s
     lab in the working directory (by their exercises, whatever their names): the only one, or the
     one saved last, said on stderr; ``name`` where there is none."""
-    for told in (os.environ.get("JPY_SESSION_NAME", ""), _vscode_notebook()):
-        if told.endswith(".ipynb") and Path(told).is_file():
-            return Path(told)
+    told = _told_notebook()
+    if told is not None:
+        return told
     lab = notebook.lab_of_name(name)
-    candidates = sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab and not _an_output_of_nbconvert(p)),
-                        key=lambda p: p.stat().st_mtime)
+    candidates = _notebooks_of(lab)
     if len(candidates) > 1:
         print(f"Jupyter did not say which notebook is running (nbconvert does not), and {len(candidates)} notebooks "
               f"of lab {lab} are here: {', '.join(p.name for p in candidates)}. Graded the one saved last, "
               f"{candidates[-1].name}; to grade another, run python -m labkit.grade THAT_FILE.ipynb", file=sys.stderr)
     return candidates[-1] if candidates else Path(name)
+
+
+def _told_notebook() -> Path | None:
+    """The notebook Jupyter (``JPY_SESSION_NAME``) or VS Code (``__vsc_ipynb_file__``) says this kernel runs."""
+    for told in (os.environ.get("JPY_SESSION_NAME", ""), _vscode_notebook()):
+        if told.endswith(".ipynb") and Path(told).is_file():
+            return Path(told)
+    return None
+
+
+def _notebooks_of(lab: str | None) -> list[Path]:
+    """The notebooks of ``lab`` in the working directory (by their exercises), the one saved last last."""
+    return sorted((p for p in _notebooks_in(Path.cwd()) if _lab_of(p) == lab and not _an_output_of_nbconvert(p)),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[str]:
+    """What a name ``fn``'s code reads from the notebook's namespace would be, graded, where the grader would not
+    define it: the names that no cell the grader runs for ``exercise`` binds (its setup cells, the cells of the
+    exercises up to it, and ``fn``'s own cell as the kernel ran it), each with where the notebook does bind it.
+    Empty where ``fn`` was not defined in a notebook's cell or the notebook cannot be found."""
+    functions = functions_of(fn)
+    cell = _cell_of(functions[0]) if functions else None
+    path = _told_notebook() or next(reversed(_notebooks_of(exercise.lab)), None)
+    if cell is None or path is None:
+        return []
+    try:
+        nb = notebook.read(path)
+    except ValueError:
+        return []
+    run = [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise)), cell]
+    given = set(dir(builtins)) | set(getattr(_shell(), "user_ns_hidden", ()))  # IPython's own names: In, exit, ...
+    bound = given.union(*map(notebook.bound_names, run))
+    read = dict.fromkeys(i.argval for code in students_code(fn) for i in dis.get_instructions(code)
+                         if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+    return [f"{name} ({_where_bound(name, _unrun_cells(nb, run))})" for name in read
+            if name not in bound and name in functions[0].__globals__]
+
+
+def _up_to(exercise: Exercise) -> list[Exercise]:
+    """The exercises of ``exercise``'s notebook up to it, itself included."""
+    ours = for_lab(exercise.lab)
+    return ours[:ours.index(exercise) + 1]
+
+
+def _cell_of(function: Any) -> str | None:
+    """The source of the notebook cell that defined ``function``, as the kernel ran it (IPython keeps each cell's
+    source in linecache, under a name no file has); None for code of a file."""
+    filename = function.__code__.co_filename
+    if os.path.exists(filename):
+        return None
+    return "".join(linecache.getlines(filename)) or None
+
+
+def _where_bound(name: str, unrun: list[str]) -> str:
+    """Where the notebook binds ``name`` outside the cells the grader runs: the first such cell, by its first line."""
+    binder = next((src for src in unrun if name in notebook.bound_names(src)), None)
+    return (f"defined by the cell that begins `{_first_line(binder)}`" if binder is not None
+            else "defined by a cell of yours, or one run and deleted since")
 
 
 def _an_output_of_nbconvert(path: Path) -> bool:
@@ -406,8 +468,13 @@ def _an_output_of_nbconvert(path: Path) -> bool:
 
 def _vscode_notebook() -> str:
     """The notebook VS Code runs this kernel for, which it puts in the kernel's namespace."""
-    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    shell = _shell()
     return str(shell.user_ns.get("__vsc_ipynb_file__", "")) if shell is not None else ""
+
+
+def _shell() -> Any:
+    """The IPython shell this code runs in, if any."""
+    return sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
 
 
 def grade_this(name: str) -> None:
@@ -717,8 +784,8 @@ def _name_note(message: str, unrun: list[str]) -> str:
     if binder is None:
         return ("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell of "
                 "your own, move it into the exercise cell")
-    return (f"{name[1]} is defined by a cell the grader does not run (the one that begins "
-            f"`{_first_line(binder)}`): import or define it in the exercise cell")
+    return (f"{name[1]} is {_where_bound(name[1], [binder])}, which the grader does not run: import or define it "
+            "in the exercise cell")
 
 
 def _first_line(source: str, limit: int = 60) -> str:

@@ -188,8 +188,8 @@ def class_book(class_folder):
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
-    ("uses_a_demo", "failed", "note: widgets is defined by a cell the grader does not run (the one that begins "
-                              "`import ipywidgets as widgets`): import or define it in the exercise cell"),
+    ("uses_a_demo", "failed", "note: widgets is defined by the cell that begins `import ipywidgets as widgets`, "
+                              "which the grader does not run: import or define it in the exercise cell"),
     ("blank_line", "failed", "raised ValueError: not close!\n    Mismatched"),  # the line of spaces between, dropped
     ("deleted", MISSING, "no cell tagged 'exercise' for ex00.1"),
     ("magic", "passed", ""),
@@ -629,3 +629,52 @@ def test_the_command_exits_1_when_nothing_could_be_graded(tmp_path, capsys):
         main([str(tmp_path / "notes.txt"), "--out", str(tmp_path / "g3")])
     assert refused.value.code == 2 and not (tmp_path / "g3").exists()
     assert "notes.txt is not a notebook (.ipynb): name notebooks, or folders of them" in capsys.readouterr().err
+
+
+CHECKED_IN_A_KERNEL = """
+import nbformat
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+for cell in nbformat.read("11_mine.ipynb", as_version=4).cells:
+    shell.run_cell(cell.source)
+"""
+
+
+@pytest.mark.parametrize("imports_it, says", [
+    ("", "every case passes here, but graded it would raise NameError: the grader runs only the setup cells and the "
+         "exercise cells, where tree (defined by the cell that begins `import numpy as np`) is not defined"),
+    ("    from labkit import tree\n", "[PASS] ex11.2"),  # imported in its own cell: the grader sees it
+])
+def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path, imports_it, says):
+    """ex11.2 written with notebook 11's demo import ``tree``: every case passes in the kernel, where the demo
+    cell ran, but the grader runs the setup and exercise cells only. The check says so, as a failure."""
+    solution = next(c for c in notebook.read(root / "solutions/11_speculation_without_a_draft.ipynb")["cells"]
+                    if notebook.exercise_id(c) == "ex11.2")
+    loop = ("    kids = [[] for _ in parents]\n    for node in range(1, len(parents)):\n"
+            "        kids[parents[node]].append(node)\n")
+    source = notebook.source(solution)
+    assert loop in source
+    exercise = {**solution, "source": source.replace(loop, f"{imports_it}    kids = tree.children(parents)\n")}
+    cells = [{"cell_type": "code", "metadata": {"tags": ["setup"]}, "source": "import labkit", "outputs": [],
+              "execution_count": None},
+             {"cell_type": "code", "metadata": {}, "source": "import numpy as np\nfrom labkit import tree",
+              "outputs": [], "execution_count": None},
+             exercise,
+             {"cell_type": "code", "metadata": {}, "source": 'labkit.check("ex11.2", accept_branch)', "outputs": [],
+              "execution_count": None}]
+    notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "11_mine.ipynb")
+    run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert says in run.stdout, run.stdout + run.stderr
+    if not imports_it:  # and the grader agrees, naming the same cell
+        result = grade([tmp_path / "11_mine.ipynb"], per_file=True)["11_mine"]["ex11.2"]
+        assert result.status == "failed" and "tree is defined by the cell that begins `import numpy as np`" in \
+            result.message, result
+
+
+def test_bound_names_are_a_cells_top_level_names():
+    code = ("%time x = 1\nimport numpy as np, os.path\nfrom labkit import tree as t, medusa\ndef f(a):\n    b = 1\n"
+            "class C:\n    z = 2\nx, (y, *w) = 1, (2, 3)\nfor i in range(3):\n    k = i\nq = [j for j in range(3)]\n"
+            "try:\n    pass\nexcept ValueError as e:\n    pass\nlam = lambda r: r\n")
+    assert notebook.bound_names(code) == {"np", "os", "t", "medusa", "f", "C", "x", "y", "w", "i", "k", "q", "e", "lam"}
+    assert notebook.bound_names("def broken(:\n") == set()

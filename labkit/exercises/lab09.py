@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
+from labkit.answers import students_code
 from labkit.exercises.spec import Case, Exercise, SaysWhatToDo, Scenario
 
 # ex09.1 ------------------------------------------------------------------------------------------
@@ -175,34 +176,17 @@ def _without_codecs(stream_text: Callable[[list[bytes]], list[str]]) -> None:
     """The student's code, and the functions of theirs it calls, name none of Python's incremental decoders
     (once it runs: a stub is not attempted yet)."""
     stream_text([b"ok"])
-    for name in _names_used(stream_text, set()):
+    for name in _names_used(stream_text):
         raise AssertionError(f"stream_text uses {name} from Python's codecs: it gives the right pieces, but writing "
                              "that decoder is the exercise")
 
 
-def _names_used(fn: Any, seen: set[int]) -> list[str]:
+def _names_used(fn: Any) -> list[str]:
     """The decoders among the names that ``fn``'s code (its nested functions, classes and lambdas too) and the
     functions of the same module that it calls refer to."""
-    code, found = getattr(fn, "__code__", None), []
-    if code is None or id(code) in seen:
-        return found
-    seen.add(id(code))
     module = getattr(fn, "__globals__", {})
-    for name in _code_names(code):
-        value = module.get(name)
-        if name in _DECODER_NAMES or any(value is decoder for decoder in _DECODERS):
-            found.append(name)
-        elif getattr(value, "__globals__", None) is module:  # a helper of the student's, defined beside it
-            found += _names_used(value, seen)
-    return found
-
-
-def _code_names(code: Any) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):  # a nested function, class body, lambda or comprehension
-            names += _code_names(const)
-    return names
+    return [name for code in students_code(fn) for name in code.co_names
+            if name in _DECODER_NAMES or any(module.get(name) is decoder for decoder in _DECODERS)]
 
 
 # ex09.3 ------------------------------------------------------------------------------------------
