@@ -68,20 +68,27 @@ def test_lab09_stream_text_mistakes_fail(root):
     def each_alone(token_bytes):
         return [t.decode("utf-8", errors="replace") for t in token_bytes] + [""]
 
-    def up_to_the_error(token_bytes):  # holds back from the first error: invalid bytes wait forever
-        pieces, pending = [], b""
-        for token in token_bytes:
-            pending += token
-            try:
-                pieces.append(pending.decode())
-                pending = b""
-            except UnicodeDecodeError as error:
-                pieces.append(pending[:error.start].decode())
-                pending = pending[error.start:]
-        return pieces + [pending.decode(errors="replace")]
+    def until_an_error(replaces_the_invalid):
+        """Holds back from the first error: an unfinished character, or (unless ``replaces_the_invalid``, which
+        then replaces every byte, the start of a character after the invalid one too) an invalid byte."""
+        def decode(token_bytes):
+            pieces, pending = [], b""
+            for token in token_bytes:
+                pending += token
+                try:
+                    pieces.append(pending.decode())
+                    pending = b""
+                except UnicodeDecodeError as error:
+                    ends = error.reason == "unexpected end of data" or not replaces_the_invalid
+                    pieces.append(pending[:error.start].decode(errors="replace") if ends
+                                  else pending.decode(errors="replace"))
+                    pending = pending[error.start:] if ends else b""
+            return pieces + [pending.decode(errors="replace")]
+        return decode
 
     fails("ex09.2", each_alone, "an accent cut between two tokens", "never emit U+FFFD")
-    fails("ex09.2", up_to_the_error, "invalid bytes never become a character", "become U+FFFD at once")
+    fails("ex09.2", until_an_error(False), "invalid bytes never become a character", "become U+FFFD at once")
+    fails("ex09.2", until_an_error(True), "an invalid byte, then the start of a character", "Every invalid byte")
     mistakes = [
         ("ready = len(pending) - incomplete(pending)", "ready = 0", "ASCII", "nothing is held back"),
         ('pieces.append(pending.decode("utf-8", errors="replace"))  #', 'pieces.append("")  #',
@@ -305,21 +312,3 @@ def test_edges_found_by_mutating_the_solutions_fail(root):
 def test_lab09_slips_the_earlier_cases_let_through_fail(root, ex_id, right, wrong, case):
     fails(ex_id, mistake(root, ex_id, right, wrong), case, "")
 
-
-def test_a_decoder_that_replaces_only_the_first_invalid_byte_fails():
-    def first_error_only(token_bytes):
-        out, pending = [], b""
-        for token in token_bytes:
-            pending += token
-            try:
-                out.append(pending.decode())
-                pending = b""
-            except UnicodeDecodeError as error:
-                if error.reason == "unexpected end of data":
-                    out.append(pending[:error.start].decode(errors="replace"))
-                    pending = pending[error.start:]
-                else:
-                    out.append(pending.decode(errors="replace"))
-                    pending = b""
-        return out + [pending.decode(errors="replace")]
-    fails("ex09.2", first_error_only, "an invalid byte, then the start of a character", "Every invalid byte")

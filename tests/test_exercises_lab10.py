@@ -75,14 +75,16 @@ def test_the_shipped_bytes_cases_agree_with_a_cache_of_each_shape():
 
 
 def test_the_tensor_parallel_cases_agree_with_masked_full_products():
-    """Rank r's column share: the full product's columns; its row partial sum: the full product of x with every
-    feature but the rank's zeroed, which needs no slice of the weight at all."""
+    """Rank r's column share: one dot product per output feature of the rank's, stacked (the whole product, which
+    the check refuses to a rank, is not computed); its row partial sum: the full product of x with every feature but
+    the rank's zeroed, which needs no slice of the weight at all."""
     class Masked:
         @staticmethod
         def column_parallel(x, weight, rank, world):
             if weight.shape[0] % world:
                 raise ValueError("world does not divide out_features")
-            return (x @ weight.T).unflatten(-1, (world, -1))[..., rank, :]
+            features = weight.shape[0] // world
+            return torch.stack([(x * weight[j]).sum(-1) for j in range(rank * features, (rank + 1) * features)], -1)
 
         @staticmethod
         def row_parallel(x_part, weight, rank, world):
@@ -380,3 +382,9 @@ def test_the_cases_are_what_their_labels_say(root):
         (args,) = calls
         assert f"{args[4]:,}-token" in label or f"{args[4]} tokens" in label or f"{args[4] // 1024}K" in label, label
         assert (args[1] == args[2]) == ("MHA" in label), label
+
+
+def test_a_rank_that_computes_the_whole_output_to_keep_its_share_fails(root):
+    result = fails("ex10.1", mistake(root, "ex10.1", COLUMN_SLICE, "(x @ weight.T)[..., rank * size:(rank + 1) * size]"),
+                   "column-parallel, 2 ranks", "computes the whole output, all 8 features, on the way")
+    assert "hint:" not in result.message

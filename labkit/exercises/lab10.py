@@ -45,15 +45,17 @@ against the formulas.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from labkit import memory
-from labkit.exercises.spec import (Case, ChangedInPlace, Exercise, JudgedCase, Scenario, _short, int_list, items_of,
-                                   WrongType, number_of)
+from labkit.exercises.spec import (Case, ChangedInPlace, Exercise, JudgedCase, SaysWhatToDo, Scenario, WrongType,
+                                   _short, int_list, items_of, number_of)
 from labkit.model import ContiguousKVCache, ModelConfig
 from labkit.parallel.pipeline import even_split
 from labkit.parallel.tensor import shard_heads
@@ -166,17 +168,43 @@ def _judged_share(what: str, call: Callable[[], Any], expected: Tensor, mistakes
 
 
 def _column_shares(cls: Any, x: Tensor, weight: Tensor, world: int) -> list[Tensor]:
-    """Each rank's column-parallel output, checked, and their concatenation against the full product."""
-    shares = []
+    """Each rank's column-parallel output, checked, and their concatenation against the full product; then
+    that no rank computed the whole product to keep its share of it."""
+    shares, whole = [], _WholeOutput((*x.shape[:-1], weight.shape[0]))
     for rank in range(world):
         rows = share(weight.shape[0], rank, world)
         hint = (f"x holds all {weight.shape[1]} input features, so the column-parallel layer splits the weight by rows "
                 f"(output features): weight[{rows.start}:{rows.stop}], shape [{len(rows)}, {weight.shape[1]}]")
         shares.append(_judged_share(f"column_parallel(x, weight, rank={rank}, world={world})",
-                                    lambda: _call(cls.column_parallel, x, weight, rank, world),
+                                    lambda: _call(whole.watching(cls.column_parallel), x, weight, rank, world),
                                     x @ weight[rows.start:rows.stop].T, _column_mistakes(x, weight, rank, world), hint))
     _judge_shard(f"the {world} ranks' outputs concatenated in rank order", torch.cat(shares, -1), x @ weight.T, [])
+    if world > 1 and whole.seen:
+        raise SaysWhatToDo(f"column_parallel(..., world={world}) gives each rank its share, but computes the whole "
+                           f"output, all {weight.shape[0]} features, on the way: a rank multiplies x by its own rows "
+                           f"of the weight only, {weight.shape[0] // world} of them, and that is the work it saves")
     return shares
+
+
+class _WholeOutput(TorchFunctionMode):
+    """Notes whether any operation makes a tensor of ``shape``: x's leading dimensions and every output feature."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.seen = shape, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.seen = self.seen or (isinstance(result, Tensor) and tuple(result.shape) == self.shape)
+        return result
+
+    def watching(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, run under this mode."""
+        @functools.wraps(fn)
+        def watched(*args: Any) -> Any:
+            with self:
+                return fn(*args)
+        return watched
 
 
 def _row_partials(cls: Any, parts: Sequence[Tensor], weight: Tensor, world: int) -> list[Tensor]:
