@@ -385,6 +385,7 @@ def test_the_cases_are_what_their_labels_say(root):
 
 
 def test_a_rank_that_computes_the_whole_output_to_keep_its_share_fails(root):
-    result = fails("ex10.1", mistake(root, "ex10.1", COLUMN_SLICE, "(x @ weight.T)[..., rank * size:(rank + 1) * size]"),
-                   "column-parallel, 2 ranks", "computes the whole output, all 8 features, on the way")
+    whole = "(x @ weight.T)[..., rank * size:(rank + 1) * size]"
+    result = fails("ex10.1", mistake(root, "ex10.1", COLUMN_SLICE, whole), "column-parallel, 2 ranks",
+                   "computes the whole output, all 8 features, on the way")
     assert "hint:" not in result.message
