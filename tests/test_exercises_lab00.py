@@ -23,3 +23,9 @@ def test_lab00_plausible_mistakes_fail():
     def ridge_twice_as_far(intensity, peak_flops, bandwidth):  # the crossing at twice the ridge: past the peak between
         return intensity * bandwidth if intensity < 2 * peak_flops / bandwidth else peak_flops
     fails("ex00.2", ridge_twice_as_far, "H100, a little above the ridge", "the peak is the limit already")
+
+
+def test_the_first_hint_says_which_way_an_answer_off_in_the_4th_digit_is_off():
+    def c_twice(m, n, k, bytes_per_element=2):  # C read and written: too many bytes, just below the answer
+        return 2 * m * n * k / (bytes_per_element * (m * k + k * n + 2 * m * n))
+    fails("ex00.1", c_twice, "decode step", "one below it counts bytes twice")

@@ -166,3 +166,8 @@ def test_a_step_that_scales_the_query_in_place_fails(root):
     in_place = mistake(root, "ex01.2", "    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n",
                        "    q /= math.sqrt(q.shape[-1])\n    scores = q @ keys.transpose(-2, -1)\n")
     fails("ex01.2", in_place, "empty cache", "changed its argument q in place")
+
+
+def test_a_half_dropped_by_floor_division_first_is_named_where_n_is_odd(root):
+    fails("ex01.1", mistake(root, "ex01.1", "new_tokens * (new_tokens - 1) // 2", "new_tokens // 2 * (new_tokens - 1)"),
+          "long prompt, few new tokens", "N // 2 * (N - 1) drops the half")

@@ -6,7 +6,7 @@ import torch
 from labkit.check import FAILED, PASSED, run_cases
 from labkit.exercises import get
 
-from exercise_cells import fails, solution
+from exercise_cells import fails, mistake, solution
 
 
 def test_lab06_plausible_mistakes_fail():
@@ -203,3 +203,19 @@ def test_packed_bytes_of_the_right_values_in_int64_are_a_wrong_type_without_the_
     result = run_cases(get("ex06.2"), WidePacker)
     assert result.status == FAILED and "the values are right, but of int64: expected uint8" in result.message
     assert "hint:" not in result.message, result.message
+
+
+def test_a_scale_in_a_one_element_tensor_is_a_right_value_of_another_type(root):
+    in_one = mistake(root, "ex06.1", "scale = scale.half().float()", "scale = scale.half().float()[None]")
+    result = fails("ex06.1", in_one, "64 weights, 4 bits, asymmetric", "got a tensor of shape [1]")
+    assert "hint:" not in result.message
+
+
+def test_a_weight_rebuilt_in_fp16_is_told_by_the_precision_it_misses(root):
+    """uint8 codes minus fp16 zero points, times fp16 scales: the natural path, in fp16 throughout."""
+    in_fp16 = mistake(root, "ex06.3", ("scales = layer.scales.to(x.dtype)", "zeros = layer.zeros.to(x.dtype)",
+                                       ".reshape(out_features, scales.shape[1], -1).to(x.dtype)",
+                                       "return F.linear(x, weight)"),
+                      ("scales = layer.scales", "zeros = layer.zeros", ".reshape(out_features, scales.shape[1], -1)",
+                       "return F.linear(x, weight.to(x.dtype))"))
+    fails("ex06.3", in_fp16, "INT4 g32 asymmetric", "a weight rebuilt in fp16 is off by about 1e-4")

@@ -11,7 +11,9 @@ def _intensity_cases() -> list[Case]:
         ("decode step: one token through a 4096 x 4096 fp16 layer", (1, 4096, 4096, 2),
          "with m = 1 the weight matrix B is almost all the bytes moved, and each of its elements takes part in "
          "one multiply and one add, so the answer is close to 1 FLOP per byte; but A (1 x k) and C (1 x n) count "
-         "too: an answer off in the 4th digit has left one of them out"),
+         "too: an answer off in the 4th digit, above the right one, has left one of them out (or divided by the "
+         "bytes of a part that is not moved); one below it counts bytes twice (C read and written) or divides bytes "
+         "by FLOPs"),
         ("prefill: 512 tokens through a 4096 x 4096 fp16 layer", (512, 4096, 4096, 2),
          "with 512 rows the activations A and the output C are no longer negligible next to B: count all three"),
         ("square 4096 fp16 matmul", (4096, 4096, 4096, 2),

@@ -30,7 +30,9 @@ def _tokens_cases() -> list[Case]:
          "many new tokens: the part that grows as N squared dominates; an off-by-one in where the sum over steps "
          "stops, or a division that leaves a float, shows here"),
         ("long prompt, few new tokens", (2000, 3),
-         "a long prompt: the naive loop runs the whole prompt again in each of its N calls, the cached loop only once"),
+         "a long prompt: the naive loop runs the whole prompt again in each of its N calls, the cached loop only "
+         "once; and N = 3 is odd: a sum 0 + 1 + ... + (N - 1) is N (N - 1) / 2, and N // 2 * (N - 1) drops the half, "
+         "where N * (N - 1) // 2 does not"),
     ]
     # big enough that no loop over the steps answers within the second, small enough that one running
     # inside C, which no signal interrupts (sum(range(...))), still returns in seconds, to fail here
@@ -64,8 +66,9 @@ def _attention_cases() -> list[Case]:
         ("MHA, head_dim 1: where the softmax runs", (1, 4, 4, 7, 1),
          "the first case with a cache: the new key and value go after the 7 cached ones (torch.cat([cache, new], "
          "dim=2), in that order), and the query attends over all 8. With head_dim 1 the scale 1/sqrt(head_dim) is "
-         "1, so if the caches come out right, the softmax's axis is what is left: it runs over the keys (the last "
-         "axis of the scores [batch, heads, 1, S + 1]), not over the single query"),
+         "1 (head_dim is the last dimension of q, not the number of tokens), so if the caches come out right, the "
+         "softmax's axis is what is left: it runs over the keys (the last axis of the scores [batch, heads, 1, "
+         "S + 1]), not over the single query"),
         ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16),
          "the scores are q . k divided by sqrt(head_dim) (4 here) before the softmax"),
         ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32),

@@ -25,7 +25,8 @@ def _group_cases() -> list[Case]:
     groups = [  # label, arguments, what the case tests (its hint)
         ("64 weights, 4 bits, asymmetric", (w, 4, False),
          "the plain asymmetric grid: scale (hi - lo) / 15 from the range widened to include 0, zero = round(-lo / "
-         "scale); a scale off by less than 0.1% was not rounded to fp16, the precision it is stored in "
+         "scale), codes rounded to nearest (torch.round, not truncated by a cast); a scale off by less than 0.1% "
+         "was not rounded to fp16, the precision it is stored in "
          "(scale.half().float()); if only w_hat is off, look at the dequantization (codes as float32 before "
          "subtracting the zero)"),
         ("64 weights, 4 bits, symmetric", (w, 4, True),
@@ -113,7 +114,8 @@ def _packing_cases() -> list[Scenario]:
                           "the bytes as uint8"),
             Scenario("a matrix, there and back", round_trip,
                      hint="[5, 64] codes, packed row by row along the last dimension, then unpacked: the result "
-                          "keeps the leading dimensions, and pack must not change the tensor it was given"),
+                          "keeps the leading dimensions, and pack must not change the tensor it was given. Every "
+                          "code from 0 to 15 packs (15 too), and only the last dimension must be even"),
             Scenario("what does not fit is refused", refuses,
                      hint="an odd number of codes in a row, or a code of 16 or more, cannot be packed two to a "
                           "byte: check the last dimension (not the total count) and the largest code, and raise "
@@ -142,8 +144,10 @@ def _forward_cases() -> list[Case]:
     generator = torch.Generator().manual_seed(8)
     layers = [  # label, (sealed layer, unsealed layer), x's shape, what the case tests (its hint)
         ("INT4 g32 asymmetric, x [3, 64]", sealed_layer(16, 64, Scheme(4, 32), 1), (3, 64),
-         "two groups of 32 per row, each with its own scale and zero point: unpack the codes, then subtract each "
-         "group's zero point and multiply by its scale before the matmul"),
+         "two groups of 32 per row, each a run of 32 consecutive columns with its own scale and zero point: "
+         "unpack the codes, then subtract each group's zero point and multiply by its scale before the matmul. "
+         "Do that arithmetic in x's dtype: codes are uint8 (a zero point subtracted there wraps around) and the "
+         "scales fp16 (a weight rebuilt in fp16 is off by about 1e-4, past this case's tolerance of 1e-5)"),
         ("INT4 g128 asymmetric, one token", sealed_layer(40, 256, Scheme(4, 128), 3), (1, 1, 256),
          "a group size other than the first case's: read it from the shapes (in / layer.scales.shape[1]) rather "
          "than fixing it"),

@@ -256,7 +256,7 @@ class WrongType(SaysWhatToDo):
 
 def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) -> None:
     """The value first (an int exactly, a float within tolerance), then its type."""
-    value = got.item() if isinstance(got, torch.Tensor) and got.dim() == 0 else got
+    value = got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
     if isinstance(expected, int) and isinstance(value, numbers.Integral):
@@ -265,7 +265,8 @@ def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) ->
     elif not math.isclose(float(value), expected, rel_tol=rtol, abs_tol=atol):
         raise AssertionError(f"expected {expected:.6g}, got {value:.6g}")
     if value is not got:
-        raise WrongType(f"expected a Python number ({_short(expected)}), got a 0-d tensor ({value:.6g}): the value is "
+        shape = "a 0-d tensor" if got.dim() == 0 else f"a tensor of shape {list(got.shape)}"
+        raise WrongType(f"expected a Python number ({_short(expected)}), got {shape} ({value:.6g}): the value is "
                         "right; turn it into a number with .item()")
     if isinstance(expected, int) and not isinstance(value, numbers.Integral):
         raise WrongType(f"expected a whole number, an int ({expected}), got {type(value).__name__} {value!r}: the value "
