@@ -12,6 +12,7 @@ labkit's own threads must go through): this stops a slip, not a student set on g
 """
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import os
@@ -119,10 +120,21 @@ def functions_of(fn: Any) -> list[Any]:
 
 
 def _plain(fn: Any) -> Any:
-    """What a bound method, a static or class method, or a partial calls."""
-    while isinstance(fn, (staticmethod, classmethod, functools.partial)) or inspect.ismethod(fn):
-        fn = fn.func if isinstance(fn, functools.partial) else fn.__func__
-    return fn
+    """What a bound method, a static or class method, a partial or a decorator's wrapper (``__wrapped__``) calls."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, (staticmethod, classmethod)) or inspect.ismethod(fn):
+            fn = fn.__func__
+        elif getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        else:
+            return fn
+
+
+def global_reads(code: CodeType) -> list[str]:
+    """The names ``code`` itself (not the code nested in it) looks up among the globals, in order, each once."""
+    return list(dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")))
 
 
 def _collect(code: CodeType, namespace: dict, found: list[CodeType]) -> None:
@@ -132,7 +144,7 @@ def _collect(code: CodeType, namespace: dict, found: list[CodeType]) -> None:
     for const in code.co_consts:
         if isinstance(const, CodeType):
             _collect(const, namespace, found)
-    for name in code.co_names:
+    for name in global_reads(code):
         helper = namespace.get(name)
         if getattr(helper, "__globals__", None) is namespace and hasattr(helper, "__code__"):
             _collect(helper.__code__, namespace, found)

@@ -24,12 +24,27 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
-from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, is_students, normalised
+from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, functions_of, is_students, normalised
 from labkit.exercises import Exercise, get
 from labkit.exercises.spec import Case, Scenario, SaysWhatToDo
 
 PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
 _MARK = {PASSED: "PASS", FAILED: "FAIL", NOT_ATTEMPTED: "TODO"}
+
+
+@dataclass(frozen=True)
+class Started:
+    """A case as it starts (its number from 1, its label), how many cases before it passed, how many there are."""
+
+    number: int
+    label: str
+    passed: int
+    total: int
+
+    def where(self) -> str:
+        """`` in case 3 of 5 (its label); 2 of the 2 cases before it passed``."""
+        before = f"; {self.passed} of the {self.number - 1} cases before it passed" if self.number > 1 else ""
+        return f" in case {self.number} of {self.total} ({self.label}){before}"
 
 
 class ExerciseFailed(AssertionError):
@@ -92,12 +107,12 @@ def _where(error: BaseException) -> str:
 
 
 def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping[str, int] | None = None,
-              starting: Callable[[str], None] | None = None) -> Result:
+              starting: Callable[[Started], None] | None = None) -> Result:
     """Run every case of ``exercise`` on ``fn``; all must pass for the points. ``failed_before``
     counts, by case label, the earlier checks that failed first on that case: the recipe is shown
-    when the case that fails now has failed before. ``starting`` is told each case as it starts
-    (``case 2 (its label)``), with how many of the cases before it passed and how many there are, so that
-    whoever stops a case that never ends can say which it was and what had passed."""
+    when the case that fails now has failed before. ``starting`` is told each case as it starts, with how
+    many of the cases before it passed and how many there are (``Started``), so that whoever stops a case
+    that never ends can say which it was and what had passed."""
     if not callable(fn):
         return Result(exercise.id, FAILED, 0, exercise.points,
                       message=f"expected the function {exercise.function}, got {type(fn).__name__}")
@@ -108,7 +123,7 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
     first_failure, first_case, first_needs_hint, passed, stubs = "", None, False, 0, []
     for number, case in enumerate(cases, 1):
         if starting is not None:
-            starting(f"case {number} ({case.label})", passed, len(cases))
+            starting(Started(number, case.label, passed, len(cases)))
         try:
             with checking(exercise.id), _case_limit(case):  # labkit's answer to it refuses the student's calls
                 case.run(fn)
@@ -135,13 +150,18 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
 
 def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Result:
     """``result``, unless the grader, which runs only the setup cells and the exercise cells, would not define a
-    name ``fn`` reads: a pass is then a failure, and any result says which names."""
+    name ``fn`` reads and needs: a pass is then a failure, and any result says which names. Advisory: where the
+    notebook cannot be read, or anything else goes wrong here, the result stands as it is."""
     from labkit.grade import names_the_grader_lacks  # grade imports this module
 
-    lacking = names_the_grader_lacks(exercise, fn)
+    try:
+        lacking = names_the_grader_lacks(exercise, fn)
+        lacking = lacking and _needed(lacking, exercise, fn)
+    except Exception:  # noqa: BLE001 -- a student's notebook or namespace of any shape: the verdict stands
+        return result
     if not lacking:
         return result
-    names = "; ".join(lacking)
+    names = "; ".join(f"{name} ({where})" for name, where in lacking)
     why = (f"the grader runs only the setup cells and the exercise cells, where {names} "
            f"{'is' if len(lacking) == 1 else 'are'} not defined: import or define "
            f"{'it' if len(lacking) == 1 else 'them'} in this exercise's cell (and save: the grader reads the file)")
@@ -151,9 +171,26 @@ def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Resul
                    message=f"every case passes here, but graded it would raise NameError: {why}")
 
 
+def _needed(lacking: list[tuple[str, str]], exercise: Exercise, fn: Any) -> list[tuple[str, str]]:
+    """``lacking`` where the cases fail without those names, run again with them taken out of ``fn``'s namespace
+    (and put back after); none where they pass all the same (a name read only on a path the cases never take)."""
+    namespace = functions_of(fn)[0].__globals__
+    taken = {name: namespace.pop(name) for name, _ in lacking if name in namespace}
+    try:
+        with time_limit(exercise.timeout_s):
+            again = run_cases(exercise, fn)
+    except Overtime:
+        return lacking
+    finally:
+        namespace.update(taken)
+    return [] if again.status == PASSED else lacking
+
+
 def _not_about_values(error: BaseException) -> bool:
     """Whether a case's failure is one its hint, which is about the values, cannot help with: a message
     that says what to change, a name the function's cell does not define, memory that ran out."""
+    if isinstance(error, UnboundLocalError):  # a logic slip inside the function, which the hint may help with
+        return False
     return (isinstance(error, (SaysWhatToDo, BorrowedAnswer, NameError, MemoryError))
             or "can't allocate memory" in str(error))
 
@@ -288,13 +325,16 @@ def check(exercise_id: str, fn: Callable[..., Any]) -> None:
     grader gives them, so an endless loop stops here too."""
     exercise = get(exercise_id)
     failed = _FAILED_CASES.setdefault(exercise.id, Counter())
-    running = [""]
+    running: list[Started] = []
     try:
         with time_limit(exercise.timeout_s):
-            result = run_cases(exercise, fn, failed, starting=lambda case, *_: running.append(f" in {case}"))
+            result = run_cases(exercise, fn, failed, starting=running.append)
     except Overtime as stopped:
-        result = Result(exercise.id, FAILED, 0, exercise.points,
-                        message=f"{stopped}{running[-1]}: an endless loop, or far too slow (the grader stops it too)")
+        where = running[-1] if running else None
+        result = Result(exercise.id, FAILED, 0, exercise.points, where.passed if where else 0,
+                        where.total if where else 0, failed_case=where.label if where else "",
+                        message=f"{stopped}{where.where() if where else ''}: an endless loop, or far too slow (the "
+                                "grader stops it too)")
     if result.failed_case:
         failed[result.failed_case] += 1
     result = _as_the_grader_sees_it(result, exercise, fn)

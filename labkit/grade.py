@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import csv
-import dis
 import json
 import linecache
 import math
@@ -43,14 +42,14 @@ import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from labkit import notebook
-from labkit.answers import functions_of, students_code
-from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, Result, fail_if_strict, run_cases, time_limit
+from labkit.answers import functions_of, global_reads, students_code
+from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, Result, Started, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import cores, fork_server, process, threads_each
 
@@ -207,9 +206,11 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
                 outcome["message"] = _with_note(outcome["message"], "the process did not end once it had its result "
                                                 "(a thread of the exercise's left running?)")
             return outcome
-        reached = _case_reached(Path(tmp, CASE_FILE))
-        where = _where_stopped(reached)
-        reached.pop("number", None)
+        started = _case_reached(Path(tmp, CASE_FILE))
+        where = started.where() if started else (" before its first case (in a setup cell, an earlier exercise's "
+                                                 "cell or the exercise cell)")
+        reached = ({"failed_case": started.label, "passed": started.passed, "total": started.total} if started
+                   else {"failed_case": ""})
         if timed_out:
             return {"status": TIMEOUT, **reached,
                     "message": f"stopped after {timeout_s:g} s{where}: an endless loop, or far too slow"}
@@ -220,23 +221,9 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
                            "or memory?)"}
 
 
-def _case_reached(case_file: Path) -> dict:
-    """What a worker's ``run_cases`` had told it when it stopped: the number and label (``failed_case``) of
-    the case it had started, how many cases before it passed and how many there are; only an empty
-    ``failed_case`` where no case had started."""
-    if not case_file.exists():
-        return {"failed_case": ""}
-    return json.loads(case_file.read_text(encoding="utf-8"))
-
-
-def _where_stopped(reached: dict) -> str:
-    """Where a worker stopped: `` in case 3 of 5 (its label); 2 of the 2 cases before it passed``, or that
-    no case had started."""
-    if "number" not in reached:
-        return " before its first case (in a setup cell, an earlier exercise's cell or the exercise cell)"
-    number, label = reached["number"], reached["failed_case"]
-    before = f"; {reached['passed']} of the {number - 1} cases before it passed" if number > 1 else ""
-    return f" in case {number} of {reached['total']} ({label}){before}"
+def _case_reached(case_file: Path) -> Started | None:
+    """The case a worker's ``run_cases`` had started when it stopped; None where none had started."""
+    return Started(**json.loads(case_file.read_text(encoding="utf-8"))) if case_file.exists() else None
 
 
 def _kill_group(pgid: int) -> None:
@@ -416,11 +403,11 @@ def _notebooks_of(lab: str | None) -> list[Path]:
                   key=lambda p: p.stat().st_mtime)
 
 
-def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[str]:
-    """What a name ``fn``'s code reads from the notebook's namespace would be, graded, where the grader would not
-    define it: the names that no cell the grader runs for ``exercise`` binds (its setup cells, the cells of the
-    exercises up to it, and ``fn``'s own cell as the kernel ran it), each with where the notebook does bind it.
-    Empty where ``fn`` was not defined in a notebook's cell or the notebook cannot be found."""
+def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[tuple[str, str]]:
+    """The names ``fn``'s code reads from the notebook's namespace that no cell the grader runs for ``exercise``
+    binds (its setup cells, the cells of the exercises up to it, and ``fn``'s own cell as the kernel ran it), each
+    with where the notebook binds it. Empty where ``fn`` was not defined in a notebook's cell or the notebook
+    cannot be found."""
     functions = functions_of(fn)
     cell = _cell_of(functions[0]) if functions else None
     path = _told_notebook() or next(reversed(_notebooks_of(exercise.lab)), None)
@@ -433,10 +420,10 @@ def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[str]:
     run = [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise)), cell]
     given = set(dir(builtins)) | set(getattr(_shell(), "user_ns_hidden", ()))  # IPython's own names: In, exit, ...
     bound = given.union(*map(notebook.bound_names, run))
-    read = dict.fromkeys(i.argval for code in students_code(fn) for i in dis.get_instructions(code)
-                         if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
-    return [f"{name} ({_where_bound(name, _unrun_cells(nb, run))})" for name in read
-            if name not in bound and name in functions[0].__globals__]
+    read = dict.fromkeys(name for code in students_code(fn) for name in global_reads(code))
+    unrun = _unrun_cells(nb, run)
+    namespace = functions[0].__globals__
+    return [(name, _where_bound(name, unrun)[0]) for name in read if name not in bound and name in namespace]
 
 
 def _up_to(exercise: Exercise) -> list[Exercise]:
@@ -454,11 +441,12 @@ def _cell_of(function: Any) -> str | None:
     return "".join(linecache.getlines(filename)) or None
 
 
-def _where_bound(name: str, unrun: list[str]) -> str:
-    """Where the notebook binds ``name`` outside the cells the grader runs: the first such cell, by its first line."""
+def _where_bound(name: str, unrun: list[str]) -> tuple[str, str | None]:
+    """Where the notebook binds ``name`` outside the cells the grader runs, in words, and that cell's source: the
+    first such cell, by its first line (None where no cell of the notebook binds it)."""
     binder = next((src for src in unrun if name in notebook.bound_names(src)), None)
-    return (f"defined by the cell that begins `{_first_line(binder)}`" if binder is not None
-            else "defined by a cell of yours, or one run and deleted since")
+    return ((f"defined by the cell that begins `{_first_line(binder)}`" if binder is not None
+             else "defined by a cell of yours, or one run and deleted since"), binder)
 
 
 def _an_output_of_nbconvert(path: Path) -> bool:
@@ -727,17 +715,10 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
         outcome = {"status": ERROR, "message": failed or f"the exercise cell does not define {exercise.function}"}
     else:
         case_file = Path(result_path).with_name(CASE_FILE)
-        result = run_cases(exercise, fn, starting=lambda case, passed, total: _write_whole(case_file, _case_fields(
-            case, passed, total)))
+        result = run_cases(exercise, fn, starting=lambda started: _write_whole(case_file, asdict(started)))
         outcome = {k: v for k, v in result.to_dict().items() if k not in ("exercise", "max_points")}
     outcome["message"] = _shortened(outcome["message"])
     _write_whole(Path(result_path), outcome)
-
-
-def _case_fields(case: str, passed: int, total: int) -> dict:
-    """What a worker writes as a case starts (``case 2 (its label)``), for the result should it never end."""
-    number, label = re.fullmatch(r"case (\d+) \((.*)\)", case, re.DOTALL).groups()
-    return {"number": int(number), "failed_case": label, "passed": passed, "total": total}
 
 
 def _write_whole(path: Path, record: dict) -> None:
@@ -780,12 +761,11 @@ def _name_note(message: str, unrun: list[str]) -> str:
     """For a NameError, the first cell the grader did not run that binds the name (a demo's import, say), by its
     first line; where none does, that the grader runs only the setup cells and the exercise cells."""
     name = re.search(r"NameError: name '(\w+)' is not defined", message)
-    binder = next((src for src in unrun if name and name[1] in notebook.bound_names(src)), None)
+    where, binder = _where_bound(name[1], unrun) if name else ("", None)
     if binder is None:
         return ("the grader runs only the setup cells and the exercise cells; if the name is defined in a cell of "
                 "your own, move it into the exercise cell")
-    return (f"{name[1]} is {_where_bound(name[1], [binder])}, which the grader does not run: import or define it "
-            "in the exercise cell")
+    return f"{name[1]} is {where}, which the grader does not run: import or define it in the exercise cell"
 
 
 def _first_line(source: str, limit: int = 60) -> str:

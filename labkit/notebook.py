@@ -69,11 +69,12 @@ def lab_of_name(name: str) -> str | None:
 
 def bound_names(code: str) -> set[str]:
     """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
-    functions, classes and assignments (not the names local to a function or a comprehension). Lines of
-    IPython's own syntax (``%time``, ``!ls``) are passed over; a cell that does not parse binds none."""
-    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines()]
+    functions, classes and assignments (not the names local to a function or a comprehension). IPython's own
+    syntax (``%time``, ``files = !ls``) is read as IPython runs it; a cell that does not parse binds none."""
+    from IPython.core.inputtransformer2 import TransformerManager  # the kernel's: installed with the lab
+
     try:
-        tree = ast.parse("\n".join(lines))
+        tree = ast.parse(TransformerManager().transform_cell(code))
     except SyntaxError:
         return set()
     binder = _Binder()

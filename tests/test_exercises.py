@@ -172,7 +172,7 @@ def test_an_endless_loop_stops_the_inline_check_as_the_grader_would(monkeypatch,
     check("ex00.2", attainable_flops)
     assert time.perf_counter() - start < 5
     out = capsys.readouterr().out
-    assert "[FAIL] ex00.2: failed" in out and "stopped after 0.5 s in case 1 (" in out and "an endless loop" in out
+    assert "[FAIL] ex00.2: failed" in out and "stopped after 0.5 s in case 1 of 9 (" in out and "an endless loop" in out
     check("ex00.2", lambda i, p, b: min(p, i * b))  # the timer is gone: nothing fires later
     time.sleep(0.6)
     assert "[PASS] ex00.2" in capsys.readouterr().out
@@ -579,3 +579,13 @@ def test_a_failure_no_value_hint_can_help_comes_without_one(error):
     result = run_cases(get("ex00.1"), raises)
     assert result.status == FAILED and type(error).__name__ in result.message, result.message
     assert "hint:" not in result.message and result.failed_case, result
+
+
+def test_only_a_tuple_of_results_in_another_order_is_named_so():
+    """A function's several results swapped is a slip of the return; a list whose items come in another order
+    (text pieces a token late, accepted tokens) is a wrong list, whose case hint says why."""
+    with pytest.raises(SaysWhatToDo, match="in another order"):
+        assert_matches((torch.ones(2), 3), (3, torch.ones(2)), 1e-6, 1e-9)
+    with pytest.raises(AssertionError) as wrong:
+        assert_matches(["ca", "", "f", "é!"], ["ca", "f", "", "é!"], 1e-6, 1e-9)
+    assert not isinstance(wrong.value, SaysWhatToDo), wrong.value

@@ -169,5 +169,5 @@ def test_lab04_a_result_of_another_shape_is_said_so(root, ex_id, right, wrong, c
 def test_gaps_in_an_array_are_right_values_of_another_type(root):
     result = fails("ex04.3", mistake(root, "ex04.3", "[b - a for a, b in zip(token_times, token_times[1:])]",
                                      "__import__('numpy').diff(token_times)"), "three tokens",
-                   "'itl': the values are right, but in a ndarray: expected a list")
+                   "'itl': the values are right, but in a NumPy array: expected a list (x.tolist())")
     assert "hint:" not in result.message

@@ -90,5 +90,5 @@ def test_a_speedup_without_the_verification_step_fails_naming_the_rounds_cost(ro
 
 def test_accepted_tokens_as_a_tensor_are_right_values_of_another_type(root):
     result = fails("ex05.2", mistake(root, "ex05.2", "list(draft[:accepted])", "torch.tensor(draft[:accepted])"),
-                   "all three accepted", "the values are right, but in a Tensor: expected a list")
+                   "all three accepted", "the values are right, but in a tensor: expected a list")
     assert "hint:" not in result.message

@@ -125,7 +125,7 @@ def test_lab06b_gptq_columns_mistakes_fail(root):
         (".clamp(0, 2 ** bits - 1)", ".clamp(0, 2 ** bits)", "correlated inputs", "a code of 16, above 15"),
         ("q = (torch.round(w[:, i] / scale) + zero).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q.to(torch.uint8)",
          "q = (torch.round(w[:, i] / scale) + zero).to(torch.uint8).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q\n"
-         "        q = q.float()", "correlated inputs", "a negative value turned into uint8 before the clamp"),
+         "        q = q.float()", "correlated inputs", "makes each code uint8 before its clamp"),
     ]
     for right, wrong, case, hint in mistakes:
         result = fails("ex06b.3", mistake(root, "ex06b.3", right, wrong), case, hint)

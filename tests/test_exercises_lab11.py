@@ -305,7 +305,7 @@ def test_a_walk_that_makes_the_root_a_child_is_stopped_and_fails(root):
      "positions: the values are right, but a list"),
     ("ex11.1", "return mask,", "return mask.int(),", "a chain",
      "mask: the values are right, but the mask is torch.int32"),
-    ("ex11.2", "choices[node], keep", "__import__('torch').tensor(choices[node]), keep", "",
+    ("ex11.2", "choices[node], keep", "__import__('torch').tensor(choices[node]), keep", "a chain, every candidate",
      "but a tensor: return an int (.item())"),
 ])
 def test_an_order_or_a_type_slip_is_named_without_the_cases_hint(root, ex_id, right, wrong, case, says):

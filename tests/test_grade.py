@@ -36,7 +36,8 @@ BROKEN_EX1 = {
     # a helper defined in a cell of the student's own: the inline check saw it, the grader does not
     "helper_elsewhere": "def matmul_intensity(m, n, k, b=2):\n    return _intensity(m, n, k, b)\n",
     # a name the notebook's own Explore cell imports, which the grader does not run
-    "uses_a_demo": "def matmul_intensity(m, n, k, b=2):\n    assert widgets\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+    "uses_a_demo": ("def matmul_intensity(m, n, k, b=2):\n    assert widgets\n"
+                    "    return 2*m*n*k / (b*(m*k + k*n + m*n))\n"),
     # a message with a blank line in it, as torch's "Tensor-likes are not close!\n\nMismatched elements..."
     "blank_line": "def matmul_intensity(m, n, k, b=2):\n    raise ValueError('not close!\\n\\nMismatched')\n",
     "magic": "%time x = 1\ndef matmul_intensity(m, n, k, b=2):\n    return 2*m*n*k / (b*(m*k + k*n + m*n))\n",
@@ -184,7 +185,8 @@ def class_book(class_folder):
     ("crashes_at_top", CRASHED, "exited with code 9"),
     ("zipped", MISSING, "no notebook 00_* submitted"),  # a folder with its notebook one level deeper
     ("exits_when_called", "failed", "raised SystemExit: 4"),
-    ("loops_at_top", TIMEOUT, "stopped after 8 s before its first case"),  # before any case; and ex00.2, which runs this cell first, is not held up
+    # before any case; and ex00.2, which runs this cell first, is not held up
+    ("loops_at_top", TIMEOUT, "stopped after 8 s before its first case"),
     ("wrong", "failed", "hint:"),
     ("renamed", ERROR, "does not define matmul_intensity"),
     ("helper_elsewhere", "failed", "if the name is defined in a cell of your own, move it into the exercise cell"),
@@ -640,33 +642,46 @@ for cell in nbformat.read("11_mine.ipynb", as_version=4).cells:
 """
 
 
-@pytest.mark.parametrize("imports_it, says", [
-    ("", "every case passes here, but graded it would raise NameError: the grader runs only the setup cells and the "
-         "exercise cells, where tree (defined by the cell that begins `import numpy as np`) is not defined"),
-    ("    from labkit import tree\n", "[PASS] ex11.2"),  # imported in its own cell: the grader sees it
+KIDS_LOOP = ("    kids = [[] for _ in parents]\n    for node in range(1, len(parents)):\n"
+             "        kids[parents[node]].append(node)\n")
+LACKS_TREE = ("every case passes here, but graded it would raise NameError: the grader runs only the setup cells and "
+              "the exercise cells, where tree (defined by the cell that begins `import numpy as np`) is not defined")
+
+
+@pytest.mark.parametrize("kids, earlier, says", [
+    ("    kids = tree.children(parents)\n", "", LACKS_TREE),  # the demo cell's import, which the grader never runs
+    ("    from labkit import tree\n    kids = tree.children(parents)\n", "", "[PASS] ex11.2"),  # its own import
+    ("    kids = children_of(parents)\n", "", "[PASS] ex11.2"),  # a helper in its own cell (below)
+    ("    kids = tree_kids(parents)\n", "\n\ndef tree_kids(parents):\n    from labkit import tree\n"
+     "    return tree.children(parents)\n", "[PASS] ex11.2"),  # a helper of an earlier exercise's cell
+    (KIDS_LOOP + "    if start < 0:\n        np.zeros(1)  # never run by the cases\n", "", "[PASS] ex11.2"),
+    (KIDS_LOOP + "    assert len(np.zeros(1)) == 1\n", "", "graded it would raise NameError: the grader runs only the "
+     "setup cells and the exercise cells, where np (defined by the cell that begins `import numpy as np`)"),
 ])
-def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path, imports_it, says):
-    """ex11.2 written with notebook 11's demo import ``tree``: every case passes in the kernel, where the demo
-    cell ran, but the grader runs the setup and exercise cells only. The check says so, as a failure."""
-    solution = next(c for c in notebook.read(root / "solutions/11_speculation_without_a_draft.ipynb")["cells"]
-                    if notebook.exercise_id(c) == "ex11.2")
-    loop = ("    kids = [[] for _ in parents]\n    for node in range(1, len(parents)):\n"
-            "        kids[parents[node]].append(node)\n")
-    source = notebook.source(solution)
-    assert loop in source
-    exercise = {**solution, "source": source.replace(loop, f"{imports_it}    kids = tree.children(parents)\n")}
-    cells = [{"cell_type": "code", "metadata": {"tags": ["setup"]}, "source": "import labkit", "outputs": [],
-              "execution_count": None},
-             {"cell_type": "code", "metadata": {}, "source": "import numpy as np\nfrom labkit import tree",
-              "outputs": [], "execution_count": None},
-             exercise,
-             {"cell_type": "code", "metadata": {}, "source": 'labkit.check("ex11.2", accept_branch)', "outputs": [],
-              "execution_count": None}]
+def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path, kids, earlier, says):
+    """ex11.2 written with names of notebook 11's cells: every case passes in the kernel, where every cell ran, but
+    the grader runs the setup and exercise cells only. The check fails a function that needs a name only another
+    cell defines, and passes one whose names come from an exercise cell, or which reads one only on a path the
+    cases never take."""
+    solutions = notebook.read(root / "solutions/11_speculation_without_a_draft.ipynb")["cells"]
+    first, second = (next(c for c in solutions if notebook.exercise_id(c) == ex) for ex in ("ex11.1", "ex11.2"))
+    assert KIDS_LOOP in notebook.source(second)
+    helper = ("\n\ndef children_of(parents):\n"
+              "    return [[k for k in range(len(parents)) if parents[k] == n] for n in range(len(parents))]\n")
+
+    def code(source):
+        return {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}
+    cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}},
+             code("import numpy as np\nfrom labkit import tree"),
+             {**first, "source": notebook.source(first) + earlier},
+             {**second, "source": notebook.source(second).replace(KIDS_LOOP, kids) + helper},
+             code('labkit.check("ex11.2", accept_branch)')]
     notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "11_mine.ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}  # the notebook is found in the folder
     run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=env)
     assert says in run.stdout, run.stdout + run.stderr
-    if not imports_it:  # and the grader agrees, naming the same cell
+    if says == LACKS_TREE:  # and the grader agrees, naming the same cell
         result = grade([tmp_path / "11_mine.ipynb"], per_file=True)["11_mine"]["ex11.2"]
         assert result.status == "failed" and "tree is defined by the cell that begins `import numpy as np`" in \
             result.message, result

@@ -304,7 +304,7 @@ def _pad_cases() -> list[Case | Scenario]:
         _pad_case("9 rows, the sizes in no order: 32, 1, 16, 2, 4, 8", 9, 1, [32, 1, 16, 2, 4, 8],
                   hint="the smallest size that holds the batch, whatever the order of the list: not the first one "
                        "in the list that does (min over the sizes >= B)"),
-        _pad_case("33 rows, the engine's buckets(64): 1, 2, 4, 8, 16, 32, 48, 64", 33, 1, buckets(64),
+        _pad_case(f"33 rows, the engine's buckets(64): {', '.join(map(str, buckets(64)))}", 33, 1, buckets(64),
                   hint="the bucket is one of the sizes given, the smallest that holds the batch: 48 here, not the "
                        "next power of two (64); past 8, the engine's buckets are multiples of 16"),
         Scenario("20 rows, buckets up to 16: no bucket holds them, a ValueError", _too_large,

@@ -194,9 +194,9 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
     else:
         if not isinstance(got, (tuple, list)):
             if _listed_matches(got, expected, rtol, atol):
-                kind = type(expected).__name__
-                raise WrongType(f"the values are right, but in a {type(got).__name__}: expected a {kind} "
-                                f"({kind}(x.tolist()))")
+                made = "x.tolist()" if isinstance(expected, list) else "tuple(x.tolist())"
+                kind = {"ndarray": "a NumPy array", "Tensor": "a tensor"}.get(type(got).__name__, "another type")
+                raise WrongType(f"the values are right, but in {kind}: expected a {type(expected).__name__} ({made})")
             raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
                                  f"{_short(got)} (of type {type(got).__name__})")
         if len(got) != len(expected):
@@ -205,8 +205,8 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             for i, (got_item, expected_item) in enumerate(zip(got, expected)):
                 _at(f"at index {i}", got_item, expected_item, rtol, atol)
         except AssertionError:
-            order = _another_order(got, expected, rtol, atol)
-            if order is None:
+            order = _another_order(got, expected, rtol, atol) if isinstance(expected, tuple) else None
+            if order is None:  # a list's items in another order are a wrong list, not a slip of the return
                 raise
             moved = ", ".join(f"index {i} holds what belongs at index {j}" for i, j in enumerate(order) if i != j)
             raise SaysWhatToDo(f"the items are right, but in another order ({moved}): return them in the order the "
