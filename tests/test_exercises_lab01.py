@@ -171,3 +171,12 @@ def test_a_step_that_scales_the_query_in_place_fails(root):
 def test_a_half_dropped_by_floor_division_first_is_named_where_n_is_odd(root):
     fails("ex01.1", mistake(root, "ex01.1", "new_tokens * (new_tokens - 1) // 2", "new_tokens // 2 * (new_tokens - 1)"),
           "long prompt, few new tokens", "N // 2 * (N - 1) drops the half")
+
+
+def test_torchs_fused_attention_is_refused():
+    def fused(q, k_new, v_new, k_cache, v_cache):
+        keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        return out, keys, values
+    result = fails("ex01.2", fused, "empty cache", "it comes from torch's scaled_dot_product_attention")
+    assert "hint:" not in result.message

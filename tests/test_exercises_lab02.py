@@ -117,5 +117,5 @@ def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
 def test_torchs_fused_attention_is_refused():
     def fused(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    result = fails("ex02.2", fused, "MHA", "it is torch's scaled_dot_product_attention")
+    result = fails("ex02.2", fused, "MHA", "it comes from torch's scaled_dot_product_attention")
     assert "hint:" not in result.message

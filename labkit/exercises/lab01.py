@@ -84,7 +84,7 @@ def _attention_cases() -> list[Case]:
             return torch.randn(batch, n_heads, length, dim, generator=generator)
         args = (draw(heads, 1), draw(kv_heads, 1), draw(kv_heads, 1), draw(kv_heads, cached), draw(kv_heads, cached))
         cases.append(Case(label, args, reference_attention_step(*args), rtol=1e-4, atol=1e-5, hint=hint,
-                          unchanged=True))
+                          unchanged=True, refuses=(F.scaled_dot_product_attention,)))
     return cases
 
 

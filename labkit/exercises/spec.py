@@ -11,6 +11,7 @@ the same case fails again, so a student who is one idea away gets the idea, not 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass(frozen=True)
@@ -38,16 +40,22 @@ class Case:
     hint: str = ""  # what this case tests, and what failing it suggests (not the recipe)
     numbers_as_tensors: bool = False  # a 0-d tensor may stand for a number (where the spec allows it)
     within_s: float | None = None  # the call must answer this fast (where the spec asks for a way, not an answer)
+    refuses: tuple[Callable[..., Any], ...] = ()  # torch functions the call may not use: the check's own reference
 
     def run(self, fn: Callable[..., Any]) -> None:
         """Call ``fn`` on copies of the arguments; raise AssertionError if the result is wrong, if
         ``after``, given those arguments after the call, finds it was done the wrong way, or, with
         ``unchanged``, if the call changed an argument in place."""
         args, kwargs = copy.deepcopy(self.args), copy.deepcopy(dict(self.kwargs))
-        got = fn(*args, **kwargs)
+        calls = _Calls(self.refuses)
+        with calls if self.refuses else contextlib.nullcontext():
+            got = fn(*args, **kwargs)
         if self.numbers_as_tensors:
             got = _numbers_of_scalars(got, self.expected)
         assert_matches(got, self.expected, self.rtol, self.atol)
+        if calls.made is not None:
+            raise SaysWhatToDo(f"the result is right, but it comes from torch's {calls.made.__name__}, the reference "
+                               "the check compares with: write the arithmetic yourself")
         if self.after is not None:
             self.after(*args, **kwargs)
         if not self.unchanged:
@@ -59,6 +67,19 @@ class Case:
                 raise ChangedInPlace(f"the result is right, but the call changed its argument {where} in place (an "
                                      "in-place operation such as x.sub_(...), x <<= 4 or x[...] = ...): leave the "
                                      "inputs as they were, and compute into new tensors")
+
+
+class _Calls(TorchFunctionMode):
+    """Notes the first call of any of ``refused`` (torch functions) while it is on."""
+
+    def __init__(self, refused: tuple[Callable[..., Any], ...]) -> None:
+        super().__init__()
+        self.refused, self.made = refused, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.made is None and any(func is refused for refused in self.refused):
+            self.made = func
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
