@@ -126,8 +126,13 @@ def _plain(fn: Any) -> Any:
             fn = fn.func
         elif isinstance(fn, (staticmethod, classmethod)) or inspect.ismethod(fn):
             fn = fn.__func__
-        elif getattr(fn, "__wrapped__", None) is not None:
-            fn = fn.__wrapped__
+        elif callable(getattr(fn, "__wrapped__", None)):
+            try:
+                fn = inspect.unwrap(fn)  # stops at a cycle, and after as many steps as the recursion limit
+            except ValueError:
+                return fn
+            if callable(getattr(fn, "__wrapped__", None)):  # an object that makes a wrapper of anything
+                return fn
         else:
             return fn
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
@@ -149,41 +150,44 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
 
 
 def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Result:
-    """``result``, unless the grader, which runs only the setup cells and the exercise cells, would not define a
-    name ``fn`` reads and needs: a pass is then a failure, and any result says which names. Advisory: where the
-    notebook cannot be read, or anything else goes wrong here, the result stands as it is."""
+    """``result``, unless it is a pass that the grader, which runs only the setup cells and the exercise cells,
+    would fail with a NameError: a failure then, which names the names and where the notebook defines them. Where
+    the notebook cannot be read, or anything goes wrong in finding out, the pass stands."""
     from labkit.grade import names_the_grader_lacks  # grade imports this module
 
+    if result.status != PASSED:
+        return result
     try:
-        lacking = names_the_grader_lacks(exercise, fn)
-        lacking = lacking and _needed(lacking, exercise, fn)
+        lacking = _needed(names_the_grader_lacks(exercise, fn), exercise, fn)
     except Exception:  # noqa: BLE001 -- a student's notebook or namespace of any shape: the verdict stands
         return result
     if not lacking:
         return result
     names = "; ".join(f"{name} ({where})" for name, where in lacking)
-    why = (f"the grader runs only the setup cells and the exercise cells, where {names} "
-           f"{'is' if len(lacking) == 1 else 'are'} not defined: import or define "
-           f"{'it' if len(lacking) == 1 else 'them'} in this exercise's cell (and save: the grader reads the file)")
-    if result.status != PASSED:
-        return replace(result, message=f"{result.message}\n    note: {why}")
-    return replace(result, status=FAILED, points=0,
-                   message=f"every case passes here, but graded it would raise NameError: {why}")
+    return replace(result, status=FAILED, points=0, message=(
+        f"every case passes here, but graded it would raise NameError: the grader runs only the setup cells and the "
+        f"exercise cells, where {names} {'is' if len(lacking) == 1 else 'are'} not defined: import or define "
+        f"{'it' if len(lacking) == 1 else 'them'} in this exercise's cell (and save: the grader reads the file)"))
 
 
 def _needed(lacking: list[tuple[str, str]], exercise: Exercise, fn: Any) -> list[tuple[str, str]]:
-    """``lacking`` where the cases fail without those names, run again with them taken out of ``fn``'s namespace
-    (and put back after); none where they pass all the same (a name read only on a path the cases never take)."""
-    namespace = functions_of(fn)[0].__globals__
-    taken = {name: namespace.pop(name) for name, _ in lacking if name in namespace}
+    """Those of ``lacking`` that the cases fail for with a NameError, run again, quietly, with them taken out of
+    ``fn``'s namespace (and put back after) and ``fn``'s caches cleared; none where they pass all the same (a name
+    read only on a path the cases never take) or fail otherwise."""
+    if not lacking:
+        return []
+    namespace, taken = functions_of(fn)[0].__globals__, {}
+    for cached in (fn, *(vars(fn).values() if isinstance(fn, type) else ())):
+        getattr(cached, "cache_clear", lambda: None)()  # a memoised answer would not read the name again
     try:
-        with time_limit(exercise.timeout_s):
+        taken.update((name, namespace.pop(name)) for name, _ in lacking if name in namespace)
+        with time_limit(exercise.timeout_s), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
             again = run_cases(exercise, fn)
     except Overtime:
-        return lacking
+        return []
     finally:
         namespace.update(taken)
-    return [] if again.status == PASSED else lacking
+    return [(name, where) for name, where in lacking if f"name '{name}' is not defined" in again.message]
 
 
 def _not_about_values(error: BaseException) -> bool:

@@ -70,16 +70,28 @@ def lab_of_name(name: str) -> str | None:
 def bound_names(code: str) -> set[str]:
     """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
     functions, classes and assignments (not the names local to a function or a comprehension). IPython's own
-    syntax (``%time``, ``files = !ls``) is read as IPython runs it; a cell that does not parse binds none."""
+    syntax is read as IPython runs it: ``files = !ls`` binds ``files``, and the code that ``%time``, ``%prun``,
+    ``%%time``, ``%%capture`` and ``%%prun`` run binds its names; other magics bind none. A cell that does
+    not parse binds none."""
     from IPython.core.inputtransformer2 import TransformerManager  # the kernel's: installed with the lab
 
+    first, _, body = code.lstrip().partition("\n")
+    if first.startswith("%%"):  # a cell magic: the cell's body is its argument
+        magic, *args = first[2:].split()
+        captured = {args[-1]} if magic == "capture" and args and args[-1].isidentifier() else set()  # %%capture out
+        return bound_names(body) | captured if magic in _RUN_HERE else set()
+    lines = [_MAGIC_STATEMENT.sub(r"\1\3", line) for line in code.split("\n")]
     try:
-        tree = ast.parse(TransformerManager().transform_cell(code))
+        tree = ast.parse(TransformerManager().transform_cell("\n".join(lines)))
     except SyntaxError:
         return set()
     binder = _Binder()
     binder.visit(tree)
     return binder.names
+
+
+_RUN_HERE = {"time", "capture", "prun"}  # magics that run their code in the notebook's namespace
+_MAGIC_STATEMENT = re.compile(r"^(\s*)%(time|prun)\s+(.*)$")  # a line magic that runs the statement after it
 
 
 class _Binder(ast.NodeVisitor):

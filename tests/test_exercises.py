@@ -589,3 +589,23 @@ def test_only_a_tuple_of_results_in_another_order_is_named_so():
     with pytest.raises(AssertionError) as wrong:
         assert_matches(["ca", "", "f", "é!"], ["ca", "f", "", "é!"], 1e-6, 1e-9)
     assert not isinstance(wrong.value, SaysWhatToDo), wrong.value
+
+
+@pytest.mark.parametrize("source, needed", [
+    ("def matmul_intensity(m, n, k, b=2):\n    print('working')\n    return scale * 2*m*n*k / (b*(m*k + k*n + m*n))\n",
+     ["scale"]),
+    ("import functools\n@functools.cache\ndef matmul_intensity(m, n, k, b=2):\n"  # memoised: the cache is cleared
+     "    return scale * 2*m*n*k / (b*(m*k + k*n + m*n))\n", ["scale"]),
+    ("def matmul_intensity(m, n, k, b=2):\n    if m < 0:\n        return scale\n"  # never read by the cases
+     "    return 2*m*n*k / (b*(m*k + k*n + m*n))\n", []),
+])
+def test_a_name_counts_as_needed_only_where_the_cases_fail_without_it(source, needed, capsys):
+    """The cases run again, quietly, with the name taken out of the function's namespace, and it is put back."""
+    from labkit.check import _needed
+    namespace = {"scale": 1.0}
+    exec(compile(source, "<cell>", "exec"), namespace)
+    fn = namespace["matmul_intensity"]
+    assert run_cases(get("ex00.1"), fn).status == PASSED
+    capsys.readouterr()
+    assert [name for name, _ in _needed([("scale", "a demo's cell")], get("ex00.1"), fn)] == needed
+    assert namespace["scale"] == 1.0 and capsys.readouterr().out == ""

@@ -126,6 +126,9 @@ def test_lab06b_gptq_columns_mistakes_fail(root):
         ("q = (torch.round(w[:, i] / scale) + zero).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q.to(torch.uint8)",
          "q = (torch.round(w[:, i] / scale) + zero).to(torch.uint8).clamp(0, 2 ** bits - 1)\n        codes[:, i] = q\n"
          "        q = q.float()", "correlated inputs", "makes each code uint8 before its clamp"),
+        ("        codes[:, i] = q.to(torch.uint8)\n",  # the codes cast first, the error from the float codes, clamped
+         "        codes[:, i] = (torch.round(w[:, i] / scale) + zero).to(torch.uint8).clamp(0, 2 ** bits - 1)\n",
+         "correlated inputs", "made uint8 before the clamp wraps around"),
     ]
     for right, wrong, case, hint in mistakes:
         result = fails("ex06b.3", mistake(root, "ex06b.3", right, wrong), case, hint)

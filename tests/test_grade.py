@@ -693,3 +693,6 @@ def test_bound_names_are_a_cells_top_level_names():
             "try:\n    pass\nexcept ValueError as e:\n    pass\nlam = lambda r: r\n")
     assert notebook.bound_names(code) == {"np", "os", "t", "medusa", "f", "C", "x", "y", "w", "i", "k", "q", "e", "lam"}
     assert notebook.bound_names("def broken(:\n") == set()
+    assert notebook.bound_names("%%capture out\nimport math\nz = 3") == {"out", "math", "z"}  # run here
+    assert notebook.bound_names("%%timeit\nq = 1") == set()  # run in a namespace of its own
+    assert notebook.bound_names("files = !ls\nif True:\n    %time y = 2\n") == {"files", "y"}

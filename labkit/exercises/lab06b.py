@@ -235,6 +235,10 @@ def _codes_judge(expected: Tensor, rtn: Tensor, bits: int, cast_first: Tensor | 
                                "where it should be 0; clamp the float codes to 0..2^bits - 1 first, then convert")
         row = int(wrong.nonzero()[0])
         column = int((got[row].cpu() != expected[row]).nonzero()[0])
+        if (int(got[row, column]), int(expected[row, column])) == (top, 0):  # the same cast, another error spread
+            raise AssertionError(f"a code of {top} where labkit's is 0, first at row {row}, column {column}: a "
+                                 "negative value made uint8 before the clamp wraps around (-1 becomes 255), which "
+                                 f"the clamp takes to {top}; clamp the float codes first, then convert")
         if torch.equal(got.cpu(), rtn) and not torch.equal(expected, rtn):
             raise AssertionError("these are the codes of rounding each weight to nearest (RTN): no column's rounding "
                                  "error reached the columns after it (or each column was rounded from the caller's "

@@ -216,7 +216,8 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if not isinstance(got, (tuple, list)):
             if _listed_matches(got, expected, rtol, atol):
                 made = "x.tolist()" if isinstance(expected, list) else "tuple(x.tolist())"
-                kind = {"ndarray": "a NumPy array", "Tensor": "a tensor"}.get(type(got).__name__, "another type")
+                name = type(got).__name__
+                kind = {"ndarray": "a NumPy array", "Tensor": "a tensor"}.get(name, f"a {name}")
                 raise WrongType(f"the values are right, but in {kind}: expected a {type(expected).__name__} ({made})")
             raise AssertionError(f"expected a {type(expected).__name__} of {len(expected)} items, got "
                                  f"{_short(got)} (of type {type(got).__name__})")
