@@ -104,10 +104,10 @@ class Quote:
         ratio = shown / self.low
         if abs(ratio - 1) <= AGREES:
             return f"agrees{how}"
-        if 0.5 < ratio < 2:
-            return f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} it{how}"
         if ratio <= 0:  # a change of the opposite sign, or none: no multiple of the quote
             return "below it"
+        if ratio < 2:
+            return f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} it{how}"
         return f"{_number(ratio)} times it{how}"
 
     def spread_verdict(self, lowest: float, highest: float) -> str:
@@ -120,10 +120,17 @@ class Quote:
         top = self.low if self.high is None else self.high
         it = "it" if self.high is None else "its range"
         if high < self.low or low > top:
-            return f"all {'below' if high < self.low else 'above'} {it}"
+            below = high < self.low
+            nearest, edge = (high, self.low) if below else (low, top)
+            near = f", the {'highest' if below else 'lowest'} just {'below' if below else 'above'}" \
+                if abs(nearest / edge - 1) <= AGREES else ""
+            return f"all {'below' if below else 'above'} {it}{near}"
         if self.low <= low and high <= top:
             return f"all inside {it}"
-        return "they span it" if self.high is None else "partly inside its range"
+        if self.high is None:
+            return "they span it"
+        start = "below its range" if low < self.low else "inside its range"
+        return f"from {start} to above it" if high > top else f"from {start} into it"
 
 
 QUOTES = {
@@ -144,11 +151,12 @@ QUOTES = {
     "kv_8b_128k": Quote(("guide",), "the same at 128K tokens, in its prose", 16, unit="GB", gib=True),
     "kv_8b_128k_code": Quote(("guide",), "the same at 128K tokens, in its code's printed output", 2.0,
                             unit="GB", gib=True),
-    "kv_70b_128k": Quote(("survey",), "a 70B model's cache at 128K tokens (often more than its weights, it adds)", 100,
+    "kv_70b_128k": Quote(("survey",), "a 70B model's cache at 128K tokens (the text adds: often more than its weights)",
+                         100,
                          math.inf, unit="GB"),
     "gqa_saves": Quote(("summary",), "what GQA cuts the cache by", 4),
     "mqa_saves": Quote(("summary",), "what MQA cuts the cache by", 8),
-    "mqa_saves_chapter": Quote(("chapter",), "the same, for a model of 32 heads", 32),
+    "mqa_saves_chapter": Quote(("chapter",), "what MQA cuts the cache by, for a model of 32 heads", 32),
     "gqa_saves_blog": Quote(("blog",), "what GQA cuts the cache by, in Llama 2 70B", 8),
     "kv_int8": Quote(("blog",), "an int8 KV cache's cut in memory against fp16", 2),
     "kv_quantized": Quote(("guide",), "KV-cache quantization's cut in memory (INT8 or INT4)", 2, 4),

@@ -67,7 +67,7 @@ def test_a_single_figure_agrees_within_five_percent_or_says_how_far_off() -> Non
     assert quote.verdict(10.6) == "6% above it"
     assert quote.verdict(7) == "30% below it"
     assert quote.verdict(42.9) == "4.29 times it"
-    assert quote.verdict(2.5) == "0.25 times it"
+    assert quote.verdict(2.5) == "75% below it"  # a fraction of the quote: how far below, not "0.25 times it"
     assert quote.verdict(12345) == "1,234 times it"  # grouped, not 1.23e+03
     assert quote.verdict(0) == quote.verdict(-0.3) == "below it"  # no multiple of the quote
 
@@ -88,13 +88,18 @@ def test_gb_is_read_as_gib_only_where_the_quote_says_its_texts_meant_it() -> Non
 
 def test_figures_over_several_cases_fall_below_above_inside_or_across_a_quote() -> None:
     speedup = Quote(("chapter",), "x", 10, 50)
-    assert speedup.spread_verdict(3, 9.9) == "all below its range"
-    assert speedup.spread_verdict(51, 60) == "all above its range"
+    assert speedup.spread_verdict(3, 9.9) == "all below its range, the highest just below"
+    assert speedup.spread_verdict(3, 8) == "all below its range"
+    assert speedup.spread_verdict(51, 60) == "all above its range, the lowest just above"
+    assert speedup.spread_verdict(60, 70) == "all above its range"
     assert speedup.spread_verdict(10, 50) == "all inside its range"
-    assert speedup.spread_verdict(5, 20) == speedup.spread_verdict(20, 80) == "partly inside its range"
+    assert speedup.spread_verdict(5, 20) == "from below its range into it"
+    assert speedup.spread_verdict(20, 80) == "from inside its range to above it"
+    assert speedup.spread_verdict(5, 80) == "from below its range to above it"  # none inside, maybe
     single = Quote(("summary",), "x", 4)
     assert single.spread_verdict(2, 16) == "they span it"
     assert single.spread_verdict(16, 128) == "all above it"
+    assert single.spread_verdict(4.1, 128) == "all above it, the lowest just above"
     assert single.spread_verdict(4, 4) == "all inside it"
     with pytest.raises(ValueError, match="above highest"):
         single.spread_verdict(3, 2)
