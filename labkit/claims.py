@@ -106,8 +106,10 @@ class Quote:
             return f"agrees{how}"
         if ratio <= 0:  # a change of the opposite sign, or none: no multiple of the quote
             return "below it"
-        if ratio < 2:
-            return f"{abs(ratio - 1):.0%} {'above' if ratio > 1 else 'below'} it{how}"
+        if ratio < 1:  # some of it is there: never "100% below"
+            return f"{min(99, round(100 * (1 - ratio)))}% below it{how}"
+        if round(100 * (ratio - 1)) < 100:
+            return f"{round(100 * (ratio - 1))}% above it{how}"
         return f"{_number(ratio)} times it{how}"
 
     def spread_verdict(self, lowest: float, highest: float) -> str:
@@ -123,7 +125,7 @@ class Quote:
             below = high < self.low
             nearest, edge = (high, self.low) if below else (low, top)
             near = f", the {'highest' if below else 'lowest'} just {'below' if below else 'above'}" \
-                if abs(nearest / edge - 1) <= AGREES else ""
+                if edge and abs(nearest / edge - 1) <= AGREES else ""
             return f"all {'below' if below else 'above'} {it}{near}"
         if self.low <= low and high <= top:
             return f"all inside {it}"

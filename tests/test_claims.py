@@ -68,6 +68,8 @@ def test_a_single_figure_agrees_within_five_percent_or_says_how_far_off() -> Non
     assert quote.verdict(7) == "30% below it"
     assert quote.verdict(42.9) == "4.29 times it"
     assert quote.verdict(2.5) == "75% below it"  # a fraction of the quote: how far below, not "0.25 times it"
+    assert quote.verdict(0.04) == "99% below it"  # some of it is there: never "100% below"
+    assert quote.verdict(19.96) == "2 times it" and quote.verdict(19.9) == "99% above it"
     assert quote.verdict(12345) == "1,234 times it"  # grouped, not 1.23e+03
     assert quote.verdict(0) == quote.verdict(-0.3) == "below it"  # no multiple of the quote
 
@@ -96,6 +98,8 @@ def test_figures_over_several_cases_fall_below_above_inside_or_across_a_quote() 
     assert speedup.spread_verdict(5, 20) == "from below its range into it"
     assert speedup.spread_verdict(20, 80) == "from inside its range to above it"
     assert speedup.spread_verdict(5, 80) == "from below its range to above it"  # none inside, maybe
+    waste = Quote(("chapter",), "x", 0, 4, "%")  # "under 4%": an edge at 0, which nothing is divided by
+    assert waste.spread_verdict(-2, -1) == "all below its range"
     single = Quote(("summary",), "x", 4)
     assert single.spread_verdict(2, 16) == "they span it"
     assert single.spread_verdict(16, 128) == "all above it"
