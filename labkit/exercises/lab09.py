@@ -429,7 +429,9 @@ class _Harness:
 
 def _ends(queue: asyncio.Queue) -> bool:
     """Whether the last item put in ``queue`` and not yet taken is None, the stream's end."""
-    waiting = queue._queue  # asyncio.Queue keeps its items in a deque, and has no public way to look at them
+    waiting = [queue.get_nowait() for _ in range(queue.qsize())]  # no public way to look: take them all, put
+    for item in waiting:                                             # them back in their order
+        queue.put_nowait(item)
     return bool(waiting) and waiting[-1] is None
 
 
