@@ -30,9 +30,10 @@ certain (q is one-hot), so its token is accepted with probability p(d_i).
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from labkit.generate import SamplingParams, sampling_probs, seeded_generator, se
 from labkit.model import ContiguousKVCache, Transformer, forward_tokens
 from labkit.static_cache import StaticKVCache, static_length
 from labkit.validate import check_ints
+
+if TYPE_CHECKING:
+    from labkit.bench import Timing
 
 
 @answer_to("ex05.1")
@@ -102,6 +106,41 @@ def speculation_gain(a: float, k: int, c: float, v: float = 1.0) -> tuple[float,
     tokens = k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
     return tokens, tokens / (k * c + v)
 
+
+
+def verification_verdict(v: Mapping[int, float], where: str, timings: Mapping[str, Timing]) -> str:
+    """What the verification costs ``v`` (k -> target decode steps that verifying k + 1 tokens costs) say, with
+    the timings' spread considered: nearly free; growing with k (a line fitted to v against k rises by more than
+    twice the spread, and v never falls by more than the spread from one k to the next); inconsistent (it
+    falls); or no steady growth, a fixed extra cost per call. ``timings`` holds the timed steps, ``"target"``
+    and ``"verify k"`` for each k, whose quartiles give each v its spread; ``where`` ends the first sentence."""
+    ks = sorted(v)
+    verdict = f"Verification costs {min(v.values()):.2f} to {max(v.values()):.2f} decode steps {where}: "
+    if max(v.values()) < 1.2:
+        return verdict + "nearly free here: a step's cost hardly grows with its tokens."
+    target = timings["target"]
+    # the spread of one v: the relative spreads (interquartile ranges) of its two timings, added; median over k
+    spread = statistics.median(v[k] * (timings[f"verify {k}"].spread_s / timings[f"verify {k}"].median_s
+                                       + target.spread_s / target.median_s) for k in ks)
+    slope = statistics.linear_regression(ks, [v[k] for k in ks]).slope if len(ks) > 1 else 0.0
+    rise = slope * (ks[-1] - ks[0])
+    falls = [(j, k) for j, k in zip(ks, ks[1:]) if v[k] < v[j] - spread]
+    trend = (f"a line fitted to v against k rises {slope:+.3f} decode steps per drafted token, {rise:+.2f} from "
+             f"k = {ks[0]} to k = {ks[-1]}, against a spread of {spread:.2f} in each v (quartiles of its timings)")
+    if rise > 2 * spread and not falls:
+        return verdict + (f"it grows with k: {trend}, and v never falls by more than that spread from one k to the "
+                          "next. Each extra token adds time, as arithmetic that grows with the tokens would, and "
+                          "every round pays for its k.")
+    if falls or rise < -2 * spread:  # a verification of more tokens cheaper than one of fewer: inconsistent timings
+        where_falls = (f"v falls from k = {falls[0][0]} to k = {falls[0][1]} by more than the spread" if falls else
+                       "the fitted line falls")
+        return verdict + (f"no verdict: {trend}, and {where_falls}, though a verification of more tokens does the "
+                          "work of one of fewer and more. The timings are not consistent across k: rerun demo 3.")
+    return verdict + (f"no steady growth with k: {trend}, not beyond twice the spread. Mostly a fixed extra cost "
+                      f"per verification call, about {statistics.fmean(v.values()) - 1:.2f} of a decode step on "
+                      "average, which every round pays once. What makes a call of several tokens cost more than a "
+                      "step is not measured here; a candidate: it takes another path than a decode step (a causal "
+                      "mask, masked attention: more kernels whatever the tokens).")
 
 @dataclass
 class Proposal:

@@ -13,10 +13,12 @@ import torch
 import labkit
 from labkit.exercises.lab01 import random_model
 from labkit.generate import SamplingParams, sampling_probs, stream
+from labkit.bench import Timing
 from labkit.model import ModelConfig, Transformer
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, Round, SpeculationStats, acceptance_rule,
                                 chain_calls, continuation_prompts, editing_prompts, lookup, speculation_gain,
-                                speculative_stream, teacher_forced_hits, verify_greedy, verify_sampled)
+                                speculative_stream, teacher_forced_hits, verification_verdict, verify_greedy,
+                                verify_sampled)
 
 from tiny_models import one_torch_thread
 
@@ -315,3 +317,28 @@ def test_a_rejected_newline_is_shown_without_breaking_the_line():
     body = speculation_html([Round((1,), 0, 2), Round((1,), 1, 3)], lambda t: "\n" if t == 1 else "x")
     body = body.split("</div>", 1)[1]
     assert body.count("↵") == 2 and body.count("<br>") == 1  # only the accepted newline ends a line
+
+
+def _steps(v: dict[int, float], spread: float) -> dict[str, Timing]:
+    """A target step of 10 ms and each verification at v[k] of it, each timing's quartiles ``spread`` of its
+    median apart: four evenly spaced repeats, whose inclusive quartiles lie halfway between the median and the
+    ends."""
+    def timing(label: str, median_ms: float) -> Timing:
+        return Timing(label, "cpu", tuple(median_ms * (1 + d * spread) / 1e3 for d in (-1, -1 / 3, 1 / 3, 1)))
+    return {"target": timing("target", 10.0), **{f"verify {k}": timing(f"verify {k}", 10.0 * x) for k, x in v.items()}}
+
+
+def test_the_verification_verdict_weighs_the_trend_against_the_spread_of_the_timings() -> None:
+    free = {1: 1.05, 2: 1.08, 4: 1.1}
+    assert "nearly free" in verification_verdict(free, "here", _steps(free, 0.02))
+    growing = {1: 1.3, 2: 1.6, 4: 2.2, 6: 2.8}
+    said = verification_verdict(growing, "on cpu", _steps(growing, 0.02))
+    assert said.startswith("Verification costs 1.30 to 2.80 decode steps on cpu: it grows with k")
+    assert "+0.300 decode steps per drafted token, +1.50 from k = 1 to k = 6" in said  # the least-squares line
+    assert "no steady growth" in verification_verdict(growing, "on cpu", _steps(growing, 0.5))  # within the noise
+    flat = {1: 1.5, 2: 1.52, 4: 1.48, 6: 1.5}
+    assert "fixed extra cost per verification call, about 0.50 of a decode step" in verification_verdict(
+        flat, "here", _steps(flat, 0.02))
+    falling = {1: 1.3, 2: 2.0, 4: 1.5, 6: 2.8}
+    said = verification_verdict(falling, "here", _steps(falling, 0.02))
+    assert "no verdict" in said and "v falls from k = 2 to k = 4" in said
