@@ -16,6 +16,10 @@ from labkit.engine import Request
 from labkit.generate import SamplingParams
 from labkit.validate import check_ints
 
+# the arrivals' generator is seeded this far from the lengths' (seed + ARRIVALS_STREAM), so that the two draw from
+# unrelated streams: the same seed would give the arrivals the very numbers the lengths were drawn from
+ARRIVALS_STREAM = 1 << 32
+
 
 def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
                       seed: int | torch.Generator) -> list[int]:
@@ -84,19 +88,22 @@ def poisson_arrivals(n: int, rate: float, seed: int | torch.Generator = 0, exact
 
 def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: LengthDistribution, *,
                   rate: float | None = None, vocab_size: int = 4096, prefix: Sequence[int] = (),
-                  temperature: float = 0.0, seed: int = 0, id_prefix: str = "req") -> list[Request]:
+                  temperature: float = 0.0, seed: int = 0, id_prefix: str = "req", exact: bool = False
+                  ) -> list[Request]:
     """``n`` requests with random prompt tokens (after a shared ``prefix``, if given) and
     lengths drawn from the distributions; each generates exactly its drawn output length (EOS
     ignored, as serving benchmarks do). Offline (``rate`` None): all arrive at 0; online: Poisson
-    arrivals at ``rate`` requests per second. Seeded: the same arguments give the same requests."""
+    arrivals at ``rate`` requests per second (``exact``: at exactly that rate on average, as
+    ``poisson_arrivals`` says). Seeded: the same arguments give the same requests, and the arrivals
+    are drawn apart from the lengths and tokens, so the same seed and rate give the same arrival
+    times whatever the lengths: two workloads that differ only in their lengths meet the same traffic."""
     check_ints(n=n, vocab_size=vocab_size)
     if n < 1 or vocab_size < 1 or (rate is not None and not rate > 0):
         raise ValueError(f"n={n} and vocab_size={vocab_size} must be >= 1, and rate={rate} None (offline) or > 0")
     generator = torch.Generator().manual_seed(seed)
     prompts, outputs = prompt_lengths(n, generator), output_lengths(n, generator)
     tokens = [torch.randint(vocab_size, (p,), generator=generator).tolist() for p in prompts]
-    # drawn last, so that the same seed gives the same prompts offline and online
-    arrivals = poisson_arrivals(n, rate, generator) if rate else [0.0] * n
+    arrivals = poisson_arrivals(n, rate, seed + ARRIVALS_STREAM, exact) if rate else [0.0] * n
     return [Request(f"{id_prefix}{i}", list(prefix) + t,
                     SamplingParams(max_new_tokens=o, temperature=temperature, stop_at_eos=False, seed=seed + i),
                     arrival_time=a)
