@@ -2,6 +2,8 @@
 import json
 import math
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -175,13 +177,24 @@ def test_a_quote_is_looked_for_with_its_unit() -> None:
     assert not re.search(_quote_pattern(Quote(("guide",), "x", 2, 3)), "2-3 GPUs or 12-3x")
 
 
+def _beside(root: Path) -> list[Path]:
+    """Where the course texts may be: beside this checkout, or, for a clone of a checkout on this machine (as
+    CI makes one elsewhere), beside the checkout it was cloned from."""
+    places = [root]
+    origin = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"], capture_output=True, text=True)
+    if origin.returncode == 0 and Path(origin.stdout.strip()).is_dir():
+        places.append(Path(origin.stdout.strip()))
+    return [(place / COURSE_TEXTS).resolve() for place in places]
+
+
 def _texts(root) -> dict[str, str]:
     """The course texts by key of claims.TEXTS (000: the chapter, ... 004: the blog post); the test skips
-    where they are not beside the checkout, as in a fresh clone that CI makes elsewhere."""
-    folder = (root / COURSE_TEXTS).resolve()
-    files = {path.stem.split("_")[0]: path for path in folder.glob("*.txt")}
+    where they are found neither beside the checkout nor beside the one it was cloned from."""
+    folders = _beside(root)
+    files = next(({path.stem.split("_")[0]: path for path in found} for folder in folders
+                  if (found := sorted(folder.glob("*.txt")))), {})
     if not files:
-        pytest.skip(f"the course texts are not beside this checkout ({folder})")
+        pytest.skip(f"the course texts are not beside this checkout: looked in {', '.join(map(str, folders))}")
     return {key: files[f"{i:03d}"].read_text(encoding="utf-8") for i, key in enumerate(claims.TEXTS)}
 
 
