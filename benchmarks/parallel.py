@@ -54,9 +54,11 @@ def communication(result: dict) -> None:
     print(f"{'bytes':>10}{'all-reduce (us)':>17}{'send (us)':>12}")
     for n, a, s in zip(result["sizes"], result["allreduce_s"], result["send_s"]):
         print(f"{n:>10,}{a * 1e6:>17.1f}{s * 1e6:>12.1f}")
-    for key in ("allreduce_link", "send_link"):
-        link = result[key]
-        print(f"fit, {link.name}: latency {link.latency_s * 1e6:.1f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s")
+    for link in (result["allreduce_link"], result["send_link"]):
+        if link is not None:
+            print(f"fit, {link.name}: latency {link.latency_s * 1e6:.1f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s")
+    if result["send_fit_error"]:
+        print(f"no fit, {result['send_fit_error']}")
 
 
 def tensor_parallel(repeats: int, steps: int, context: int) -> None:

@@ -59,22 +59,30 @@ class BackgroundServer:
         or does not answer within ``timeout_s`` (it is stopped then)."""
         if self.process is not None:
             raise RuntimeError(f"the server on port {self.port} was started already")
+        # a process group of its own: a notebook's interrupt, a SIGINT to the kernel's whole group, must not stop it;
+        # the same session, though: where Linux shares the CPU between sessions (autogroup), a server in a session
+        # of its own would take as much of it as its client and everything else the notebook runs together
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL, process_group=0)
         _RUNNING.add(self)
+        try:
+            return self._wait_healthy(timeout_s)
+        except BaseException:  # an interrupt while it starts: nothing half-started is left running
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> "BackgroundServer":
         deadline = time.monotonic() + timeout_s
         # one client for all polls (a new one costs ~50 ms of CPU); no proxy from the environment
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    self.stop()  # forgotten, its log kept in memory
                     raise RuntimeError(f"the server exited with code {self.process.returncode} before it answered:\n"
                                        f"{self.log()[-3000:]}")
                 if self._healthy(client):
                     return self
                 time.sleep(0.1)
-        self.stop()
         raise RuntimeError(f"the server did not answer {self.url}{self.health} within {timeout_s} s:\n"
                            f"{self.log()[-3000:]}")
 
@@ -155,6 +163,8 @@ def start_server(model: str = "target", timeout_s: float = 120.0, env: dict[str,
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped: at exit, and where a notebook cell that starts
+    servers runs again (the ones its earlier run started would go on, unreferenced, until the kernel exits)."""
     for server in list(_RUNNING):
         server.stop(grace_s=5.0)

@@ -224,3 +224,16 @@ def test_measure_times_each_size_on_two_ranks_and_fits_links():
     for key in ("allreduce_s", "send_s"):
         assert len(result[key]) == 2 and result[key][0] > 0 and result[key][1] > result[key][0]
     assert result["allreduce_link"].bandwidth > 0 and result["send_link"].latency_s >= 0
+    assert result["send_fit_error"] is None
+
+
+def test_send_times_that_give_no_line_are_said_and_the_all_reduce_link_still_fitted(monkeypatch):
+    """A busy machine can bend the send times' line (seen at 2 of 6 re-runs of notebook 10): the measurement is kept,
+    the send's fit is None with the reason, and the all-reduce's link, which the lab's predictions use, stands."""
+    def timed(rank, sizes, repeats):
+        return {"sizes": list(sizes), "allreduce_s": [1e-5 * (1 + n / 1e5) for n in sizes], "world_size": 2,
+                "send_s": [1e-4 * (len(sizes) - i) for i in range(len(sizes))], "backend": "gloo"}
+    monkeypatch.setattr(comm, "launch", lambda fn, world, args, *rest: timed(None, *args))
+    result = comm.measure(2, sizes=(64, 4096, 2**20), repeats=1)
+    assert result["send_link"] is None and result["allreduce_link"].bandwidth > 0
+    assert result["send_fit_error"].startswith("one-way send: the times do not grow with the message size")

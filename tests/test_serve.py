@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import shutil
@@ -28,7 +29,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.background import BackgroundServer, children, serve_command
+import labkit.background
+from labkit.background import BackgroundServer, children, serve_command, stop_all
 from labkit.corpus import token_ids
 from labkit.detokenize import IncrementalDetokenizer
 from labkit.engine import Engine, Request, SchedulerConfig
@@ -817,3 +819,35 @@ def test_an_engine_process_whose_server_is_killed_ends_on_its_own(fleet):
     server.process.kill()
     server.process.wait(EXIT_LIMIT_S)
     assert engine is not None and all_end([engine], EXIT_LIMIT_S)
+
+
+def _file_server(tmp_path: Path) -> BackgroundServer:
+    """Python's own file server on a free port: a process that answers 200 within a second, and nothing more."""
+    return BackgroundServer([sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1", "--directory",
+                             str(tmp_path)], health="/")
+
+
+def test_a_background_server_is_out_of_reach_of_its_starters_interrupts(tmp_path):
+    """A notebook's interrupt is a SIGINT to the kernel's whole process group: a server there would stop too. Its
+    session stays the starter's: Linux's autogroup shares the CPU between sessions, and a server in one of its own
+    took twice its share against its client (this file's tests ran twice as long, and timed out)."""
+    with _file_server(tmp_path) as server:
+        assert os.getpgid(server.process.pid) != os.getpgid(0) and os.getsid(server.process.pid) == os.getsid(0)
+
+
+def test_an_interrupt_while_a_server_starts_stops_it(tmp_path, monkeypatch):
+    server = _file_server(tmp_path)
+
+    def interrupted(client):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(server, "_healthy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert server.process.poll() is not None and not server.running
+
+
+def test_stop_all_stops_every_server_this_process_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(labkit.background, "_RUNNING", set())  # this test's servers only, not the module's fleet
+    first, second = _file_server(tmp_path).start(), _file_server(tmp_path).start()
+    stop_all()
+    assert not first.running and not second.running

@@ -48,8 +48,9 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
     if intercept < 0:  # refit through the origin
         intercept, slope = 0.0, float((n * t).sum() / (n * n).sum())
     if slope <= 0:
-        raise ValueError("the times do not grow with the message size, so they give no bandwidth: measure sizes "
-                         f"over a wider range (here {min(sizes):,.0f} to {max(sizes):,.0f} bytes)")
+        raise ValueError(f"the times do not grow with the message size (here {min(sizes):,.0f} to {max(sizes):,.0f} "
+                         "bytes), so they give no bandwidth: a range too narrow, or a time far above its neighbours' "
+                         "(another program busy meanwhile) that bends the line; rerun on a quieter machine or wider")
     return intercept, slope
 
 
@@ -109,10 +110,15 @@ def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: 
             backend: str | None = None, timeout_s: float = 300.0) -> dict:
     """All-reduce and one-way send times (per call, of bursts issued back to back; the median of ``repeats``
     bursts on rank 0's clock) at each message size in bytes, over ``world_size`` ranks, with the links
-    fitted to each: ``allreduce_link``, ``send_link``. ``threads`` and ``backend``: see ``launch``."""
+    fitted to each: ``allreduce_link``, ``send_link``. ``threads`` and ``backend``: see ``launch``. Where the send
+    times give no line (``fit_line``), ``send_link`` is None and ``send_fit_error`` says why: the all-reduce's link
+    is the one the lab's predictions use, and a failure to fit it raises."""
     if world_size < 2 or not sizes or min(sizes) < 4:
         raise ValueError(f"world_size={world_size} must be >= 2 and every size >= 4 bytes (one fp32)")
     result = launch(_measure_rank, world_size, (list(sizes), repeats), timeout_s, threads, backend)
     result["allreduce_link"] = link_from_allreduce(result["sizes"], result["allreduce_s"], world_size)
-    result["send_link"] = link_from_send(result["sizes"], result["send_s"])
+    try:
+        result["send_link"], result["send_fit_error"] = link_from_send(result["sizes"], result["send_s"]), None
+    except ValueError as error:
+        result["send_link"], result["send_fit_error"] = None, f"one-way send: {error}"
     return result
