@@ -166,6 +166,12 @@ def trust(expectations: Mapping[str, bool], timings: Sequence[Timing] = ()) -> b
     return False
 
 
+def format_number(value: float) -> str:
+    """A figure as a reader expects it, thousands grouped: three significant digits below 100 (0.0123, 4.56, 78.9),
+    the whole number from 100 up (5,410)."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def format_seconds(seconds: float) -> str:
     """1.5e-05 -> '15.0 us', 0.25 -> '250.0 ms'."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):

@@ -10,17 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import notebook
+from labkit.bench import format_number
 
 TEXTS = {"chapter": "the textbook chapter", "summary": "the summary", "guide": "the study guide",
          "survey": "the survey section", "blog": "the blog post"}
 _SCALE = {"x": 1.0, "%": 1.0, "FLOP/byte": 1.0, "GB": 1e9, "MB": 1e6, "ms": 1e-3}  # one unit, in the value's units
 _BINARY = {"GB": float(1 << 30), "MB": float(1 << 20)}  # texts often write GB where they computed GiB
 AGREES = 0.05  # a single figure agrees with a value that differs from it by at most 5%; a range's edge is "just" missed
-
-
-def _number(value: float) -> str:
-    """A figure as a reader expects it: three significant digits, thousands grouped, never in e-notation."""
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def _with_unit(figure: str, unit: str) -> str:
@@ -110,7 +106,7 @@ class Quote:
             return f"{min(99, round(100 * (1 - ratio)))}% below it{how}"
         if round(100 * (ratio - 1)) < 100:
             return f"{round(100 * (ratio - 1))}% above it{how}"
-        return f"{_number(ratio)} times it{how}"
+        return f"{format_number(ratio)} times it{how}"
 
     def spread_verdict(self, lowest: float, highest: float) -> str:
         """Where figures measured over several cases, from ``lowest`` to ``highest``, fall against the quote,
@@ -240,7 +236,7 @@ def check(key: str, value: float, shown: str | None = None) -> str:
     """The quote, then ``value`` (printed as ``shown`` if given) and the verdict."""
     quote = QUOTES[key]
     number, unit = quote.reading(value)
-    here = shown if shown is not None else _with_unit(_number(number), unit)
+    here = shown if shown is not None else _with_unit(format_number(number), unit)
     return f"{said(key)} Here: {here}, {quote.verdict(value)}."
 
 

@@ -107,6 +107,26 @@ def speculation_gain(a: float, k: int, c: float, v: float = 1.0) -> tuple[float,
     return tokens, tokens / (k * c + v)
 
 
+def verification_line(v: Mapping[int, float]) -> tuple[float, float]:
+    """``(v_call, v_token)``: the line v = v_call + v_token k through the verification costs ``v`` (k -> target
+    decode steps that verifying k + 1 tokens costs) by least squares, kept where a verification can be: through
+    v = 1 at k = 0 where it would start below one decode step, flat at the mean of v (at least 1) where it would
+    fall with k."""
+    ks = _two_ks_at_least(v)
+    slope, intercept = statistics.linear_regression(ks, [v[k] for k in ks])
+    if intercept < 1:
+        slope, intercept = sum(k * (v[k] - 1) for k in ks) / sum(k * k for k in ks), 1.0
+    if slope < 0:
+        slope, intercept = 0.0, max(1.0, statistics.fmean(v.values()))
+    return intercept, slope
+
+
+def _two_ks_at_least(v: Mapping[int, float]) -> list[int]:
+    """The k of ``v`` in order; a ValueError unless there are two or more: one k makes no line."""
+    if len(v) < 2:
+        raise ValueError(f"verification costs at {len(v)} k ({sorted(v)}): a line against k needs two k or more")
+    return sorted(v)
+
 
 def verification_verdict(v: Mapping[int, float], where: str, timings: Mapping[str, Timing]) -> str:
     """What the verification costs ``v`` (k -> target decode steps that verifying k + 1 tokens costs) say, with
@@ -114,7 +134,7 @@ def verification_verdict(v: Mapping[int, float], where: str, timings: Mapping[st
     twice the spread, and v never falls by more than the spread from one k to the next); inconsistent (it
     falls); or no steady growth, a fixed extra cost per call. ``timings`` holds the timed steps, ``"target"``
     and ``"verify k"`` for each k, whose quartiles give each v its spread; ``where`` ends the first sentence."""
-    ks = sorted(v)
+    ks = _two_ks_at_least(v)
     verdict = f"Verification costs {min(v.values()):.2f} to {max(v.values()):.2f} decode steps {where}: "
     if max(v.values()) < 1.2:
         return verdict + "nearly free here: a step's cost hardly grows with its tokens."
@@ -122,7 +142,7 @@ def verification_verdict(v: Mapping[int, float], where: str, timings: Mapping[st
     # the spread of one v: the relative spreads (interquartile ranges) of its two timings, added; median over k
     spread = statistics.median(v[k] * (timings[f"verify {k}"].spread_s / timings[f"verify {k}"].median_s
                                        + target.spread_s / target.median_s) for k in ks)
-    slope = statistics.linear_regression(ks, [v[k] for k in ks]).slope if len(ks) > 1 else 0.0
+    slope = statistics.linear_regression(ks, [v[k] for k in ks]).slope
     rise = slope * (ks[-1] - ks[0])
     falls = [(j, k) for j, k in zip(ks, ks[1:]) if v[k] < v[j] - spread]
     trend = (f"a line fitted to v against k rises {slope:+.3f} decode steps per drafted token, {rise:+.2f} from "
@@ -141,6 +161,7 @@ def verification_verdict(v: Mapping[int, float], where: str, timings: Mapping[st
                       "average, which every round pays once. What makes a call of several tokens cost more than a "
                       "step is not measured here; a candidate: it takes another path than a decode step (a causal "
                       "mask, masked attention: more kernels whatever the tokens).")
+
 
 @dataclass
 class Proposal:

@@ -7,6 +7,7 @@ same arguments give the same requests.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Callable, Sequence
 
@@ -16,9 +17,12 @@ from labkit.engine import Request
 from labkit.generate import SamplingParams
 from labkit.validate import check_ints
 
-# the arrivals' generator is seeded this far from the lengths' (seed + ARRIVALS_STREAM), so that the two draw from
-# unrelated streams: the same seed would give the arrivals the very numbers the lengths were drawn from
-ARRIVALS_STREAM = 1 << 32
+
+def _arrivals_seed(seed: int) -> int:
+    """The seed of a workload's arrivals, a hash of its ``seed``: the same seed would give the arrivals the very
+    numbers its lengths were drawn from (long prompts would come in bunches), and so would ``seed`` plus any
+    multiple of 2^32, since torch's CPU generator reads only a seed's low 32 bits."""
+    return int.from_bytes(hashlib.sha256(f"arrivals {seed}".encode()).digest()[:4], "little")
 
 
 def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
@@ -103,7 +107,7 @@ def make_workload(n: int, prompt_lengths: LengthDistribution, output_lengths: Le
     generator = torch.Generator().manual_seed(seed)
     prompts, outputs = prompt_lengths(n, generator), output_lengths(n, generator)
     tokens = [torch.randint(vocab_size, (p,), generator=generator).tolist() for p in prompts]
-    arrivals = poisson_arrivals(n, rate, seed + ARRIVALS_STREAM, exact) if rate else [0.0] * n
+    arrivals = poisson_arrivals(n, rate, _arrivals_seed(seed), exact) if rate else [0.0] * n
     return [Request(f"{id_prefix}{i}", list(prefix) + t,
                     SamplingParams(max_new_tokens=o, temperature=temperature, stop_at_eos=False, seed=seed + i),
                     arrival_time=a)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from labkit import bench
-from labkit.bench import (Comparison, Timing, alternate, compare, format_seconds, measure, nonnegative_polyfit,
-                          peak_memory)
+from labkit.bench import (Comparison, Timing, alternate, compare, format_number, format_seconds, measure,
+                          nonnegative_polyfit, peak_memory)
 
 
 def test_measure_warms_up_then_times_each_repeat():
@@ -74,6 +74,11 @@ def test_bad_counts_are_refused(bad):
 def test_timing_on_a_gpu_that_is_not_there_says_so():
     with pytest.raises(ValueError, match="cannot time on cuda.*no CUDA GPU"):
         measure(lambda: None, device="cuda")
+
+
+def test_format_number_keeps_three_digits_or_the_whole_number_and_groups_thousands():
+    assert [format_number(v) for v in (0.01234, 4.561, 78.94, 99.96, 5410.4, 1234567, -250.2)] == [
+        "0.0123", "4.56", "78.9", "100", "5,410", "1,234,567", "-250"]
 
 
 def test_format_seconds():

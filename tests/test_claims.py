@@ -181,9 +181,12 @@ def _beside(root: Path) -> list[Path]:
     """Where the course texts may be: beside this checkout, or, for a clone of a checkout on this machine (as
     CI makes one elsewhere), beside the checkout it was cloned from."""
     places = [root]
-    origin = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"], capture_output=True, text=True)
-    if origin.returncode == 0 and Path(origin.stdout.strip()).is_dir():
-        places.append(Path(origin.stdout.strip()))
+    try:
+        origin = subprocess.run(["git", "-C", str(root), "remote", "get-url", "origin"], capture_output=True, text=True)
+    except OSError:  # no git here: beside this checkout only
+        origin = None
+    if origin is not None and origin.returncode == 0 and (root / origin.stdout.strip()).is_dir():
+        places.append(root / origin.stdout.strip())  # a relative origin is relative to the checkout
     return [(place / COURSE_TEXTS).resolve() for place in places]
 
 

@@ -312,3 +312,18 @@ def test_edges_found_by_mutating_the_solutions_fail(root):
 def test_lab09_slips_the_earlier_cases_let_through_fail(root, ex_id, right, wrong, case):
     fails(ex_id, mistake(root, ex_id, right, wrong), case, "")
 
+
+
+def test_looking_at_a_stream_leaves_the_students_queue_as_it_was():
+    """The check looks for the end of a stream through the queue's public calls: its items, their order and its
+    count of unfinished tasks (what join() waits on) are the student's again afterwards."""
+    async def look() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(7)
+        assert not lab09._ends(queue)
+        queue.put_nowait(None)
+        assert lab09._ends(queue) and [queue.get_nowait(), queue.get_nowait()] == [7, None]
+        queue.task_done()
+        queue.task_done()
+        await asyncio.wait_for(queue.join(), 1.0)  # hangs, and times out, if looking counted the items twice
+    asyncio.run(look())

@@ -17,8 +17,8 @@ from labkit.bench import Timing
 from labkit.model import ModelConfig, Transformer
 from labkit.speculative import (ModelDrafter, PromptLookupDrafter, Round, SpeculationStats, acceptance_rule,
                                 chain_calls, continuation_prompts, editing_prompts, lookup, speculation_gain,
-                                speculative_stream, teacher_forced_hits, verification_verdict, verify_greedy,
-                                verify_sampled)
+                                speculative_stream, teacher_forced_hits, verification_line, verification_verdict,
+                                verify_greedy, verify_sampled)
 
 from tiny_models import one_torch_thread
 
@@ -342,3 +342,15 @@ def test_the_verification_verdict_weighs_the_trend_against_the_spread_of_the_tim
     falling = {1: 1.3, 2: 2.0, 4: 1.5, 6: 2.8}
     said = verification_verdict(falling, "here", _steps(falling, 0.02))
     assert "no verdict" in said and "v falls from k = 2 to k = 4" in said
+    with pytest.raises(ValueError, match="needs two k or more"):
+        verification_verdict({4: 1.8}, "here", _steps({4: 1.8}, 0.02))
+
+
+def test_the_verification_line_is_least_squares_kept_where_a_verification_can_be() -> None:
+    assert verification_line({1: 1.3, 2: 1.6, 4: 2.2}) == pytest.approx((1.0, 0.3))  # on the line: exact
+    assert verification_line({1: 1.5, 2: 1.7, 4: 2.1, 6: 2.5}) == pytest.approx((1.3, 0.2))
+    # below one step at k = 0 by least squares (0.82 + 0.43 k): through (0, 1) instead, sum k (v - 1) / sum k^2
+    assert verification_line({1: 1.26, 2: 1.56, 4: 2.77, 6: 3.29}) == pytest.approx((1.0, 22.2 / 57))
+    assert verification_line({1: 1.6, 2: 1.5, 4: 1.4}) == pytest.approx((1.5, 0.0))  # falling: flat at the mean
+    with pytest.raises(ValueError, match="needs two k or more"):
+        verification_line({4: 1.8})

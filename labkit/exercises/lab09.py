@@ -430,8 +430,10 @@ class _Harness:
 def _ends(queue: asyncio.Queue) -> bool:
     """Whether the last item put in ``queue`` and not yet taken is None, the stream's end."""
     waiting = [queue.get_nowait() for _ in range(queue.qsize())]  # no public way to look: take them all, put
-    for item in waiting:                                             # them back in their order
+    for item in waiting:                                             # them back in their order,
         queue.put_nowait(item)
+    for _ in waiting:  # and take back the tasks put_nowait counted: join() and task_done() see the queue as it was
+        queue.task_done()
     return bool(waiting) and waiting[-1] is None
 
 

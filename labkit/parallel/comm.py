@@ -50,7 +50,8 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
     if slope <= 0:
         raise ValueError(f"the times do not grow with the message size (here {min(sizes):,.0f} to {max(sizes):,.0f} "
                          "bytes), so they give no bandwidth: a range too narrow, or a time far above its neighbours' "
-                         "(another program busy meanwhile) that bends the line; rerun on a quieter machine or wider")
+                         "(another program busy meanwhile) that bends the line; rerun on a quieter machine, or over a "
+                         "wider range of sizes")
     return intercept, slope
 
 
