@@ -196,10 +196,12 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         result_path = Path(tmp) / "result.json"
         proc = process(_context(), _worker, (spec, str(cwd), str(result_path)), daemon=True)
         proc.start()
-        proc.join(timeout_s)
-        timed_out = proc.is_alive()
-        _kill_group(proc.pid)
-        proc.join()
+        try:
+            proc.join(timeout_s)
+            timed_out = proc.is_alive()
+        finally:  # an Interrupt of the grade cell too: the worker leads its own group, which no SIGINT reaches
+            _kill_group(proc.pid)
+            proc.join()
         if result_path.exists():  # written whole (os.replace): the process may have lingered after it
             outcome = json.loads(result_path.read_text(encoding="utf-8"))
             if timed_out:
@@ -332,8 +334,12 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     placed = [sub for sub in submissions if sub.lab]
     workers = jobs or cores()
     at_once = max(1, min(workers, len(placed)))
-    with _no_main_file(), ThreadPoolExecutor(max_workers=workers) as pool:
-        graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
+    with _no_main_file():
+        if len(placed) == 1:  # a notebook's grade cell: in this thread, where an Interrupt stops it at once
+            graded = [(placed[0], grade_submission(placed[0], timeout_s, at_once))]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         book[student].update(_best_copy(student, lab, copies, per_file))

@@ -5,12 +5,16 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from labkit import notebook
+from labkit.background import children
 from labkit.check import ExerciseFailed
 from labkit.exercises import EXERCISES, for_lab, get
 from labkit.grade import (CRASHED, ERROR, MISSING, TIMEOUT, find_submissions, grade, grade_this, main, table,
@@ -696,3 +700,37 @@ def test_bound_names_are_a_cells_top_level_names():
     assert notebook.bound_names("%%capture out\nimport math\nz = 3") == {"out", "math", "z"}  # run here
     assert notebook.bound_names("%%timeit\nq = 1") == set()  # run in a namespace of its own
     assert notebook.bound_names("files = !ls\nif True:\n    %time y = 2\n") == {"files", "y"}
+
+
+def test_an_interrupt_stops_the_grading_of_a_notebook_at_once_and_leaves_no_worker(root, tmp_path):
+    """A notebook's grade cell, interrupted while an exercise loops: it stops within a second or two (it waited
+    for every exercise's time limit, the workers leading groups of their own that no SIGINT reaches), and the
+    worker it had started is killed."""
+    _submit(tmp_path, "ada", root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
+    script = (f"import sys\nfrom pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
+              f"try:\n    grade([Path({str(tmp_path / 'ada' / '00_welcome.ipynb')!r})], per_file=True)\n"
+              "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    grader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)  # a group of its own, as a notebook's kernel
+    try:
+        assert grader.stdout.readline() == "grading\n"
+        time.sleep(3.0)  # the worker is in its endless loop (its time limit is 8 s)
+        started, workers = time.monotonic(), _descendants(grader.pid)  # the worker, and its forkserver
+        os.killpg(grader.pid, signal.SIGINT)  # what Jupyter's Interrupt sends
+        assert grader.stdout.readline() == "interrupted\n" and grader.wait(10) == 0
+        assert time.monotonic() - started < 3.0
+        deadline = time.monotonic() + 5.0  # the forkserver and its resource tracker follow the grader out
+        while (left := [pid for pid in workers if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers and not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+    finally:
+        grader.kill()
+        grader.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        found += (kids := children(todo.pop()))
+        todo += kids
+    return found

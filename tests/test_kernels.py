@@ -511,6 +511,25 @@ def test_a_build_killed_midway_leaves_a_lock_that_the_next_build_removes(tmp_pat
     assert not (ours / "lock").exists()
 
 
+
+@pytest.mark.parametrize("said, raised", [("ninja: build stopped: interrupted by user.", KeyboardInterrupt),
+                                          ("error: omp.h: No such file or directory", RuntimeError)])
+def test_a_build_that_fails_or_is_interrupted_is_built_again_next_time(said, raised, tmp_path, monkeypatch):
+    """Torch records a build as it starts: one that a notebook's Interrupt stopped (ninja says so; seen by hand,
+    SIGINT to a building process's group) was taken for done, and every later load in the kernel looked for a
+    library that was never made. It is forgotten now, and an interrupt is said as one, not as a missing compiler."""
+    from torch.utils import cpp_extension
+    from labkit.kernels import cpp_build
+
+    def load(name, *args, **kwargs):
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries[name] = 0  # as torch's loader records it before building
+        raise RuntimeError(f"Error building extension '{name}': {said}")
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with pytest.raises(raised, match="interrupted: run the cell again" if raised is KeyboardInterrupt else "omp.h"):
+        cpp_build.build_operator("labkit_test_op", tmp_path / "op.cpp", "no_such_op", "a test operator", "nothing")
+    assert "labkit_test_op" not in cpp_extension.JIT_EXTENSION_VERSIONER.entries
+
 def test_a_build_waits_for_another_that_is_running():
     import fcntl
     paged_decode_cpu_module.build()

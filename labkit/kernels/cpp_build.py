@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+INTERRUPTED = "build stopped: interrupted by user"  # what ninja says when a SIGINT stops it
 # by torch's CPU capability; not -march=native, which would tune for this exact CPU model
 VECTOR_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
                 "AVX2": ["-mavx2", "-mfma"]}
@@ -74,11 +75,24 @@ def build_operator(name: str, source: Path, operator: str, what: str, without: s
             before = library.stat().st_mtime_ns if library.exists() else None
             load(name, [str(source)], extra_cflags=flags, build_directory=str(folder), is_python_module=False,
                  verbose=verbose)
-    except (OSError, RuntimeError, ImportError) as error:
+    except BaseException as error:
+        _forget_build(name)
+        if INTERRUPTED in str(error):  # a notebook's Interrupt reached ninja too: no verdict on this machine
+            raise KeyboardInterrupt(f"the build of labkit's {what} was interrupted: run the cell again to build "
+                                    "it") from error
+        if not isinstance(error, (OSError, RuntimeError, ImportError)):
+            raise
         raise RuntimeError(f"could not build labkit's {what} ({source.name}) in {folder}. It needs a C++ compiler "
                            f"with OpenMP (g++ on Linux) and a folder it may write to (set TORCH_EXTENSIONS_DIR); "
                            f"{without}. What the build said:\n{error}") from error
     return "loaded" if before is not None and library.stat().st_mtime_ns == before else "built"
+
+
+def _forget_build(name: str) -> None:
+    """Make torch build ``name`` again at the next ``load``: it records a build's version as the build starts, and
+    would otherwise take one that failed or was interrupted for done, and look for a library that is not there."""
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+    JIT_EXTENSION_VERSIONER.entries.pop(name, None)
 
 
 @contextmanager
