@@ -707,7 +707,10 @@ def test_an_interrupt_stops_the_grading_of_a_notebook_at_once_and_leaves_no_work
     for every exercise's time limit, the workers leading groups of their own that no SIGINT reaches), and the
     worker it had started is killed."""
     _submit(tmp_path, "ada", root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
-    script = (f"import sys\nfrom pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
+    # SIGINT raises KeyboardInterrupt, as in a kernel, also where this test runs as a shell's background job,
+    # which starts with SIGINT ignored (so CI ran it once: the grader never heard the Interrupt)
+    script = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
               f"try:\n    grade([Path({str(tmp_path / 'ada' / '00_welcome.ipynb')!r})], per_file=True)\n"
               "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
     grader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
