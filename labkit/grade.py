@@ -37,6 +37,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
 CASE_FILE = "case"  # beside a worker's result: the case it has started, for the message should it never end
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
+_STOP_POLL_S = 0.1  # how often a batch's worker threads look for a Ctrl+C while an exercise runs
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 _MESSAGE_LIMIT = 20_000  # characters of a result's message: the result is a file, which _OUTPUT_LIMIT caps too
 _MEMORY_SHARE = 0.5  # of this machine's memory: what the exercises graded at once may allocate in all
@@ -190,14 +192,15 @@ def _grade_module() -> list[str]:
     return [] if main_spec is not None and main_spec.name == "labkit.grade" else ["labkit.grade"]
 
 
-def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
-    """Run one exercise in a fresh process; return its result, whatever the process did."""
+def _run_worker(spec: dict, cwd: Path, timeout_s: float, stop: threading.Event | None = None) -> dict:
+    """Run one exercise in a fresh process; return its result, whatever the process did. Where ``stop`` is
+    set while it runs (a batch's Ctrl+C, heard by the main thread), kill it and raise KeyboardInterrupt."""
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
         proc = process(_context(), _worker, (spec, str(cwd), str(result_path)), daemon=True)
         proc.start()
         try:
-            proc.join(timeout_s)
+            _join(proc, timeout_s, stop)
             timed_out = proc.is_alive()
         finally:  # an Interrupt of the grade cell too: the worker leads its own group, which no SIGINT reaches
             _kill_group(proc.pid)
@@ -221,6 +224,18 @@ def _run_worker(spec: dict, cwd: Path, timeout_s: float) -> dict:
         return {"status": CRASHED, **reached,
                 "message": f"the process {how}{where}, with no result reported (os._exit, a crash, too much output "
                            "or memory?)"}
+
+
+def _join(proc: multiprocessing.process.BaseProcess, timeout_s: float, stop: threading.Event | None) -> None:
+    """Wait for ``proc`` to end, at most ``timeout_s``; raise KeyboardInterrupt once ``stop`` is set."""
+    if stop is None:  # in the main thread, where a SIGINT interrupts the wait itself
+        proc.join(timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s
+    while proc.is_alive() and (left := deadline - time.monotonic()) > 0:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        proc.join(min(left, _STOP_POLL_S))
 
 
 def _case_reached(case_file: Path) -> Started | None:
@@ -283,10 +298,12 @@ def memory_limit(jobs: int) -> int:
     return max(_MEMORY_FLOOR, int(total * _MEMORY_SHARE / jobs))
 
 
-def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int = 1) -> dict[str, Result]:
+def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int = 1,
+                     stop: threading.Event | None = None) -> dict[str, Result]:
     """Grade every exercise of one submitted notebook; ``timeout_s`` replaces each exercise's own limit.
     ``jobs`` exercises are graded at once, this one's among them: each has its share of the memory
-    (``memory_limit``) and of the cores (``spawning.threads_each``)."""
+    (``memory_limit``) and of the cores (``spawning.threads_each``). Setting ``stop`` (from another
+    thread) ends it within a tenth of a second, with KeyboardInterrupt."""
     _check_options(timeout_s, None)
     exercises = for_lab(sub.lab)
     try:
@@ -307,9 +324,9 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
                 "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs)}
-        outcome = _run_worker(spec, sub.path.resolve().parent, limit)
+        outcome = _run_worker(spec, sub.path.resolve().parent, limit, stop)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
-            alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit)
+            alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit, stop)
             if alone["status"] != CRASHED:  # it was one of them
                 outcome = alone
                 if alone["status"] != PASSED:
@@ -338,13 +355,28 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
         if len(placed) == 1:  # a notebook's grade cell: in this thread, where an Interrupt stops it at once
             graded = [(placed[0], grade_submission(placed[0], timeout_s, at_once))]
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                graded = list(pool.map(lambda s: (s, grade_submission(s, timeout_s, at_once)), placed))
+            graded = _grade_in_threads(placed, timeout_s, workers, at_once)
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         book[student].update(_best_copy(student, lab, copies, per_file))
     _add_missing(book, submissions, per_file)
     return {student: dict(sorted(results.items())) for student, results in sorted(book.items())}
+
+
+def _grade_in_threads(placed: list[Submission], timeout_s: float | None, workers: int, at_once: int
+                      ) -> list[tuple[Submission, dict[str, Result]]]:
+    """Grade ``workers`` submissions at a time. A Ctrl+C stops the exercises being graded (their workers
+    killed) and those not begun, and is raised again."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(grade_submission, sub, timeout_s, at_once, stop) for sub in placed]
+        return [(sub, future.result()) for sub, future in zip(placed, futures)]
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _add_missing(book: dict[str, dict[str, Result]], submissions: list[Submission], per_file: bool) -> None:
@@ -843,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing graded is kept, and no report was written to {args.out}", file=sys.stderr)
+        return 130
     print(table(book))
     json_path, csv_path = write_reports(book, args.out)
     print(f"\nwrote {json_path} and {csv_path}")

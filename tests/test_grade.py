@@ -707,25 +707,49 @@ def test_an_interrupt_stops_the_grading_of_a_notebook_at_once_and_leaves_no_work
     for every exercise's time limit, the workers leading groups of their own that no SIGINT reaches), and the
     worker it had started is killed."""
     _submit(tmp_path, "ada", root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
-    # SIGINT raises KeyboardInterrupt, as in a kernel, also where this test runs as a shell's background job,
-    # which starts with SIGINT ignored (so CI ran it once: the grader never heard the Interrupt)
-    script = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
+    script = ("from pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
               f"try:\n    grade([Path({str(tmp_path / 'ada' / '00_welcome.ipynb')!r})], per_file=True)\n"
               "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    grader = _interrupted_after(3.0, script)
+    assert grader.stdout.readline() == "interrupted\n" and grader.wait(10) == 0
+
+
+def test_an_interrupt_stops_a_batch_at_once_and_writes_no_report(root, tmp_path):
+    """Ctrl+C in a terminal grading a class, notebooks in threads: it stops within a second or two, killing the
+    workers of every exercise in flight and grading no other notebook (it waited for the whole class, the pool
+    finishing what it held), and writes no report, which would hold a class half graded."""
+    for student in ("ada", "bob", "cy"):
+        _submit(tmp_path / "class", student, root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
+    out = tmp_path / "grades"
+    script = ("import sys\nfrom labkit.grade import main\nprint('grading', flush=True)\n"
+              f"sys.exit(main([{str(tmp_path / 'class')!r}, '--jobs', '2', '--out', {str(out)!r}]))\n")
+    grader = _interrupted_after(3.0, script, stderr=subprocess.PIPE)
+    assert grader.wait(10) == 130
+    assert "interrupted" in grader.stderr.read() and not out.exists()
+
+
+def _interrupted_after(seconds, script, **popen):
+    """Run ``script`` in a process group of its own (as a notebook's kernel, or a terminal's command), wait for
+    it to print a line and then ``seconds``, send its group SIGINT (what Jupyter's Interrupt and a terminal's
+    Ctrl+C send), and check that it ends within 3 s and that every process it had started ends too. Returns
+    the process, ended, with its output to read."""
+    # SIGINT raises KeyboardInterrupt, as in a kernel, also where this test runs as a shell's background job,
+    # which starts with SIGINT ignored (so CI ran it once: the grader never heard the Interrupt)
+    script = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + script
     grader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # a group of its own, as a notebook's kernel
+                              start_new_session=True, **popen)
     try:
         assert grader.stdout.readline() == "grading\n"
-        time.sleep(3.0)  # the worker is in its endless loop (its time limit is 8 s)
-        started, workers = time.monotonic(), _descendants(grader.pid)  # the worker, and its forkserver
-        os.killpg(grader.pid, signal.SIGINT)  # what Jupyter's Interrupt sends
-        assert grader.stdout.readline() == "interrupted\n" and grader.wait(10) == 0
+        time.sleep(seconds)  # each worker is in its endless loop (its time limit is 8 s)
+        started, workers = time.monotonic(), _descendants(grader.pid)  # the workers, and their forkserver
+        os.killpg(grader.pid, signal.SIGINT)
+        grader.wait(10)
         assert time.monotonic() - started < 3.0
         deadline = time.monotonic() + 5.0  # the forkserver and its resource tracker follow the grader out
         while (left := [pid for pid in workers if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert workers and not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+        return grader
     finally:
         grader.kill()
         grader.wait()
