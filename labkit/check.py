@@ -153,14 +153,22 @@ def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Resul
     """``result``, unless it is a pass that the grader, which runs only the setup cells and the exercise cells,
     would fail with a NameError: a failure then, which names the names and where the notebook defines them. Where
     the notebook cannot be read, or anything goes wrong in finding out, the pass stands."""
-    from labkit.grade import names_the_grader_lacks  # grade imports this module
+    from labkit.grade import names_the_grader_lacks, skipped_cell_of  # grade imports this module
 
     if result.status != PASSED:
         return result
     try:
-        lacking = _needed(names_the_grader_lacks(exercise, fn), exercise, fn)
+        skipped = skipped_cell_of(exercise, fn)
+        lacking = [] if skipped else _needed(names_the_grader_lacks(exercise, fn), exercise, fn)
     except Exception:  # noqa: BLE001 -- a student's notebook or namespace of any shape: the verdict stands
         return result
+    if skipped:
+        name = getattr(fn, "__name__", exercise.function)  # a partial has none
+        named = f"{exercise.function} here is {name}, which" if name != exercise.function else f"this {name}"
+        return replace(result, status=FAILED, points=0, message=(
+            f"every case passes here, but the grader would not grade this function: {named} was defined by {skipped}, "
+            "which the grader does not run (it runs only the setup cells and the exercise cells): define it in this "
+            "exercise's cell (and save: the grader reads the file)"))
     if not lacking:
         return result
     names = "; ".join(f"{name} ({where})" for name, where in lacking)

@@ -446,22 +446,50 @@ def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[tuple[str, str]]
     binds (its setup cells, the cells of the exercises up to it, and ``fn``'s own cell as the kernel ran it), each
     with where the notebook binds it. Empty where ``fn`` was not defined in a notebook's cell or the notebook
     cannot be found."""
-    functions = functions_of(fn)
-    cell = _cell_of(functions[0]) if functions else None
-    path = _told_notebook() or next(reversed(_notebooks_of(exercise.lab)), None)
-    if cell is None or path is None:
+    view = _as_graded(exercise, fn)
+    if view is None:
         return []
-    try:
-        nb = notebook.read(path)
-    except ValueError:
-        return []
-    run = [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise)), cell]
+    nb, graded, cell = view
+    run = [*graded, cell]
     given = set(dir(builtins)) | set(getattr(_shell(), "user_ns_hidden", ()))  # IPython's own names: In, exit, ...
     bound = given.union(*map(notebook.bound_names, run))
     read = dict.fromkeys(name for code in students_code(fn) for name in global_reads(code))
     unrun = _unrun_cells(nb, run)
-    namespace = functions[0].__globals__
+    namespace = functions_of(fn)[0].__globals__
     return [(name, _where_bound(name, unrun)[0]) for name in read if name not in bound and name in namespace]
+
+
+def skipped_cell_of(exercise: Exercise, fn: Any) -> str | None:
+    """The notebook's cell that defined ``fn``, in words (above or below the exercise's cell, and its first line),
+    where the grader does not run that cell for ``exercise`` (a demo cell, or one of the student's own, whose
+    function an exercise cell names: ``matmul_intensity = my_version``); None where it runs it, or where the cell or
+    the notebook cannot be told."""
+    view = _as_graded(exercise, fn)
+    if view is None:
+        return None
+    nb, graded, cell = view
+    if cell in graded or cell not in _unrun_cells(nb, graded):
+        return None
+    sources = [notebook.source(c) for c in nb["cells"] if c.get("cell_type") == "code"]
+    own = _exercise_cell(nb, exercise)[0]
+    side = "" if own not in sources else ("above" if sources.index(cell) < sources.index(own) else "below")
+    return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(cell)}`"
+
+
+def _as_graded(exercise: Exercise, fn: Any) -> tuple[notebook.Notebook, list[str], str] | None:
+    """The notebook this kernel runs, the sources of the cells the grader runs for ``exercise`` (its setup cells
+    and the cells of the exercises up to it, as saved), and the cell that defined ``fn`` as the kernel ran it;
+    None where ``fn`` was not defined in a notebook's cell or the notebook cannot be found or read."""
+    functions = functions_of(fn)
+    cell = _cell_of(functions[0]) if functions else None
+    path = _told_notebook() or next(reversed(_notebooks_of(exercise.lab)), None)
+    if cell is None or path is None:
+        return None
+    try:
+        nb = notebook.read(path)
+    except ValueError:
+        return None
+    return nb, [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise))], cell
 
 
 def _up_to(exercise: Exercise) -> list[Exercise]:

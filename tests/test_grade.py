@@ -691,6 +691,41 @@ def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path,
             result.message, result
 
 
+@pytest.mark.parametrize("mine_first, exercise_cell, says, graded", [
+    (True, "accept_branch = my_accept\n", "accept_branch here is my_accept, which was defined by the cell above the exercise cell that "
+     "begins `def my_accept(parents: list[int], tokens: list[int], choi...`", "error"),  # a cell it skips
+    (False, None, "this accept_branch was defined by the cell below the exercise cell that begins "
+     "`def accept_branch(parents: list[int], tokens: list[int], ...`", "not attempted"),  # the stub graded; a working copy below it
+    (False, "same", "[PASS] ex11.2", "passed"),  # a copy of the exercise cell, run below it: the grader runs its twin
+])
+def test_the_inline_check_fails_a_function_defined_by_a_cell_the_grader_skips(root, tmp_path, mine_first,
+                                                                               exercise_cell, says, graded):
+    """ex11.2 passes in the kernel with a function a cell the grader does not run defined: the exercise cell names
+    it (``accept_branch = my_accept``), or a copy below the exercise cell, which keeps its stub, is the one run last.
+    The check fails it, naming the cell; the grader fails it too. A copy identical to the exercise cell passes."""
+    solved = next(c for c in notebook.read(root / "solutions/11_speculation_without_a_draft.ipynb")["cells"]
+                  if notebook.exercise_id(c) == "ex11.2")
+    stub = next(c for c in notebook.read(root / "notebooks/11_speculation_without_a_draft.ipynb")["cells"]
+                if notebook.exercise_id(c) == "ex11.2")
+
+    def code(source):
+        return {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}
+    if exercise_cell == "same":
+        exercise, mine = solved, code(notebook.source(solved))
+    else:
+        exercise = {**stub, "source": exercise_cell} if exercise_cell else stub
+        mine = code(notebook.source(solved).replace("def accept_branch(", "def my_accept(" if mine_first else
+                                                   "def accept_branch("))
+    cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}},
+             *([mine, exercise] if mine_first else [exercise, mine]), code('labkit.check("ex11.2", accept_branch)')]
+    notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "11_mine.ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}  # the notebook is found in the folder
+    run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert says in run.stdout, run.stdout + run.stderr
+    assert grade([tmp_path / "11_mine.ipynb"], per_file=True)["11_mine"]["ex11.2"].status == graded
+
+
 def test_bound_names_are_a_cells_top_level_names():
     code = ("%time x = 1\nimport numpy as np, os.path\nfrom labkit import tree as t, medusa\ndef f(a):\n    b = 1\n"
             "class C:\n    z = 2\nx, (y, *w) = 1, (2, 3)\nfor i in range(3):\n    k = i\nq = [j for j in range(3)]\n"
