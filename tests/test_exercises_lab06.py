@@ -56,8 +56,17 @@ def test_lab06_plausible_mistakes_fail():
         pack = staticmethod(lambda codes: pack_int4(codes.flip(-1)).flip(-1) if codes.shape[-1] % 2 == 0
                             else pack_int4(codes))
         unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
-    result = fails("ex06.2", Swapped, "known bytes", "0x21 holds 1 low and 2 high")
+    result = fails("ex06.2", Swapped, "pack: known bytes", "0x21 holds 1 low and 2 high")
     assert "(even code in the low nibble): at index [0] expected 33, got 18" in result.message, result.message
+
+    class UnpackOnly:  # unpack written, pack still the stub: attempted, and told what to write next
+        @staticmethod
+        def pack(codes):
+            raise NotImplementedError("ex06.2: replace this line with your code")
+        unpack = staticmethod(unpack_int4)
+    result = run_cases(get("ex06.2"), UnpackOnly)
+    assert result.status == FAILED and result.passed == 1, result  # it read "not attempted"
+    assert "pack still raises NotImplementedError: write it next" in result.message, result.message
 
     class Unchecked:  # packs whatever it is given
         pack = staticmethod(lambda codes: codes[..., 0::2] | (codes[..., 1::2] << 4))

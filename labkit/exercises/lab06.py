@@ -88,9 +88,11 @@ def _packing_cases() -> list[Scenario]:
     generator = torch.Generator().manual_seed(7)
     codes = torch.randint(0, 16, (5, 64), generator=generator, dtype=torch.uint8)
 
-    def known(packer: Any) -> None:
+    def packs(packer: Any) -> None:
         _expect(packer.pack(torch.tensor([1, 2, 3, 4], dtype=torch.uint8)), torch.tensor([0x21, 0x43]).byte(),
                 "pack([1, 2, 3, 4]) (even code in the low nibble)")
+
+    def unpacks(packer: Any) -> None:  # a case of its own: an unpack written before pack passes it
         _expect(packer.unpack(torch.tensor([0x21, 0xF0], dtype=torch.uint8)), torch.tensor([1, 2, 0, 15]).byte(),
                 "unpack([0x21, 0xF0])")
 
@@ -107,11 +109,13 @@ def _packing_cases() -> list[Scenario]:
         _raises(lambda: packer.pack(torch.zeros(2, 3, dtype=torch.uint8)), "pack of rows of 3 codes (6 in all)")
         _raises(lambda: packer.pack(torch.tensor([1, 16], dtype=torch.uint8)), "pack of a code above 15")
 
-    return [Scenario("known bytes, both ways", known,
-                     hint="four codes into two bytes and back, worked out by hand: the code at the even position "
-                          "goes in the low 4 bits, the next one in the high 4 bits (0x21 holds 1 low and 2 high). "
-                          "0xF0 is 240 as uint8 but -16 as int8, where >> 4 keeps the sign (-1, not 15): shift "
-                          "the bytes as uint8"),
+    return [Scenario("pack: known bytes", packs,
+                     hint="four codes into two bytes, worked out by hand: the code at the even position goes in the "
+                          "low 4 bits, the next one in the high 4 bits (0x21 holds 1 low and 2 high)"),
+            Scenario("unpack: known bytes", unpacks,
+                     hint="two bytes back into four codes, worked out by hand: the low 4 bits first (0x21 gives 1, "
+                          "then 2). 0xF0 is 240 as uint8 but -16 as int8, where >> 4 keeps the sign (-1, not 15): "
+                          "shift the bytes as uint8"),
             Scenario("a matrix, there and back", round_trip,
                      hint="[5, 64] codes, packed row by row along the last dimension, then unpacked: the result "
                           "keeps the leading dimensions, and pack must not change the tensor it was given. Every "
