@@ -113,19 +113,23 @@ def students_code(fn: Any) -> list[CodeType]:
 def functions_of(fn: Any) -> list[Any]:
     """A function (unwrapped from a method or a partial); a class's own functions, properties' included."""
     if not isinstance(fn, type):
-        fn = _plain(fn)
+        fn = callee(fn)
         return [fn] if hasattr(fn, "__code__") else []
-    members = [m.fget if isinstance(m, property) else _plain(m) for m in vars(fn).values()]
+    members = [m.fget if isinstance(m, property) else callee(m) for m in vars(fn).values()]
     return [m for m in members if hasattr(m, "__code__") and hasattr(m, "__globals__")]
 
 
-def _plain(fn: Any) -> Any:
-    """What a bound method, a static or class method, a partial or a decorator's wrapper (``__wrapped__``) calls."""
+def callee(fn: Any) -> Any:
+    """What ``fn`` hands its calls to: a partial's (or a partialmethod's) function, a bound, static or class method's,
+    a decorator's wrapped function (``__wrapped__``), a Triton kernel's Python function (its ``fn``), a callable
+    object's ``__call__``; anything else as it is."""
     while True:
-        if isinstance(fn, functools.partial):
+        if isinstance(fn, (functools.partial, functools.partialmethod)):
             fn = fn.func
         elif isinstance(fn, (staticmethod, classmethod)) or inspect.ismethod(fn):
             fn = fn.__func__
+        elif callable(getattr(fn, "fn", None)) and type(fn).__module__.startswith("triton."):
+            fn = fn.fn
         elif callable(getattr(fn, "__wrapped__", None)):
             try:
                 fn = inspect.unwrap(fn)  # stops at a cycle, and after as many steps as the recursion limit
@@ -133,6 +137,8 @@ def _plain(fn: Any) -> Any:
                 return fn
             if callable(getattr(fn, "__wrapped__", None)):  # an object that makes a wrapper of anything
                 return fn
+        elif callable(fn) and not isinstance(fn, type) and not inspect.isroutine(fn):
+            fn = type(fn).__call__
         else:
             return fn
 

@@ -11,8 +11,6 @@ a student copy with unsolved stubs still runs top to bottom.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import io
 import os
 import re
@@ -25,7 +23,8 @@ from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_st
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
-from labkit.answers import LABKIT_DIR, LIBRARIES, BorrowedAnswer, checking, functions_of, is_students, normalised
+from labkit.answers import (LABKIT_DIR, LIBRARIES, BorrowedAnswer, callee, checking, functions_of, is_students,
+                            normalised)
 from labkit.exercises import Exercise, get
 from labkit.exercises.spec import Case, Scenario, SaysWhatToDo
 
@@ -226,28 +225,12 @@ def _labkit_code(exercise: Exercise, fn: Any) -> str | None:
     named = ([(f"{exercise.function}.{m}", getattr(fn, m, None)) for m in exercise.methods]
              if isinstance(fn, type) else [(exercise.function, fn)])
     for name, code in named:
-        code = _unwrapped(code)
+        code = callee(code)
         module = getattr(code, "__module__", None) or ""
         if module == "labkit" or module.startswith("labkit."):
             where = f"{module}.{getattr(code, '__qualname__', name.split('.')[-1])}"
             return f"{name} is labkit's own ({where}), not yours: write it in your cell"
     return None
-
-
-def _unwrapped(code: Any) -> Any:
-    """What a ``functools.partial``, a bound method, a Triton kernel (its Python function is ``fn``) or a
-    callable object hands its calls to."""
-    while True:
-        if isinstance(code, (functools.partial, functools.partialmethod)):
-            code = code.func
-        elif inspect.ismethod(code):
-            code = code.__func__
-        elif callable(getattr(code, "fn", None)) and type(code).__module__.startswith("triton."):
-            code = code.fn
-        elif callable(code) and not isinstance(code, type) and not inspect.isroutine(code):
-            code = type(code).__call__
-        else:
-            return code
 
 
 def _stub_name(fn: Any, name: str, error: BaseException) -> str | None:
