@@ -237,6 +237,13 @@ def test_assert_matches_compares_by_kind():
         assert_matches(torch.tensor(2.0), 2.0, 1e-6, 1e-9)
     with pytest.raises(WrongType, match=r"expected a whole number, an int \(110\), got float 110.0: the value is right"):
         assert_matches(110.0, 110, 0, 0)
+    for wrapped, kind in [("0.5", "str"), ([0.5], "list"), ((0.5,), "tuple"), (np.array([0.5]), "ndarray")]:
+        with pytest.raises(WrongType, match=rf"the value is right, but inside a {kind}: return the number itself"):
+            assert_matches(wrapped, 0.5, 1e-6, 1e-9)  # its hint, about the values, would mislead
+    for wrong in ("0.6", [0.6], "half", None, [0.5, 0.5]):  # a wrong value or no number: the hint may help
+        with pytest.raises(AssertionError, match="expected a number") as raised:
+            assert_matches(wrong, 0.5, 1e-6, 1e-9)
+        assert not isinstance(raised.value, WrongType), wrong
     with pytest.raises(AssertionError, match=r"expected 5368709120, got 5368704120"):  # ints exactly, not within 1e-6
         assert_matches(5368704120, 5368709120, 1e-6, 1e-9)
     with pytest.raises(AssertionError, match=r"expected 110, got 109.5"):  # a wrong value is said as such

@@ -280,6 +280,9 @@ def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) ->
     """The value first (an int exactly, a float within tolerance), then its type."""
     value = got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        if _the_number_inside(got, expected, rtol, atol):
+            raise WrongType(f"expected a Python number ({_short(expected)}), got {_short(got)}: the value is right, "
+                            f"but inside a {type(got).__name__}: return the number itself")
         raise AssertionError(f"expected a number ({_short(expected)}), got {_short(got)}")
     if isinstance(expected, int) and isinstance(value, numbers.Integral):
         if value != expected:
@@ -293,6 +296,20 @@ def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) ->
     if isinstance(expected, int) and not isinstance(value, numbers.Integral):
         raise WrongType(f"expected a whole number, an int ({expected}), got {type(value).__name__} {value!r}: the value "
                         "is right, but the spec asks for an int (// on floats gives a float too: convert with int(...))")
+
+
+def _the_number_inside(got: Any, expected: int | float, rtol: float, atol: float) -> bool:
+    """Whether ``got`` is ``expected`` in a wrapper: its text ('0.5'), or the one item of a list, a tuple or an
+    array."""
+    if isinstance(got, (list, tuple)) and len(got) == 1:
+        got = got[0]
+    elif hasattr(got, "shape") and hasattr(got, "item") and getattr(got, "size", 0) == 1:  # a numpy array
+        got = got.item()
+    try:
+        value = float(got) if isinstance(got, (str, numbers.Real)) and not isinstance(got, bool) else None
+    except ValueError:
+        return False
+    return value is not None and math.isclose(value, expected, rel_tol=rtol, abs_tol=atol)
 
 
 def _name(dtype: torch.dtype) -> str:
