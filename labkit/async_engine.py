@@ -72,6 +72,13 @@ class EngineStats:
     steps: int = 0
 
 
+@dataclass(frozen=True)
+class Reply:
+    """The engine loop's answer to a command that is not a request (a prefix-cache reset): its result."""
+
+    value: Any
+
+
 class QueueFull(RuntimeError):
     """More requests wait than the engine admits; try again later."""
 
@@ -144,9 +151,10 @@ class RequestStream:
 
 @dataclass
 class _Sink:
-    """Where one stream's events go; its caller's ``Request`` (which learns its arrival time)."""
+    """Where one stream's events go; its caller's ``Request`` (which learns its arrival time), or None for a
+    caller awaiting a ``Reply``."""
 
-    request: Request
+    request: Request | None
     queue: asyncio.Queue
 
 
@@ -246,6 +254,21 @@ class AsyncEngine:
         if self.alive:
             self._core.send(("abort", key, request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Have the engine forget every block its prefix cache holds (``EngineCore.reset_prefix_cache``), between
+        its steps; returns how many it forgot. Raises ``ValueError`` while requests are served, or where the engine
+        has no prefix cache, and ``EngineStopped`` once it has stopped."""
+        self._bind(asyncio.get_running_loop())
+        if not self.alive:
+            raise EngineStopped(f"{self._ended or 'the engine loop has ended'}: its prefix cache is gone")
+        key, sink = next(self._keys), asyncio.Queue()
+        self._sinks[key] = _Sink(None, sink)
+        self._core.send(("reset", key, None))
+        reply = await sink.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply.value
+
     async def shutdown(self, drain_s: float = 5.0) -> None:
         """Stop admitting, let what runs finish for up to ``drain_s`` seconds, abort the rest, and
         stop the engine loop (and its process)."""
@@ -268,7 +291,7 @@ class AsyncEngine:
         for key, item in delivery.events:
             if (sink := self._sinks.get(key)) is None:  # its stream was closed
                 continue
-            if isinstance(item, BaseException) or item.finish_reason is not None:
+            if isinstance(item, (BaseException, Reply)) or item.finish_reason is not None:
                 del self._sinks[key]
             sink.queue.put_nowait(item)
 
@@ -313,7 +336,8 @@ class EngineLoop:
     """The engine's side: the one owner of an ``EngineCore``. It applies the commands from ``inbox``
     between steps (waiting for one when idle), steps while there is work, and hands a ``Delivery`` to
     ``deliver`` after each round (and one with the stats at its start). Commands: ("add", key,
-    request), ("abort", key, request_id), ("stop", None, None); ``key`` names a stream."""
+    request), ("abort", key, request_id), ("reset", key, None) (the prefix cache: a ``Reply`` with the blocks it
+    forgot, or the error), ("stop", None, None); ``key`` names a stream, or the caller awaiting a reply."""
 
     def __init__(self, engine: EngineCore, inbox: queue.SimpleQueue, deliver: Callable[[Delivery], None]) -> None:
         self.engine, self.inbox, self.deliver = engine, inbox, deliver
@@ -338,6 +362,8 @@ class EngineLoop:
                 kind, key, _ = self.inbox.get_nowait()
                 if kind == "add":
                     self._refuse(key)
+                elif kind == "reset":
+                    self._send(key, EngineStopped("the engine stopped before it could reset its prefix cache"))
             self._flush()
 
     def _apply(self, block: bool) -> bool:
@@ -354,6 +380,8 @@ class EngineLoop:
                 self._refuse(key)
             elif kind == "add":
                 self._add(key, payload)
+            elif kind == "reset":
+                self._reset(key)
             else:
                 self._abort(payload, key)
         if commands:
@@ -367,6 +395,12 @@ class EngineLoop:
             self._send(key, error)
             return
         self._live[request.request_id] = _Live(key, request)
+
+    def _reset(self, key: int) -> None:
+        try:
+            self._send(key, Reply(self.engine.reset_prefix_cache()))
+        except ValueError as error:
+            self._send(key, error)
 
     def _refuse(self, key: int) -> None:
         self._send(key, EngineStopped("the engine stopped before this request could start"))
@@ -419,7 +453,7 @@ class EngineLoop:
                 del self._live[request_id]
         return first, new
 
-    def _send(self, key: int, item: TokenEvent | BaseException) -> None:
+    def _send(self, key: int, item: TokenEvent | Reply | BaseException) -> None:
         self._out.events.append((key, item))
 
     def _publish(self, **totals: int) -> None:

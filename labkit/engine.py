@@ -494,6 +494,17 @@ class EngineCore:
         request.arrival_time = self.now()
         self.scheduler.add(request)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every block the prefix cache holds, so that the next requests find none of the earlier ones'
+        (what a benchmark does before it measures); returns how many blocks it forgot. Refused (ValueError) while
+        requests are served, whose blocks are in use, and by an engine without prefix caching."""
+        if self.allocator.prefix is None:
+            raise ValueError("this engine has no prefix cache (prefix_caching=False): there is nothing to reset")
+        if self.scheduler.has_work:
+            raise ValueError(f"{len(self.scheduler.running)} requests run and {len(self.scheduler.waiting)} wait: "
+                             "the prefix cache can be reset once the engine is idle")
+        return self.allocator.prefix.clear()
+
     def validate(self, request: Request) -> None:
         """A clear error for a request this engine could never serve, one that has run before, or
         one whose id it is serving."""

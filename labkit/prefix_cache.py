@@ -119,6 +119,16 @@ class PrefixCache:
         block, _ = self.idle.popitem(last=False)
         self.forget(block)
 
+    def clear(self) -> int:
+        """Forget every cached block, when the cache alone holds each (no sequence uses one); returns how many it
+        forgot. A benchmark's cold start, or weights that changed: no later prompt finds an earlier one's blocks."""
+        if busy := [block for block in self.keys if block not in self.idle]:
+            raise ValueError(f"{len(busy)} cached blocks are in use by sequences: clear the cache once they end")
+        forgotten = len(self.keys)
+        for block in list(self.keys):
+            self.forget(block)
+        return forgotten
+
     def forget(self, block: int) -> None:
         """Stop offering ``block`` (its keys and values are about to change) and let go of it."""
         del self.blocks[self.keys.pop(block).hash]

@@ -520,6 +520,17 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
                 "max_model_len": served.max_seq_len}
         return {"object": "list", "data": [card]}
 
+    @app.post("/reset_prefix_cache", dependencies=v1)
+    async def reset_prefix_cache() -> Response:
+        """Empty the prefix cache, as vLLM's endpoint of that name does: a benchmark's cold start."""
+        try:
+            forgotten = await engine.reset_prefix_cache()
+        except ValueError as error:  # requests are being served, or the server runs without the cache
+            return APIError(str(error), status=409, kind="conflict").response()
+        except EngineStopped as error:
+            return APIError(str(error), status=503, kind="server_shutting_down").response()
+        return JSONResponse({"blocks_forgotten": forgotten})
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:

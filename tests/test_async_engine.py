@@ -184,6 +184,36 @@ def test_each_stream_gets_its_requests_tokens_in_order_as_the_offline_engine_mak
     assert offline[0].output[-1] == eos and len(offline[0].output) <= 3
 
 
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_prefix_cache_reset_between_requests_makes_the_next_one_cold(where):
+    """The same prompt twice finds its blocks cached the second time; a reset (the engine in a thread or a
+    process) forgets them, and the third computes its prompt whole, to the same tokens. A reset while a request
+    runs is refused with the engine's reason, and one after shutdown raises EngineStopped."""
+    config = dict(max_num_seqs=2)
+
+    async def scenario() -> tuple[list[Request], list[list[int]], int]:
+        engine = make_engine(**config) if where == "thread" else EngineSpec(engine_in_process, (None, config, 0.02))
+        runs, outputs = [], []
+        async with serving(engine) as served:
+            for i in range(3):
+                if i == 2:
+                    forgotten = await served.reset_prefix_cache()
+                runs.append(Request(f"r{i}", prompt(5, 14), params(3)))
+                outputs.append([e.token for e in await collect(served, runs[-1])])
+            busy = served.stream(Request("busy", prompt(6, 6), params(30)))
+            with pytest.raises(ValueError, match=r"[01] requests run and [01] wait: the prefix cache can be reset once"):
+                await served.reset_prefix_cache()
+            await busy.aclose()
+        with pytest.raises(EngineStopped):
+            await served.reset_prefix_cache()
+        return runs, outputs, forgotten
+
+    runs, outputs, forgotten = run(scenario())
+    assert forgotten == 4 and outputs[0] == outputs[1] == outputs[2] == alone(runs[0])  # 14 + 2 tokens written: 4 blocks
+    if where == "thread":  # an engine process serves copies: the caller's requests learn only their arrival
+        assert [r.cached_tokens for r in runs] == [0, 12, 0]
+
+
 def test_aborting_a_waiting_request_ends_its_stream_and_the_running_one_goes_on():
     engine = make_engine(max_num_seqs=1)
     gate = gated(engine)

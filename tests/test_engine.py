@@ -610,6 +610,32 @@ def test_a_prompt_whose_prefix_was_computed_reuses_it():
     assert again.cached_tokens == 20 and again.output == second.output
 
 
+def test_a_reset_prefix_cache_is_cold_again_and_is_refused_while_requests_are_served():
+    """After a reset the same prompt finds nothing cached and is computed whole, to the same tokens; the blocks
+    come back free. A reset while a request waits or runs is refused and changes nothing, as is one of an engine
+    without prefix caching."""
+    system = list(range(1, 21))  # 5 blocks of 4
+    engine = Engine(MODEL, 32, 4, SchedulerConfig(max_num_seqs=1))
+    first = Request("first", system + [30], params(3))
+    run_engine(engine, [first])
+    engine.add(busy := Request("busy", system + [31], params(2)))
+    with pytest.raises(ValueError, match="0 requests run and 1 wait: the prefix cache can be reset once the engine"):
+        engine.reset_prefix_cache()
+    for _ in range(20):  # busy finishes, its prompt served from the cache
+        if engine.scheduler.has_work:
+            engine.step()
+    assert busy.cached_tokens == 20
+    assert engine.reset_prefix_cache() == 5  # the system prompt's blocks: no request wrote a sixth full one
+    engine.allocator.check()
+    assert engine.allocator.num_free == 32 and engine.reset_prefix_cache() == 0
+    again = Request("again", system + [30], params(3))
+    run_engine(engine, [again])
+    assert again.cached_tokens == 0 and again.output == first.output
+    plain = Engine(MODEL, 32, 4, SchedulerConfig(max_num_seqs=1), prefix_caching=False)
+    with pytest.raises(ValueError, match="no prefix cache"):
+        plain.reset_prefix_cache()
+
+
 def test_without_prefix_caching_nothing_is_reused():
     system = list(range(1, 21))
     requests = [Request(i, system + [30 + i], params(2)) for i in range(2)]

@@ -175,6 +175,20 @@ def test_a_prompt_reuses_the_cached_blocks_of_a_shared_prefix():
     allocator.check()
 
 
+def test_clearing_the_prefix_cache_forgets_idle_blocks_and_refuses_while_a_sequence_holds_one():
+    allocator = BlockAllocator(num_blocks=10, block_size=4)
+    system = list(range(100, 108))  # two full blocks
+    _add(allocator, "a", system + [1])
+    with pytest.raises(ValueError, match="2 cached blocks are in use by sequences"):
+        allocator.prefix.clear()
+    assert _add(allocator, "b", system + [2]) == 8  # refused, and nothing changed
+    allocator.free("a")
+    allocator.free("b")
+    assert allocator.prefix.clear() == 2 and allocator.num_free == 10 == allocator.pool.num_free
+    assert _add(allocator, "c", system + [3]) == 0  # cold
+    allocator.check()
+
+
 def test_blocks_needed_counts_what_add_sequence_takes_from_the_free_blocks():
     allocator = BlockAllocator(num_blocks=10, block_size=4)
     system = list(range(100, 108))  # two full blocks

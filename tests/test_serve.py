@@ -686,6 +686,43 @@ def test_with_an_api_key_v1_wants_the_bearer_key_and_health_does_not(http, fleet
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_cold_and_is_refused_while_requests_run(http, fleet):
+    """A prompt sent twice hits the prefix cache the second time; POST /reset_prefix_cache forgets its blocks and
+    the third time it hits nothing. While a request runs the reset is refused with a 409 that says why, and
+    without the key it is a 401, as every /v1/ route is."""
+    server, headers = fleet.get("busy"), {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": list(range(1, 41)), "max_tokens": 2, "temperature": 0}  # 40 tokens: 2 full blocks of 16
+    hits = "labkit:prefix_cache_hits_total"
+    settled_metrics(http, server.url)
+    assert http.post(server.url + "/reset_prefix_cache").status_code == 401
+    assert http.post(server.url + "/reset_prefix_cache", headers=headers).status_code == 200  # others' blocks go
+
+    def hits_of_one() -> float:
+        before = metric(settled_metrics(http, server.url), hits)
+        assert post(http, server, body, headers=headers).status_code == 200
+        return metric(settled_metrics(http, server.url, lambda text: metric(text, hits) >= before), hits) - before
+    assert [hits_of_one(), hits_of_one()] == [0, 32]
+    reset = http.post(server.url + "/reset_prefix_cache", headers=headers)
+    assert reset.status_code == 200 and reset.json()["blocks_forgotten"] >= 2, reset.text
+    assert hits_of_one() == 0
+
+    async def while_one_runs() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=TIMEOUT, headers=headers) as client:
+            long = asyncio.create_task(client.post(server.url + "/v1/completions",
+                                                   json={"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True}))
+            for _ in range(200):  # until it runs
+                if metric((await client.get(server.url + "/metrics")).text, "labkit:num_requests_running"):
+                    break
+                await asyncio.sleep(0.02)
+            refused = await client.post(server.url + "/reset_prefix_cache")
+            assert (await long).status_code == 200
+            return refused
+    refused = run(while_one_runs())
+    error = refused.json()["error"]
+    assert refused.status_code == 409 and error["type"] == "conflict", refused.text
+    assert "1 requests run and 0 wait: the prefix cache can be reset once the engine is idle" in error["message"]
+
+
 # chat ------------------------------------------------------------------------------------------
 
 
