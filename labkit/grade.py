@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 ERROR, TIMEOUT, CRASHED, MISSING = "error", "timeout", "crashed", "missing"
 CASE_FILE = "case"  # beside a worker's result: the case it has started, for the message should it never end
 _EARLIER_CELL_S = 10.0  # at most, for an earlier exercise's cell, and a quarter of the exercise's time limit
+_CPU_SLACK_S = 30.0  # a worker's CPU time beyond its time limit x the cores, after which it ends on its own
 _STOP_POLL_S = 0.1  # how often a batch's worker threads look for a Ctrl+C while an exercise runs
 _OUTPUT_LIMIT = 1 << 20  # bytes a submission may write to a file while graded
 _MESSAGE_LIMIT = 20_000  # characters of a result's message: the result is a file, which _OUTPUT_LIMIT caps too
@@ -323,7 +324,7 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
-                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs)}
+                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs), "limit_s": limit}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit, stop)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit, stop)
@@ -735,6 +736,20 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
         os.dup2(devnull, fd)
 
 
+def _cap_cpu(seconds: float) -> None:
+    """End this process once it has used ``seconds`` of CPU time: a backstop for a worker whose grader was killed
+    (``kill -9``, a machine's OOM killer) and can no longer stop it at its time limit, which an endless loop would
+    otherwise outlive for good. No core file is written (the working directory is the student's folder)."""
+    import resource
+
+    limit = math.ceil(seconds)
+    for kind, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, limit)):
+        try:
+            resource.setrlimit(kind, (value, value))
+        except (ValueError, OSError):  # a hard limit below it, set by the system: that one stands
+            pass
+
+
 def _cap_memory(share: int, threads: int) -> None:
     """Let this process allocate ``share`` bytes beyond what it holds now, and an allowance for each of its
     torch ``threads`` and for a pool of one thread per core (numpy's BLAS starts one): RLIMIT_DATA counts the
@@ -767,6 +782,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"], spec["threads"])
+    _cap_cpu(spec["limit_s"] * cores() + _CPU_SLACK_S)  # every core busy for the whole limit stays within it
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")
     shell.user_ns.update(exit=sys.exit, quit=sys.exit)  # IPython's, which ask a terminal or kernel to end, fail here

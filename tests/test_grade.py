@@ -763,6 +763,17 @@ def test_an_interrupt_stops_a_batch_at_once_and_writes_no_report(root, tmp_path)
     assert "interrupted" in grader.stderr.read() and not out.exists()
 
 
+def test_a_worker_whose_grader_is_gone_ends_after_its_cpu_allowance(tmp_path):
+    """The backstop for a grader killed outright (kill -9), which can no longer stop a looping worker at its time
+    limit: the worker's CPU time is capped (here at 1 s), and it ends by itself, leaving no core file in the
+    student's folder. Before the cap, such workers spun for as long as the machine stayed up."""
+    script = "from labkit.grade import _cap_cpu\n_cap_cpu(1.0)\nwhile True:\n    pass\n"
+    started = time.monotonic()
+    spinner = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=30)
+    assert spinner.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and time.monotonic() - started < 15
+    assert not list(tmp_path.iterdir())
+
+
 def _interrupted_after(seconds, script, **popen):
     """Run ``script`` in a process group of its own (as a notebook's kernel, or a terminal's command), wait for
     it to print a line and then ``seconds``, send its group SIGINT (what Jupyter's Interrupt and a terminal's
