@@ -256,8 +256,8 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Have the engine forget every block its prefix cache holds (``EngineCore.reset_prefix_cache``), between
-        its steps; returns how many it forgot. Raises ``ValueError`` while requests are served, or where the engine
-        has no prefix cache, and ``EngineStopped`` once it has stopped."""
+        its steps; returns how many it forgot. Raises ``ValueError`` while requests are served, and ``EngineStopped``
+        once it has stopped."""
         self._bind(asyncio.get_running_loop())
         if not self.alive:
             raise EngineStopped(f"{self._ended or 'the engine loop has ended'}: its prefix cache is gone")

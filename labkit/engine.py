@@ -496,10 +496,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Forget every block the prefix cache holds, so that the next requests find none of the earlier ones'
-        (what a benchmark does before it measures); returns how many blocks it forgot. Refused (ValueError) while
-        requests are served, whose blocks are in use, and by an engine without prefix caching."""
+        (what a benchmark does before it measures); returns how many blocks it forgot: none where the engine runs
+        without prefix caching, which is always cold. Refused (ValueError) while requests are served, whose blocks
+        are in use."""
         if self.allocator.prefix is None:
-            raise ValueError("this engine has no prefix cache (prefix_caching=False): there is nothing to reset")
+            return 0
         if self.scheduler.has_work:
             raise ValueError(f"{len(self.scheduler.running)} requests run and {len(self.scheduler.waiting)} wait: "
                              "the prefix cache can be reset once the engine is idle")

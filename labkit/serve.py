@@ -525,7 +525,7 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
         """Empty the prefix cache, as vLLM's endpoint of that name does: a benchmark's cold start."""
         try:
             forgotten = await engine.reset_prefix_cache()
-        except ValueError as error:  # requests are being served, or the server runs without the cache
+        except ValueError as error:  # requests are being served
             return APIError(str(error), status=409, kind="conflict").response()
         except EngineStopped as error:
             return APIError(str(error), status=503, kind="server_shutting_down").response()
