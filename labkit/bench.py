@@ -172,6 +172,16 @@ def format_number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def format_bytes(nbytes: float, binary: bool = True) -> str:
+    """A size in the largest unit it fills, its figure as ``format_number`` writes it: 1536 -> '1.5 KiB',
+    3 * 2**30 -> '3 GiB'; ``binary=False`` for powers of 1000, as bandwidths are quoted: 2.5e9 -> '2.5 GB'."""
+    base, suffix = (1024, "iB") if binary else (1000, "B")
+    for power, prefix in ((3, "G"), (2, "M"), (1, "K" if binary else "k")):
+        if abs(nbytes) >= base ** power:
+            return f"{format_number(nbytes / base ** power)} {prefix}{suffix}"
+    return f"{format_number(nbytes)} B"
+
+
 def format_seconds(seconds: float) -> str:
     """1.5e-05 -> '15.0 us', 0.25 -> '250.0 ms'."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit import bench
-from labkit.bench import (Comparison, Timing, alternate, compare, format_number, format_seconds, measure,
+from labkit.bench import (Comparison, Timing, alternate, compare, format_bytes, format_number, format_seconds, measure,
                           nonnegative_polyfit, peak_memory)
 
 
@@ -79,6 +79,12 @@ def test_timing_on_a_gpu_that_is_not_there_says_so():
 def test_format_number_keeps_three_digits_or_the_whole_number_and_groups_thousands():
     assert [format_number(v) for v in (0.01234, 4.561, 78.94, 99.96, 5410.4, 1234567, -250.2)] == [
         "0.0123", "4.56", "78.9", "100", "5,410", "1,234,567", "-250"]
+
+
+def test_format_bytes_takes_the_largest_unit_a_size_fills():
+    assert [format_bytes(n) for n in (512, 1536, 5 * 2 ** 20 - 1, 3 * 2 ** 30, 1234 * 2 ** 30)] == [
+        "512 B", "1.5 KiB", "5 MiB", "3 GiB", "1,234 GiB"]
+    assert [format_bytes(n, binary=False) for n in (999, 1000, 2.5e9, 4.2e7)] == ["999 B", "1 kB", "2.5 GB", "42 MB"]
 
 
 def test_format_seconds():

@@ -234,10 +234,10 @@ def _run_all_cells(page: Page) -> None:
 
 
 def _gib(text: str) -> float:
-    """The KV cache's size as shown ("3.00 GiB", or "512.0 MiB" where it is small), in GiB."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?) (GiB|MiB)", text.strip())
-    assert match, f"the KV cache figure reads {text!r}, not 'X.XX GiB' or 'X.X MiB'"
-    return float(match[1]) / (1024 if match[2] == "MiB" else 1)
+    """The KV cache's size as shown ("3.2 GiB", "1,234 GiB", or "512 MiB" where it is small), in GiB."""
+    match = re.fullmatch(r"(\d{1,3}(?:,\d{3})*(?:\.\d+)?) (GiB|MiB)", text.strip())
+    assert match, f"the KV cache figure reads {text!r}, not 'X GiB' or 'X MiB' (bench.format_bytes)"
+    return float(match[1].replace(",", "")) / (1024 if match[2] == "MiB" else 1)
 
 
 def _move_context_slider(page: Page) -> None:
@@ -250,7 +250,7 @@ def _move_context_slider(page: Page) -> None:
     readout, handle = slider.locator(".widget-readout"), slider.locator(".noUi-handle")
     kv_cache = explore.locator("#kv-cache-size")
     expect(readout).to_have_text("8K")
-    expect(kv_cache).to_have_text(re.compile(r"^\d+\.\d\d GiB$"), timeout=UI_TIMEOUT_MS)
+    expect(kv_cache).to_have_text(re.compile(r"^[\d,.]+ GiB$"), timeout=UI_TIMEOUT_MS)
     # Both plotly FigureWidgets (the memory bar and the curves) have drawn.
     expect(explore.locator(".js-plotly-plot")).to_have_count(2, timeout=UI_TIMEOUT_MS)
     # every visible curve is named in the legend (plotly shows "trace N" for a name lost on the way)
