@@ -118,7 +118,9 @@ def _free_for_kv(model: ModelShape, gpu: Hardware, weight_dtype: str, utilizatio
 @answer_to("ex02.3")
 def max_batch(model: ModelShape, gpu: Hardware, seq_len: int, weight_dtype: str = "bf16",
               kv_dtype: str = "fp16", utilization: float = 0.9) -> int:
-    """The most sequences of ``seq_len`` tokens whose KV cache fits beside the weights."""
+    """The most sequences of ``seq_len`` tokens whose KV cache fits beside the weights. Memory only: a
+    ``seq_len`` past ``model.max_context`` is counted too (notebook 02 asks what such a cache would take),
+    so a caller that plans real requests checks the model's limit itself, as ``max_context`` does."""
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1")
     free = _free_for_kv(model, gpu, weight_dtype, utilization)
