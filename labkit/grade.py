@@ -34,6 +34,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
@@ -324,7 +325,8 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
-                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs), "limit_s": limit}
+                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs), "limit_s": limit,
+                "grader": os.getpid()}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit, stop)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit, stop)
@@ -366,17 +368,15 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
 
 def _grade_in_threads(placed: list[Submission], timeout_s: float | None, workers: int, at_once: int
                       ) -> list[tuple[Submission, dict[str, Result]]]:
-    """Grade ``workers`` submissions at a time. A Ctrl+C stops the exercises being graded (their workers
-    killed) and those not begun, and is raised again."""
+    """Grade ``workers`` submissions at a time. A Ctrl+C (or a notebook whose grading fails) stops the exercises
+    being graded (their workers killed) and those not begun, and is raised again."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
         futures = [pool.submit(grade_submission, sub, timeout_s, at_once, stop) for sub in placed]
         return [(sub, future.result()) for sub, future in zip(placed, futures)]
-    except KeyboardInterrupt:
+    finally:  # done, interrupted, or a notebook's grading failed: nothing graded goes on
         stop.set()
-        raise
-    finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -469,12 +469,15 @@ def skipped_cell_of(exercise: Exercise, fn: Any) -> str | None:
     if view is None:
         return None
     nb, graded, cell = view
-    if cell in graded or cell not in _unrun_cells(nb, graded):
-        return None
+    ran = notebook.as_run(cell)
     sources = [notebook.source(c) for c in nb["cells"] if c.get("cell_type") == "code"]
+    same = [i for i, source in enumerate(sources) if notebook.as_run(source) == ran]
+    if not same or ran in map(notebook.as_run, graded):  # a cell edited since it was saved, or one the grader runs
+        return None
     own = _exercise_cell(nb, exercise)[0]
-    side = "" if own not in sources else ("above" if sources.index(cell) < sources.index(own) else "below")
-    return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(cell)}`"
+    where = next((i for i, source in enumerate(sources) if source == own), None)
+    side = "" if where is None else "above" if same[0] < where else "below"
+    return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(sources[same[0]])}`"
 
 
 def _as_graded(exercise: Exercise, fn: Any) -> tuple[notebook.Notebook, list[str], str] | None:
@@ -736,10 +739,42 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
         os.dup2(devnull, fd)
 
 
+def _end_with(grader: int) -> None:
+    """Kill this worker's process group (itself and whatever it started) as soon as process ``grader`` ends: a
+    grader killed outright (``kill -9``, a machine's OOM killer) can no longer stop its worker at the time limit,
+    and an endless loop, or a wait that never ends, would outlive it for good. A thread that waits on the grader's
+    pidfd (Linux 5.3 and later), else looks for it once a second."""
+    def watch() -> None:
+        try:
+            handle = os.pidfd_open(grader)
+        except ProcessLookupError:  # gone already
+            handle = None
+        except (AttributeError, OSError):  # no pidfd here: look for the process instead
+            while _alive(grader):
+                time.sleep(1.0)
+            handle = None
+        if handle is not None:
+            select.select([handle], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="labkit-grader-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the number: the grader is gone
+        return False
+    return True
+
+
 def _cap_cpu(seconds: float) -> None:
-    """End this process once it has used ``seconds`` of CPU time: a backstop for a worker whose grader was killed
-    (``kill -9``, a machine's OOM killer) and can no longer stop it at its time limit, which an endless loop would
-    otherwise outlive for good. No core file is written (the working directory is the student's folder)."""
+    """End this process once it has used ``seconds`` of CPU time: a second backstop for a worker whose grader was
+    killed, where code that holds the GIL (a C extension's loop, a pathological regular expression) keeps
+    ``_end_with``'s thread from running. No core file is written (the working directory is the student's
+    folder)."""
     import resource
 
     limit = math.ceil(seconds)
@@ -782,6 +817,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"], spec["threads"])
+    _end_with(spec["grader"])  # should the grader be killed, which can no longer stop this process at its limit
     _cap_cpu(spec["limit_s"] * cores() + _CPU_SLACK_S)  # every core busy for the whole limit stays within it
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")

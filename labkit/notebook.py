@@ -67,14 +67,20 @@ def lab_of_name(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+def as_run(source: str) -> str:
+    """A cell's source as IPython runs it, and as linecache keeps it: magics made calls, and a final newline, which
+    a cell typed in JupyterLab lacks when saved."""
+    from IPython.core.inputtransformer2 import TransformerManager  # the kernel's: installed with the lab
+
+    return TransformerManager().transform_cell(source)
+
+
 def bound_names(code: str) -> set[str]:
     """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
     functions, classes and assignments (not the names local to a function or a comprehension). IPython's own
     syntax is read as IPython runs it: ``files = !ls`` binds ``files``, and the code that ``%time``, ``%prun``,
     ``%%time``, ``%%capture`` and ``%%prun`` run binds its names; other magics bind none. A cell that does
     not parse binds none."""
-    from IPython.core.inputtransformer2 import TransformerManager  # the kernel's: installed with the lab
-
     first, _, body = code.lstrip().partition("\n")
     if first.startswith("%%"):  # a cell magic: the cell's body is its argument
         magic, *args = first[2:].split()
@@ -82,7 +88,7 @@ def bound_names(code: str) -> set[str]:
         return bound_names(body) | captured if magic in _RUN_HERE else set()
     lines = [_MAGIC_STATEMENT.sub(r"\1\3", line) for line in code.split("\n")]
     try:
-        tree = ast.parse(TransformerManager().transform_cell("\n".join(lines)))
+        tree = ast.parse(as_run("\n".join(lines)))
     except SyntaxError:
         return set()
     binder = _Binder()

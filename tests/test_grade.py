@@ -692,28 +692,30 @@ def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path,
 
 
 @pytest.mark.parametrize("mine_first, exercise_cell, says, graded", [
-    (True, "accept_branch = my_accept\n", "accept_branch here is my_accept, which was defined by the cell above the exercise cell that "
-     "begins `def my_accept(parents: list[int], tokens: list[int], choi...`", "error"),  # a cell it skips
+    (True, "accept_branch = my_accept", "accept_branch here is my_accept, which was defined by the cell above the "
+     "exercise cell that begins `def my_accept(parents: list[int], tokens: list[int], choi...`", "error"),  # skipped
     (False, None, "this accept_branch was defined by the cell below the exercise cell that begins "
-     "`def accept_branch(parents: list[int], tokens: list[int], ...`", "not attempted"),  # the stub graded; a working copy below it
+     "`def accept_branch(parents: list[int], tokens: list[int], ...`", "not attempted"),  # the stub graded
     (False, "same", "[PASS] ex11.2", "passed"),  # a copy of the exercise cell, run below it: the grader runs its twin
 ])
 def test_the_inline_check_fails_a_function_defined_by_a_cell_the_grader_skips(root, tmp_path, mine_first,
                                                                                exercise_cell, says, graded):
     """ex11.2 passes in the kernel with a function a cell the grader does not run defined: the exercise cell names
     it (``accept_branch = my_accept``), or a copy below the exercise cell, which keeps its stub, is the one run last.
-    The check fails it, naming the cell; the grader fails it too. A copy identical to the exercise cell passes."""
+    The check fails it, naming the cell; the grader fails it too. A copy identical to the exercise cell passes. The
+    cells are saved as JupyterLab saves typed ones, with no final newline, which the kernel's copy of each has."""
     solved = next(c for c in notebook.read(root / "solutions/11_speculation_without_a_draft.ipynb")["cells"]
                   if notebook.exercise_id(c) == "ex11.2")
     stub = next(c for c in notebook.read(root / "notebooks/11_speculation_without_a_draft.ipynb")["cells"]
                 if notebook.exercise_id(c) == "ex11.2")
 
-    def code(source):
-        return {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}
-    if exercise_cell == "same":
-        exercise, mine = solved, code(notebook.source(solved))
+    def code(source, cell=None):
+        return {**(cell or {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}),
+                "source": source.rstrip("\n")}
+    if exercise_cell == "same":  # the exercise cell saved bare, its copy with a final newline: the same code
+        exercise, mine = code(notebook.source(solved), solved), {**code(""), "source": notebook.source(solved)}
     else:
-        exercise = {**stub, "source": exercise_cell} if exercise_cell else stub
+        exercise = code(exercise_cell or notebook.source(stub), stub)
         mine = code(notebook.source(solved).replace("def accept_branch(", "def my_accept(" if mine_first else
                                                    "def accept_branch("))
     cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}},
@@ -763,15 +765,45 @@ def test_an_interrupt_stops_a_batch_at_once_and_writes_no_report(root, tmp_path)
     assert "interrupted" in grader.stderr.read() and not out.exists()
 
 
-def test_a_worker_whose_grader_is_gone_ends_after_its_cpu_allowance(tmp_path):
-    """The backstop for a grader killed outright (kill -9), which can no longer stop a looping worker at its time
-    limit: the worker's CPU time is capped (here at 1 s), and it ends by itself, leaving no core file in the
-    student's folder. Before the cap, such workers spun for as long as the machine stayed up."""
+def test_the_workers_of_a_grader_killed_outright_end_with_it(root, tmp_path):
+    """A grader killed with SIGKILL can no longer stop a looping exercise at its time limit: its worker (and the
+    fork server) ended only when the machine did, at 100% CPU (two were found 21 minutes on). Each worker now
+    watches its grader and ends within a second or two of it."""
+    _submit(tmp_path, "ada", root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
+    script = ("from pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
+              f"grade([Path({str(tmp_path / 'ada' / '00_welcome.ipynb')!r})], per_file=True)\n")
+    grader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert grader.stdout.readline() == "grading\n"
+        time.sleep(3.0)  # the worker is in its endless loop
+        workers = [pid for pid in _descendants(grader.pid) if "forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
+        grader.kill()
+        grader.wait()
+        deadline = time.monotonic() + 5.0
+        while (left := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers and not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+    finally:
+        grader.kill()
+        grader.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie waiting for its parent to read its status."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_ends_after_its_cpu_allowance(tmp_path):
+    """The second backstop, for code that holds the GIL (where the watching thread cannot run): the worker's CPU
+    time is capped (here at 1 s), and it is killed there."""
     script = "from labkit.grade import _cap_cpu\n_cap_cpu(1.0)\nwhile True:\n    pass\n"
     started = time.monotonic()
     spinner = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=30)
     assert spinner.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and time.monotonic() - started < 15
-    assert not list(tmp_path.iterdir())
 
 
 def _interrupted_after(seconds, script, **popen):
