@@ -14,11 +14,13 @@ a stop string (``StopStrings``) and sends it, either as one server-sent event pe
 (``stream: true``, ending with ``data: [DONE]``) or whole at the end.
 
 Endpoints: ``POST /v1/completions``; ``POST /v1/chat/completions`` for a model whose folder has a
-chat template; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (``labkit.serve_metrics``).
+chat template; ``GET /v1/models``; ``GET /health``; ``GET /metrics`` (``labkit.serve_metrics``);
+``POST /reset_prefix_cache``, which empties the prefix cache between the engine's steps (a benchmark's
+cold start, as vLLM's endpoint of that name; a 409 while requests run).
 A client that disconnects aborts its request, whose blocks return to the pool. ``finish_reason`` is
 "stop" (EOS or a stop string) or "length", as OpenAI's, or "abort" (vLLM's: the server shut down
 before the request finished); a request the engine fails gets a 500 (streamed: an error event). A full
-waiting queue answers 503 with ``Retry-After``; with ``--api-key``, ``/v1/`` wants the bearer key.
+waiting queue answers 503 with ``Retry-After``; with ``--api-key``, ``/v1/`` and the reset want the bearer key.
 On SIGTERM the server stops admitting, lets what runs finish for ``--drain`` seconds, aborts the
 rest and exits.
 """
@@ -529,6 +531,8 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
             return APIError(str(error), status=409, kind="conflict").response()
         except EngineStopped as error:
             return APIError(str(error), status=503, kind="server_shutting_down").response()
+        except RuntimeError as error:  # the engine failed (its process died) while the reset waited
+            return APIError(f"the engine failed: {error}", status=500, kind="internal_error").response()
         return JSONResponse({"blocks_forgotten": forgotten})
 
     @app.get("/health")
