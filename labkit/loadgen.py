@@ -34,7 +34,9 @@ concurrency instead keeps C requests in flight: the closed loop that measures sa
     python -m labkit.loadgen http://127.0.0.1:8000 --requests 100 --rate 4 --slo-ttft-ms 500
 
 It exits with 0 when any request completed, the failures (a server that turns requests away under
-overload, say) counted in the report as measurements; with 1 when none did.
+overload, say) counted in the report as measurements; with 1 when none did. ``--reset-prefix-cache``
+empties the server's prefix cache first, as a benchmark that must not find an earlier run's prompts
+cached does (``reset_prefix_cache``); a server that will not reset it sends nothing (exit 1).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -185,6 +188,26 @@ def _count_tokens(record: RequestRecord, usage: dict | None) -> None:
     """Token counts from the server's usage; without it, one output token per token event."""
     record.prompt_tokens = usage["prompt_tokens"] if usage else None
     record.output_tokens = usage["completion_tokens"] if usage else len(record.token_times)
+
+
+def reset_prefix_cache(url: str, api_key: str | None = None, wait_s: float = 10.0) -> int | None:
+    """Empty the prefix cache of the server at ``url`` (``POST /reset_prefix_cache``, which labkit's server and
+    vLLM's take), so that what is measured next starts cold; returns the blocks it forgot (None where the server
+    does not say). A server busy with requests refuses (409): it is asked again every 0.1 s for up to ``wait_s``
+    seconds. Any other answer raises RuntimeError, with the server's words."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + wait_s
+    with httpx.Client(headers=headers, timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+        while ((response := client.post(f"{url.rstrip('/')}/reset_prefix_cache")).status_code == 409
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+    if response.status_code != 200:
+        raise RuntimeError(f"{url.rstrip('/')}/reset_prefix_cache answered {response.status_code}: "
+                           f"{response.text[:300]}")
+    try:
+        return response.json().get("blocks_forgotten")
+    except (ValueError, AttributeError):  # vLLM's answers with no body
+        return None
 
 
 async def run_load(url: str, bodies: Sequence[dict], rate: float | None = None, concurrency: int | None = None,
@@ -369,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=positive, default=RUN_TIMEOUT_S, help="for the whole run")
     parser.add_argument("--request-timeout-s", type=positive, default=REQUEST_TIMEOUT_S)
     parser.add_argument("--json", type=Path, help="also write the summary and every record here")
+    parser.add_argument("--reset-prefix-cache", action="store_true",
+                        help="empty the server's prefix cache first (POST /reset_prefix_cache), so the run starts cold")
     args = parser.parse_args(argv)
     if args.min_tokens > args.max_tokens:
         parser.error(f"--min-tokens {args.min_tokens} is more than --max-tokens {args.max_tokens}: lower it too")
@@ -379,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     bodies = completion_bodies(corpus_prompts(args.requests, args.seed, prefix),
                                output_lengths(args.requests, args.min_tokens, args.max_tokens, args.seed + 1),
                                stream=not args.no_stream, model=args.model)
+    if args.reset_prefix_cache:
+        try:
+            forgotten = reset_prefix_cache(args.url, args.api_key)
+        except (RuntimeError, httpx.HTTPError) as error:
+            print(f"error: the prefix cache was not reset, so nothing was sent: {error}", file=sys.stderr)
+            return 1
+        print(f"prefix cache reset: {'some' if forgotten is None else forgotten} blocks forgotten")
     result = asyncio.run(run_load(args.url, bodies, args.rate, args.concurrency, args.seed + 2, args.api_key,
                                   args.timeout_s, args.request_timeout_s, exact_rate=args.exact_rate))
     summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)

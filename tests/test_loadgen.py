@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from labkit.background import free_port
 from labkit.corpus import functions
 from labkit.loadgen import (PROMPT_LINES, RequestRecord, SSEParser, completion_bodies, corpus_prompts, format_report,
-                            main, output_lengths, poisson_arrivals, run_load, send_request, summarize, system_prompt)
+                            main, output_lengths, poisson_arrivals, reset_prefix_cache, run_load, send_request, summarize,
+                            system_prompt)
 
 TOKEN_DELAY_S = 0.004
 LINGER_S = 0.1  # how long prompt "linger" waits after its last token event, before [DONE] and after it
@@ -44,7 +45,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.prompts: Counter[str] = Counter()
-        self.in_flight = self.max_in_flight = 0
+        self.in_flight = self.max_in_flight = self.resets = 0
 
     def app(self) -> FastAPI:
         """/v1/completions: prompt "bad" gets a 400, "busy" a 503, "drop" a connection broken after
@@ -53,6 +54,13 @@ class FakeServer:
         again after [DONE]; any other prompt max_tokens tokens, one every TOKEN_DELAY_S, some
         events split across two writes, the last two events in one."""
         app = FastAPI()
+
+        @app.post("/reset_prefix_cache")
+        async def reset():  # busy twice (a 409, as labkit's server answers while requests run), then done
+            self.resets += 1
+            if self.resets <= 2:
+                return error(409, "1 requests run and 0 wait: the prefix cache can be reset once the engine is idle")
+            return {"blocks_forgotten": 3}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -380,6 +388,26 @@ def test_command_line_end_to_end(server, tmp_path, capsys):
 
     saved = json.loads(failed.read_text(), parse_constant=no_nan)  # strict JSON: no NaN nor Infinity
     assert saved["summary"]["mean_ttft_ms"] is None and saved["summary"]["failed"] == 1
+
+
+def test_a_prefix_cache_reset_waits_out_a_busy_server_and_says_what_refused_it(server, capsys):
+    """``reset_prefix_cache`` asks again while the server answers 409 (busy), then returns what it forgot; a server
+    without the endpoint (a 404) or one busy past the wait raises, with the server's words; on the command line,
+    such a failure sends nothing and exits 1."""
+    url, fake = server
+    fake.resets = 0
+    assert reset_prefix_cache(url) == 3 and fake.resets == 3
+    fake.resets = 0
+    with pytest.raises(RuntimeError, match="reset_prefix_cache answered 409: .*once the engine is idle"):
+        reset_prefix_cache(url, wait_s=0.05)
+    sent = sum(fake.prompts.values())
+    assert main([url + "/v1", "--requests", "2", "--concurrency", "1", "--reset-prefix-cache"]) == 1
+    assert "the prefix cache was not reset, so nothing was sent: " in capsys.readouterr().err
+    assert sum(fake.prompts.values()) == sent
+    fake.resets = 2  # the next answer is a reset
+    assert main([url, "--requests", "2", "--concurrency", "1", "--min-tokens", "2", "--max-tokens", "4",
+                 "--reset-prefix-cache"]) == 0
+    assert "prefix cache reset: 3 blocks forgotten" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, complaint", [
