@@ -107,6 +107,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.allocator.free(seq)
         del self.expected[seq]
 
+    @rule()
+    def clear_prefix_cache(self):  # refused, and nothing changed, while a sequence holds a cached block
+        before, free = _state(self.allocator), self.allocator.num_free
+        try:
+            self.allocator.prefix.clear()
+        except ValueError:
+            assert _state(self.allocator) == before, "a refused clear changed the allocator"
+            return
+        assert "cached" not in self.allocator.block_states() and self.allocator.num_free == free
+
     @invariant()
     def bookkeeping_holds(self):
         self.allocator.check()
