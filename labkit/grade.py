@@ -34,7 +34,6 @@ import multiprocessing
 import multiprocessing.context
 import os
 import re
-import select
 import signal
 import sys
 import tempfile
@@ -325,8 +324,7 @@ def grade_submission(sub: Submission, timeout_s: float | None = None, jobs: int 
         limit = ex.timeout_s if timeout_s is None else timeout_s
         spec = {"exercise": ex.id, "setup": setup, "earlier": [c for c in cells[:i] if c is not None],
                 "earlier_s": min(_EARLIER_CELL_S, limit / 4), "cell": cell,
-                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs), "limit_s": limit,
-                "grader": os.getpid()}
+                "memory_bytes": memory_limit(jobs), "threads": threads_each(jobs), "limit_s": limit}
         outcome = _run_worker(spec, sub.path.resolve().parent, limit, stop)
         if outcome["status"] == CRASHED and spec["earlier"]:  # an earlier exercise's cell may have taken it down
             alone = _run_worker({**spec, "earlier": []}, sub.path.resolve().parent, limit, stop)
@@ -739,41 +737,33 @@ def _isolate(cwd: str, scratch: str, memory_bytes: int, threads: int) -> None:
         os.dup2(devnull, fd)
 
 
-def _end_with(grader: int) -> None:
-    """Kill this worker's process group (itself and whatever it started) as soon as process ``grader`` ends: a
-    grader killed outright (``kill -9``, a machine's OOM killer) can no longer stop its worker at the time limit,
-    and an endless loop, or a wait that never ends, would outlive it for good. A thread that waits on the grader's
-    pidfd (Linux 5.3 and later), else looks for it once a second."""
+def _end_with_grader() -> None:
+    """Kill this worker's process group (itself and whatever it started) as soon as its grader ends: a grader
+    killed outright (``kill -9``, a machine's OOM killer) can no longer stop its worker at the time limit, and an
+    endless loop, or a wait that never ends, would outlive it for good. A thread waits for the end of the pipe
+    the grader alone holds open (multiprocessing's parent sentinel): no process id that another process could
+    take by then is involved."""
+    from multiprocessing import connection, parent_process
+
+    parent = parent_process()
+    if parent is None:  # not started by multiprocessing: no grader to watch
+        return
+
     def watch() -> None:
         try:
-            handle = os.pidfd_open(grader)
-        except ProcessLookupError:  # gone already
-            handle = None
-        except (AttributeError, OSError):  # no pidfd here: look for the process instead
-            while _alive(grader):
-                time.sleep(1.0)
-            handle = None
-        if handle is not None:
-            select.select([handle], [], [])
+            while connection.wait([parent.sentinel]) and os.read(parent.sentinel, 1):
+                pass  # data, not the end of the pipe: the grader is there
+        except OSError:  # the pipe cannot be read: the CPU cap is the backstop left
+            return
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="labkit-grader-watch", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process took the number: the grader is gone
-        return False
-    return True
-
-
 def _cap_cpu(seconds: float) -> None:
     """End this process once it has used ``seconds`` of CPU time: a second backstop for a worker whose grader was
     killed, where code that holds the GIL (a C extension's loop, a pathological regular expression) keeps
-    ``_end_with``'s thread from running. No core file is written (the working directory is the student's
+    ``_end_with_grader``'s thread from running. No core file is written (the working directory is the student's
     folder)."""
     import resource
 
@@ -787,15 +777,16 @@ def _cap_cpu(seconds: float) -> None:
 
 def _cap_memory(share: int, threads: int) -> None:
     """Let this process allocate ``share`` bytes beyond what it holds now, and an allowance for each of its
-    torch ``threads`` and for a pool of one thread per core (numpy's BLAS starts one): RLIMIT_DATA counts the
-    address space reserved, a thread's stack included, so that an allocation past the cap fails. On Linux
-    only: elsewhere the limit is not enforced on what torch allocates."""
+    torch ``threads``, for a pool of one thread per core (numpy's BLAS starts one) and for the thread that
+    watches the grader: RLIMIT_DATA counts the address space reserved, a thread's stack included, so that an
+    allocation past the cap fails. On Linux only: elsewhere the limit is not enforced on what torch
+    allocates."""
     import resource
 
     held = _data_bytes()
     if held is None:
         return
-    limit = held + (threads + cores()) * _THREAD_ALLOWANCE + share
+    limit = held + (threads + cores() + 1) * _THREAD_ALLOWANCE + share  # + 1: the thread that watches the grader
     try:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     except (ValueError, OSError):  # a hard limit below it, set by the system: that one stands
@@ -817,7 +808,7 @@ def _worker(spec: dict, cwd: str, result_path: str) -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     _isolate(cwd, str(Path(result_path).parent), spec["memory_bytes"], spec["threads"])
-    _end_with(spec["grader"])  # should the grader be killed, which can no longer stop this process at its limit
+    _end_with_grader()  # should the grader be killed, which can no longer stop this process at its limit
     _cap_cpu(spec["limit_s"] * cores() + _CPU_SLACK_S)  # every core busy for the whole limit stays within it
     exercise = get(spec["exercise"])
     shell = InteractiveShell.instance(colors="nocolor")

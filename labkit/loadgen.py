@@ -191,23 +191,26 @@ def _count_tokens(record: RequestRecord, usage: dict | None) -> None:
 
 
 def reset_prefix_cache(url: str, api_key: str | None = None, wait_s: float = 10.0) -> int | None:
-    """Empty the prefix cache of the server at ``url`` (``POST /reset_prefix_cache``, which labkit's server and
-    vLLM's take), so that what is measured next starts cold; returns the blocks it forgot (None where the server
-    does not say). A server busy with requests refuses (409): it is asked again every 0.1 s for up to ``wait_s``
-    seconds. Any other answer raises RuntimeError, with the server's words."""
+    """Empty the prefix cache of the server at ``url`` (``POST /reset_prefix_cache``), so that what is measured
+    next starts cold; returns the blocks it forgot, or None where the server does not say. labkit's server
+    answers a busy engine with a 409: it is asked again every 0.1 s for about ``wait_s`` seconds. vLLM's server
+    has the endpoint only with ``VLLM_SERVER_DEV_MODE=1`` (else a 404), answers 200 with no count, and in some
+    versions ``{"success": false}`` where it could not reset. A refusal raises RuntimeError with the server's
+    words; a server that cannot be reached, httpx's error."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + wait_s
-    with httpx.Client(headers=headers, timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+    with httpx.Client(headers=headers, timeout=wait_s + 10.0, trust_env=False) as client:
         while ((response := client.post(f"{url.rstrip('/')}/reset_prefix_cache")).status_code == 409
                and time.monotonic() < deadline):
             time.sleep(0.1)
-    if response.status_code != 200:
+    try:
+        answer = response.json() if response.content else {}
+    except ValueError:
+        answer = {}
+    if response.status_code != 200 or (isinstance(answer, dict) and answer.get("success") is False):
         raise RuntimeError(f"{url.rstrip('/')}/reset_prefix_cache answered {response.status_code}: "
                            f"{response.text[:300]}")
-    try:
-        return response.json().get("blocks_forgotten")
-    except (ValueError, AttributeError):  # vLLM's answers with no body
-        return None
+    return answer.get("blocks_forgotten") if isinstance(answer, dict) else None
 
 
 async def run_load(url: str, bodies: Sequence[dict], rate: float | None = None, concurrency: int | None = None,
@@ -410,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, httpx.HTTPError) as error:
             print(f"error: the prefix cache was not reset, so nothing was sent: {error}", file=sys.stderr)
             return 1
-        print(f"prefix cache reset: {'some' if forgotten is None else forgotten} blocks forgotten")
+        print("prefix cache reset" + (f": {forgotten} blocks forgotten" if forgotten is not None else
+                                      " (the server did not say how many blocks it forgot)"))
     result = asyncio.run(run_load(args.url, bodies, args.rate, args.concurrency, args.seed + 2, args.api_key,
                                   args.timeout_s, args.request_timeout_s, exact_rate=args.exact_rate))
     summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)

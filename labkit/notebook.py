@@ -68,11 +68,11 @@ def lab_of_name(name: str) -> str | None:
 
 
 def as_run(source: str) -> str:
-    """A cell's source as IPython runs it, and as linecache keeps it: magics made calls, and a final newline, which
-    a cell typed in JupyterLab lacks when saved."""
+    """A cell's source as IPython runs it, and as linecache keeps it: magics made calls, each line ended by one
+    newline (a cell typed in JupyterLab lacks the last when saved; one saved on Windows may end them in \\r\\n)."""
     from IPython.core.inputtransformer2 import TransformerManager  # the kernel's: installed with the lab
 
-    return TransformerManager().transform_cell(source)
+    return "".join(line + "\n" for line in TransformerManager().transform_cell(source).splitlines())
 
 
 def bound_names(code: str) -> set[str]:

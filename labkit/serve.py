@@ -532,7 +532,8 @@ def create_app(engine: AsyncEngine, served: ServedModel, api_key: str | None = N
         except EngineStopped as error:
             return APIError(str(error), status=503, kind="server_shutting_down").response()
         except RuntimeError as error:  # the engine failed (its process died) while the reset waited
-            return APIError(f"the engine failed: {error}", status=500, kind="internal_error").response()
+            return APIError(f"the engine failed while the prefix cache was being reset ({error})", status=500,
+                            kind="internal_error").response()
         return JSONResponse({"blocks_forgotten": forgotten})
 
     @app.get("/health")

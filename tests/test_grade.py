@@ -1,6 +1,7 @@
 """The grader: full points on solutions/, zero on notebooks/, and it survives broken submissions."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -770,23 +771,36 @@ def test_the_workers_of_a_grader_killed_outright_end_with_it(root, tmp_path):
     fork server) ended only when the machine did, at 100% CPU (two were found 21 minutes on). Each worker now
     watches its grader and ends within a second or two of it."""
     _submit(tmp_path, "ada", root / "solutions" / "00_welcome.ipynb", BROKEN_EX1["loops"])
-    script = ("from pathlib import Path\nfrom labkit.grade import grade\nprint('grading', flush=True)\n"
+    script = ("from pathlib import Path\nfrom labkit.grade import grade\n"
               f"grade([Path({str(tmp_path / 'ada' / '00_welcome.ipynb')!r})], per_file=True)\n")
-    grader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    grader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    workers = []
     try:
-        assert grader.stdout.readline() == "grading\n"
-        time.sleep(3.0)  # the worker is in its endless loop
-        workers = [pid for pid in _descendants(grader.pid) if "forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
+        deadline = time.monotonic() + 60.0  # the fork server imports torch and the rest first
+        while not (workers := [pid for pid in _descendants(grader.pid) if _leads_a_session(pid)]):
+            assert time.monotonic() < deadline and grader.poll() is None, "no worker started"
+            time.sleep(0.1)
+        time.sleep(1.0)  # in its endless loop
         grader.kill()
         grader.wait()
         deadline = time.monotonic() + 5.0
         while (left := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert workers and not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     finally:
         grader.kill()
         grader.wait()
+        for pid in workers:  # should the test fail: no worker left to spin
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _leads_a_session(pid: int) -> bool:
+    """A grader's worker: it leads a session of its own (the fork server does not)."""
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 def _running(pid: int) -> bool:

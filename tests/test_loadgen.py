@@ -60,6 +60,8 @@ class FakeServer:
             self.resets += 1
             if self.resets <= 2:
                 return error(409, "1 requests run and 0 wait: the prefix cache can be reset once the engine is idle")
+            if self.resets == 10:  # as some of vLLM's versions answer a reset they could not make
+                return {"success": False}
             return {"blocks_forgotten": 3}
 
         @app.post("/v1/completions")
@@ -400,6 +402,9 @@ def test_a_prefix_cache_reset_waits_out_a_busy_server_and_says_what_refused_it(s
     fake.resets = 0
     with pytest.raises(RuntimeError, match="reset_prefix_cache answered 409: .*once the engine is idle"):
         reset_prefix_cache(url, wait_s=0.05)
+    fake.resets = 9
+    with pytest.raises(RuntimeError, match='answered 200: {"success":false}'):
+        reset_prefix_cache(url)
     sent = sum(fake.prompts.values())
     assert main([url + "/v1", "--requests", "2", "--concurrency", "1", "--reset-prefix-cache"]) == 1
     assert "the prefix cache was not reset, so nothing was sent: " in capsys.readouterr().err
