@@ -195,7 +195,7 @@ def _grade_module() -> list[str]:
 
 def _run_worker(spec: dict, cwd: Path, timeout_s: float, stop: threading.Event | None = None) -> dict:
     """Run one exercise in a fresh process; return its result, whatever the process did. Where ``stop`` is
-    set while it runs (a batch's Ctrl+C, heard by the main thread), kill it and raise KeyboardInterrupt."""
+    set while it runs (a Ctrl+C or an Interrupt, heard by the main thread), kill it and raise KeyboardInterrupt."""
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
         proc = process(_context(), _worker, (spec, str(cwd), str(result_path)), daemon=True)
@@ -353,10 +353,7 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
     workers = jobs or cores()
     at_once = max(1, min(workers, len(placed)))
     with _no_main_file():
-        if len(placed) == 1:  # a notebook's grade cell: in this thread, where an Interrupt stops it at once
-            graded = [(placed[0], grade_submission(placed[0], timeout_s, at_once))]
-        else:
-            graded = _grade_in_threads(placed, timeout_s, workers, at_once)
+        graded = _grade_in_threads(placed, timeout_s, workers, at_once)
     book: dict[str, dict[str, Result]] = {sub.student: {} for sub in submissions}
     for (student, lab), copies in _by_student_and_lab(graded).items():
         book[student].update(_best_copy(student, lab, copies, per_file))
@@ -366,8 +363,8 @@ def grade(paths: list[Path], timeout_s: float | None = None, jobs: int | None = 
 
 def _grade_in_threads(placed: list[Submission], timeout_s: float | None, workers: int, at_once: int
                       ) -> list[tuple[Submission, dict[str, Result]]]:
-    """Grade ``workers`` submissions at a time. A Ctrl+C (or a notebook whose grading fails) stops the exercises
-    being graded (their workers killed) and those not begun, and is raised again."""
+    """Grade ``workers`` submissions at a time. A Ctrl+C or a notebook's Interrupt (or a notebook whose grading
+    fails) stops the exercises being graded (their workers killed) and those not begun, and is raised again."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
