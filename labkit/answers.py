@@ -115,8 +115,13 @@ def functions_of(fn: Any) -> list[Any]:
     if not isinstance(fn, type):
         fn = callee(fn)
         return [fn] if hasattr(fn, "__code__") else []
-    members = [m.fget if isinstance(m, property) else callee(m) for m in vars(fn).values()]
-    return [m for m in members if hasattr(m, "__code__") and hasattr(m, "__globals__")]
+    return list(methods_of(fn).values())
+
+
+def methods_of(cls: type) -> dict[str, Any]:
+    """A class's own functions by their attribute's name, properties' getters included."""
+    members = {name: m.fget if isinstance(m, property) else callee(m) for name, m in vars(cls).items()}
+    return {name: m for name, m in members.items() if hasattr(m, "__code__") and hasattr(m, "__globals__")}
 
 
 def callee(fn: Any) -> Any:

@@ -162,10 +162,10 @@ def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Resul
     except Exception:  # noqa: BLE001 -- a student's notebook or namespace of any shape: the verdict stands
         return result
     if skipped:
-        name = getattr(fn, "__name__", exercise.function)  # a partial has none
-        named = f"{exercise.function} here is {name}, which" if name != exercise.function else f"this {name}"
+        called, name, where = skipped
+        named = f"this {called}" if called.split(".")[-1] == name else f"{called} here is {name}, which"
         return replace(result, status=FAILED, points=0, message=(
-            f"every case passes here, but the grader would not grade this function: {named} was defined by {skipped}, "
+            f"every case passes here, but the grader would not grade this code: {named} was defined by {where}, "
             "which the grader does not run (it runs only the setup cells and the exercise cells): define it in this "
             "exercise's cell (and save: the grader reads the file)"))
     if not lacking:

@@ -46,10 +46,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from labkit import notebook
-from labkit.answers import functions_of, global_reads, students_code
+from labkit.answers import functions_of, global_reads, methods_of, students_code
 from labkit.check import FAILED, NOT_ATTEMPTED, PASSED, Result, Started, fail_if_strict, run_cases, time_limit
 from labkit.exercises import EXERCISES, Exercise, for_lab, get
 from labkit.spawning import cores, fork_server, process, threads_each
@@ -439,14 +439,14 @@ def _notebooks_of(lab: str | None) -> list[Path]:
 
 def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[tuple[str, str]]:
     """The names ``fn``'s code reads from the notebook's namespace that no cell the grader runs for ``exercise``
-    binds (its setup cells, the cells of the exercises up to it, and ``fn``'s own cell as the kernel ran it), each
-    with where the notebook binds it. Empty where ``fn`` was not defined in a notebook's cell or the notebook
-    cannot be found."""
+    binds (its setup cells, the cells of the exercises up to it, and the cells that defined ``fn``'s code, as the
+    kernel ran them), each with where the notebook binds it. Empty where ``fn`` was not defined in a notebook's cell
+    or the notebook cannot be found."""
     view = _as_graded(exercise, fn)
     if view is None:
         return []
-    nb, graded, cell = view
-    run = [*graded, cell]
+    nb, graded, defined = view
+    run = [*graded, *(d.cell for d in defined)]
     given = set(dir(builtins)) | set(getattr(_shell(), "user_ns_hidden", ()))  # IPython's own names: In, exit, ...
     bound = given.union(*map(notebook.bound_names, run))
     read = dict.fromkeys(name for code in students_code(fn) for name in global_reads(code))
@@ -455,40 +455,67 @@ def names_the_grader_lacks(exercise: Exercise, fn: Any) -> list[tuple[str, str]]
     return [(name, _where_bound(name, unrun)[0]) for name in read if name not in bound and name in namespace]
 
 
-def skipped_cell_of(exercise: Exercise, fn: Any) -> str | None:
-    """The notebook's cell that defined ``fn``, in words (above or below the exercise's cell, and its first line),
-    where the grader does not run that cell for ``exercise`` (a demo cell, or one of the student's own, whose
-    function an exercise cell names: ``matmul_intensity = my_version``); None where it runs it, or where the cell or
-    the notebook cannot be told."""
+class Defined(NamedTuple):
+    """A notebook cell that defined code of a submission: what the exercise calls the code (``Int4Packer.unpack``),
+    the code's own name (``my_unpack``), and the cell's source as the kernel ran it."""
+    called: str
+    name: str
+    cell: str
+
+
+def skipped_cell_of(exercise: Exercise, fn: Any) -> Defined | None:
+    """Where a cell the grader does not run for ``exercise`` defined ``fn`` (a demo cell, or one of the student's
+    own, whose function an exercise cell names: ``matmul_intensity = my_version``), or one of a class's methods (a
+    method patched in: ``Int4Packer.unpack = my_unpack``): that code as ``Defined``, its cell in words (above or
+    below the exercise's cell, and its first line). None where the grader runs every cell that defined the code, or
+    where the cells or the notebook cannot be told."""
     view = _as_graded(exercise, fn)
     if view is None:
         return None
-    nb, graded, cell = view
-    ran = notebook.as_run(cell)
+    nb, graded, defined = view
     sources = [notebook.source(c) for c in nb["cells"] if c.get("cell_type") == "code"]
-    same = [i for i, source in enumerate(sources) if notebook.as_run(source) == ran]
-    if not same or ran in map(notebook.as_run, graded):  # a cell edited since it was saved, or one the grader runs
-        return None
+    runs = [notebook.as_run(source) for source in sources]
+    run_by_grader = set(map(notebook.as_run, graded))
     own = _exercise_cell(nb, exercise)[0]
     where = next((i for i, source in enumerate(sources) if source == own), None)
-    side = "" if where is None else "above" if same[0] < where else "below"
-    return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(sources[same[0]])}`"
+    for called, name, cell in defined:
+        ran = notebook.as_run(cell)
+        same = [i for i, source in enumerate(runs) if source == ran]
+        if same and ran not in run_by_grader:  # else a cell edited since it was saved, or one the grader runs
+            side = "" if where is None else "above" if same[0] < where else "below"
+            return Defined(called, name, f"the cell {side + ' the exercise cell ' if side else ''}that begins "
+                                         f"`{_first_line(sources[same[0]])}`")
+    return None
 
 
-def _as_graded(exercise: Exercise, fn: Any) -> tuple[notebook.Notebook, list[str], str] | None:
+def _as_graded(exercise: Exercise, fn: Any) -> tuple[notebook.Notebook, list[str], list[Defined]] | None:
     """The notebook this kernel runs, the sources of the cells the grader runs for ``exercise`` (its setup cells
-    and the cells of the exercises up to it, as saved), and the cell that defined ``fn`` as the kernel ran it;
-    None where ``fn`` was not defined in a notebook's cell or the notebook cannot be found or read."""
-    functions = functions_of(fn)
-    cell = _cell_of(functions[0]) if functions else None
+    and the cells of the exercises up to it, as saved), and the cells that defined ``fn``'s code as the kernel ran
+    them, each with what the exercise calls that code and its own name (see ``_defined``); None where none of it was
+    defined in a notebook's cell or the notebook cannot be found or read."""
+    defined = _defined(exercise, fn)
     path = _told_notebook() or next(reversed(_notebooks_of(exercise.lab)), None)
-    if cell is None or path is None:
+    if not defined or path is None:
         return None
     try:
         nb = notebook.read(path)
     except ValueError:
         return None
-    return nb, [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise))], cell
+    return nb, [*_setup_cells(nb), *(_exercise_cell(nb, ex)[0] or "" for ex in _up_to(exercise))], defined
+
+
+def _defined(exercise: Exercise, fn: Any) -> list[Defined]:
+    """The notebook cells that defined ``fn``'s code, as the kernel ran them, each with what the exercise calls the
+    code and its own name: ``fn`` itself (``accept_branch``, ``my_accept``), a class by the cell of its first method
+    (``Int4Packer``, ``MyPacker``), and each method patched into the class from elsewhere (``Int4Packer.unpack``,
+    ``my_unpack``). Code of a file is left out."""
+    if isinstance(fn, type):
+        named = [(exercise.function, fn.__name__, f) if f.__qualname__.startswith(f"{fn.__qualname__}.")
+                 else (f"{exercise.function}.{attr}", f.__name__, f) for attr, f in methods_of(fn).items()]
+    else:
+        named = [(exercise.function, getattr(f, "__name__", exercise.function), f) for f in functions_of(fn)]
+    cells = [Defined(called, name, _cell_of(f)) for called, name, f in named]
+    return list(dict.fromkeys(defined for defined in cells if defined.cell is not None))
 
 
 def _up_to(exercise: Exercise) -> list[Exercise]:

@@ -62,6 +62,8 @@ def test_lab06b_awq_search_mistakes_fail(root):
     planted = "a planted salient channel"
     mistakes = [
         ("(rows / s)", "(rows * s)", planted, "alpha: you chose 0, where every scale is 1"),
+        ("(rows / s)", "rows", planted, "x not divided, makes every alpha > 0 worse"),
+        ("quantize(weight * s, scheme)", "quantize(weight / s, scheme)", planted, "the weight rounded is W diag(s)"),
         ("error < best[0]", "error > best[0]", planted, "alpha: 1 gives an output error of"),
         ("quantize(weight * s, scheme)", "quantize(weight, scheme)", planted, "it is W diag(s), W's columns times s"),
         ("s = s / (s.max() * s.min()).sqrt()", "s = s", "the planted layer again", "divided by sqrt(max(s) * min(s))"),
@@ -74,7 +76,7 @@ def test_lab06b_awq_search_mistakes_fail(root):
          "range(grid + 1)"),
         ("(exact - (rows / s) @ w_q.T)", "(weight * s - w_q)", "g32, three salient channels",
          "not the scaled weight's own rounding error"),
-        ("(exact - (rows / s) @ w_q.T)", "(weight - w_q / s)", planted, "not a rounding error of the weights alone"),
+        ("(exact - (rows / s) @ w_q.T)", "(weight - w_q / s)", planted, "not W's own rounding error"),
     ]
     for right, wrong, case, hint in mistakes:
         fails("ex06b.2", mistake(root, "ex06b.2", right, wrong), case, hint)

@@ -146,11 +146,15 @@ def test_lab08_pad_batch_mistakes_fail():
         (lambda t, p, s: pad(t, p, 1 << (t.shape[0] - 1).bit_length()), "33 rows", "not the next power of two"),
         (lambda t, p, s: pad(t, p, max(t.shape[0], min([b for b in s if b >= t.shape[0]] or [0]))), "20 rows",
          "raise ValueError"),
+        (lambda t, p, s: pad(t, p, smallest(t.shape[0], s)), "20 rows",  # min() of nothing raises for it
+         "its message, 'min() arg is an empty sequence', does not say what went wrong"),
+        (lambda t, p, s: pad(t, p, smallest(t.shape[0], s)) if [b for b in s if b >= t.shape[0]] else
+         (_ for _ in ()).throw(ValueError("none fits")), "20 rows", "name the batch's size (20) and the buckets"),
     ]
     for fn, case, hint in mistakes:
         fails("ex08.3", fn, case, hint)
     assert run_cases(get("ex08.3"), lambda t, p, s: pad(t, p, smallest(t.shape[0], s)) if [
-        b for b in s if b >= t.shape[0]] else (_ for _ in ()).throw(ValueError("none fits"))).status == PASSED
+        b for b in s if b >= t.shape[0]] else (_ for _ in ()).throw(ValueError(f"{t.shape[0]} rows: no bucket of {s}"))).status == PASSED
 
 
 def test_a_frame_without_source_keeps_its_line_and_torchs_own_frames_are_passed_over():

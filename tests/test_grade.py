@@ -639,12 +639,22 @@ def test_the_command_exits_1_when_nothing_could_be_graded(tmp_path, capsys):
 
 
 CHECKED_IN_A_KERNEL = """
+import sys
 import nbformat
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-for cell in nbformat.read("11_mine.ipynb", as_version=4).cells:
+for cell in nbformat.read(sys.argv[1], as_version=4).cells:
     shell.run_cell(cell.source)
 """
+
+
+def _run_in_a_kernel(folder: Path, name: str) -> str:
+    """What the cells of ``folder/name`` print, run one by one in an IPython shell (as a kernel runs them), with
+    the notebook found in the folder (as nbconvert runs it: no Jupyter session names it)."""
+    env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}
+    run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL, name], cwd=folder, capture_output=True,
+                         text=True, timeout=120, env=env)
+    return run.stdout + run.stderr
 
 
 KIDS_LOOP = ("    kids = [[] for _ in parents]\n    for node in range(1, len(parents)):\n"
@@ -682,10 +692,8 @@ def test_the_inline_check_fails_a_name_only_a_demos_cell_defines(root, tmp_path,
              {**second, "source": notebook.source(second).replace(KIDS_LOOP, kids) + helper},
              code('labkit.check("ex11.2", accept_branch)')]
     notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "11_mine.ipynb")
-    env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}  # the notebook is found in the folder
-    run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert says in run.stdout, run.stdout + run.stderr
+    printed = _run_in_a_kernel(tmp_path, "11_mine.ipynb")
+    assert says in printed, printed
     if says == LACKS_TREE:  # and the grader agrees, naming the same cell
         result = grade([tmp_path / "11_mine.ipynb"], per_file=True)["11_mine"]["ex11.2"]
         assert result.status == "failed" and "tree is defined by the cell that begins `import numpy as np`" in \
@@ -722,11 +730,42 @@ def test_the_inline_check_fails_a_function_defined_by_a_cell_the_grader_skips(ro
     cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}},
              *([mine, exercise] if mine_first else [exercise, mine]), code('labkit.check("ex11.2", accept_branch)')]
     notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "11_mine.ipynb")
-    env = {k: v for k, v in os.environ.items() if k != "JPY_SESSION_NAME"}  # the notebook is found in the folder
-    run = subprocess.run([sys.executable, "-c", CHECKED_IN_A_KERNEL], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert says in run.stdout, run.stdout + run.stderr
+    printed = _run_in_a_kernel(tmp_path, "11_mine.ipynb")
+    assert says in printed, printed
     assert grade([tmp_path / "11_mine.ipynb"], per_file=True)["11_mine"]["ex11.2"].status == graded
+
+
+UNPACK = "        return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)\n"
+PATCHED = "\n\ndef my_unpack(packed):\n" + UNPACK[4:] + "\n\nInt4Packer.unpack = staticmethod(my_unpack)\n"
+
+
+@pytest.mark.parametrize("in_the_exercise_cell, says, graded", [
+    (False, "Int4Packer.unpack here is my_unpack, which was defined by the cell below the exercise cell that begins "
+     "`import torch`", "failed"),  # the grader keeps the stub
+    (True, "[PASS] ex06.2", "passed"),  # patched in by the exercise cell, which the grader runs
+])
+def test_the_inline_check_fails_a_method_patched_in_by_a_cell_the_grader_skips(root, tmp_path, in_the_exercise_cell,
+                                                                               says, graded):
+    """ex06.2's class with its ``unpack`` a stub, and a working one patched in (``Int4Packer.unpack = ...``): every
+    case passes in the kernel, but where a cell below the exercise cell patches it, the grader keeps the stub. The
+    check fails it, naming the method, the function and the cell; patched in by the exercise cell itself, it passes
+    (the grader runs that cell)."""
+    solved = next(c for c in notebook.read(root / "solutions/06_int4_quantization.ipynb")["cells"]
+                  if notebook.exercise_id(c) == "ex06.2")
+    assert UNPACK in notebook.source(solved)
+    stubbed = notebook.source(solved).replace(UNPACK, '        raise NotImplementedError("ex06.2")\n')
+
+    def code(source, cell=None):
+        return {**(cell or {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}),
+                "source": source}
+    patches = [{**solved, "source": stubbed + PATCHED}] if in_the_exercise_cell else [
+        {**solved, "source": stubbed}, code("import torch" + PATCHED)]
+    cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}}, *patches,
+             code('labkit.check("ex06.2", Int4Packer)')]
+    notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "06_mine.ipynb")
+    printed = _run_in_a_kernel(tmp_path, "06_mine.ipynb")
+    assert says in printed, printed
+    assert grade([tmp_path / "06_mine.ipynb"], per_file=True)["06_mine"]["ex06.2"].status == graded
 
 
 def test_bound_names_are_a_cells_top_level_names():

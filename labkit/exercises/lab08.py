@@ -97,11 +97,12 @@ def _plan_cases() -> list[Case | Scenario]:
                    hint="each query of the step has its own row of the mask: compare the slots [max_len] with the "
                         "positions shaped [B, 1, T, 1], so the comparison broadcasts to [B, 1, T, max_len]"),
         _plan_case("a batch with padding (-1), max_len 8", [[3, 4, 5], [0, 1, -1], [-1, -1, -1]], 8,
-                   hint="padding goes to the spare slot max_len (the cache keeps max_len + 1 slots and reads the "
-                        "first max_len): not max_len - 1, a real slot, and not -1 left as it is, which lands on the "
-                        "spare slot only because Python counts from the end; and a padding query sees every slot "
-                        "(| (position < 0)): with none, its softmax is over nothing, 0 / 0 (PyTorch's SDPA returns "
-                        "zeros there, a hand-written kernel such as lab 07's gives NaN)"),
+                   hint="if the slots differ: padding goes to the spare slot max_len (the cache keeps max_len + 1 "
+                        "slots and reads the first max_len), not max_len - 1, a real slot, and not -1 left as it is, "
+                        "which lands on the spare slot only because Python counts from the end. If the mask differs: "
+                        "a padding query sees every slot (| (position < 0)); with none, its softmax is over nothing, "
+                        "0 / 0 (PyTorch's SDPA returns zeros there, a hand-written kernel such as lab 07's gives "
+                        "NaN)"),
         _plan_case("another max_len: 5", [[4, -1], [1, 2]], 5,
                    hint="take the spare slot and the mask's width from max_len, the argument, not from a number of "
                         "your own"),
@@ -282,7 +283,10 @@ def _too_large(pad_batch: Callable[..., Any]) -> None:
     tokens, positions, sizes = _padded(20, 1, [1, 2, 4, 8, 16])
     try:
         got = pad_batch(tokens, positions, sizes)
-    except ValueError:
+    except ValueError as error:
+        if "20" not in str(error):
+            raise AssertionError(f"20 rows with buckets {sizes}: a ValueError, but its message, {str(error)!r}, does "
+                               "not say what went wrong: name the batch's size (20) and the buckets") from None
         return
     shape = tuple(got[0].shape) if isinstance(got, tuple) and got and isinstance(got[0], Tensor) else got
     raise AssertionError(f"20 rows with buckets {sizes}: expected a ValueError (no bucket holds them), got {shape!r}")
@@ -308,8 +312,8 @@ def _pad_cases() -> list[Case | Scenario]:
                   hint="the bucket is one of the sizes given, the smallest that holds the batch: 48 here, not the "
                        "next power of two (64); past 8, the engine's buckets are multiples of 16"),
         Scenario("20 rows, buckets up to 16: no bucket holds them, a ValueError", _too_large,
-                 hint="when no size holds the batch, raise ValueError saying so (a batch cut down to a bucket "
-                      "would drop sequences)"),
+                 hint="when no size holds the batch, raise ValueError saying so, with the batch's size and the "
+                      "buckets (a batch cut down to a bucket would drop sequences)"),
     ]
 
 

@@ -12,10 +12,13 @@ that torch itself uses there (``torch.backends.cpu.get_cpu_capability()``: AVX-5
 FMA). Without them the compiler may use only SSE2, and the paged decode operator took 1.3 to 1.4
 times as long on an AVX-512 machine (``benchmarks/paged_decode_cpu.py``, in BENCHMARKS.md). The
 build folder is named after them, so that machines of different kinds sharing a home folder each
-build their own.
+build their own, and after the copy of labkit that builds it, so that two copies on one machine (a
+student's checkout and an instructor's grading copy) do not rebuild over each other: a build
+records its source's path, and a build from another path starts again.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -36,11 +39,13 @@ VECTOR_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"
 
 def build_directory(name: str) -> Path:
     """Where the library ``name`` is built and cached: under ``TORCH_EXTENSIONS_DIR`` if set, else
-    torch's default (~/.cache/torch_extensions), one folder per torch and Python version and CPU capability."""
+    torch's default (~/.cache/torch_extensions), one folder per torch and Python version, copy of labkit (a hash
+    of its folder) and CPU capability."""
     from torch.utils.cpp_extension import get_default_build_root
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     version = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(root) / f"{name}-{version}-{torch.backends.cpu.get_cpu_capability().lower()}"
+    copy = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+    return Path(root) / f"{name}-{version}-{copy}-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 def missing_compiler() -> str | None:
