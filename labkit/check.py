@@ -150,8 +150,10 @@ def run_cases(exercise: Exercise, fn: Callable[..., Any], failed_before: Mapping
 
 def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Result:
     """``result``, unless it is a pass that the grader, which runs only the setup cells and the exercise cells,
-    would fail with a NameError: a failure then, which names the names and where the notebook defines them. Where
-    the notebook cannot be read, or anything goes wrong in finding out, the pass stands."""
+    would not give: where a cell the grader skips made ``fn`` what the kernel has (``grade.skipped_cell_of``), a
+    failure that names the cell; where ``fn`` needs names only such cells bind (a NameError, graded), a failure
+    that names the names and where the notebook binds them. Where the notebook cannot be read, or anything goes
+    wrong in finding out, the pass stands."""
     from labkit.grade import names_the_grader_lacks, skipped_cell_of  # grade imports this module
 
     if result.status != PASSED:
@@ -162,12 +164,12 @@ def _as_the_grader_sees_it(result: Result, exercise: Exercise, fn: Any) -> Resul
     except Exception:  # noqa: BLE001 -- a student's notebook or namespace of any shape: the verdict stands
         return result
     if skipped:
-        called, name, where = skipped
-        named = f"this {called}" if called.split(".")[-1] == name else f"{called} here is {name}, which"
+        code, where = skipped
+        named = f"{code.called} here is {code.name}, which" if code.renamed else f"this {code.called}"
         return replace(result, status=FAILED, points=0, message=(
-            f"every case passes here, but the grader would not grade this code: {named} was defined by {where}, "
-            "which the grader does not run (it runs only the setup cells and the exercise cells): define it in this "
-            "exercise's cell (and save: the grader reads the file)"))
+            f"every case passes here, but the grader would not grade this code: {named} was {where}, "
+            "which the grader does not run (it runs only the setup cells and the exercise cells): define "
+            f"{code.called} in this exercise's cell (and save: the grader reads the file)"))
     if not lacking:
         return result
     names = "; ".join(f"{name} ({where})" for name, where in lacking)

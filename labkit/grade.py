@@ -462,13 +462,19 @@ class Defined(NamedTuple):
     name: str
     cell: str
 
+    @property
+    def renamed(self) -> bool:
+        """Whether the exercise calls the code by another name than its own (``accept_branch = my_accept``)."""
+        return self.called.rsplit(".", 1)[-1] != self.name
 
-def skipped_cell_of(exercise: Exercise, fn: Any) -> Defined | None:
-    """Where a cell the grader does not run for ``exercise`` defined ``fn`` (a demo cell, or one of the student's
-    own, whose function an exercise cell names: ``matmul_intensity = my_version``), or one of a class's methods (a
-    method patched in: ``Int4Packer.unpack = my_unpack``): that code as ``Defined``, its cell in words (above or
-    below the exercise's cell, and its first line). None where the grader runs every cell that defined the code, or
-    where the cells or the notebook cannot be told."""
+
+def skipped_cell_of(exercise: Exercise, fn: Any) -> tuple[Defined, str] | None:
+    """Where a cell the grader does not run for ``exercise`` made ``fn`` what the kernel has: defined it, or one of
+    a class's methods (a demo cell, or one of the student's own), or bound the exercise's name to it under another
+    name (``matmul_intensity = my_version``, ``Int4Packer.unpack = staticmethod(my_unpack)``), as the last cell of
+    the notebook to bind that name. That code, and what the cell did in words ("defined by the cell below the
+    exercise cell that begins ..."); None where the grader runs every such cell, or where the cells or the
+    notebook cannot be told."""
     view = _as_graded(exercise, fn)
     if view is None:
         return None
@@ -478,13 +484,18 @@ def skipped_cell_of(exercise: Exercise, fn: Any) -> Defined | None:
     run_by_grader = set(map(notebook.as_run, graded))
     own = _exercise_cell(nb, exercise)[0]
     where = next((i for i, source in enumerate(sources) if source == own), None)
-    for called, name, cell in defined:
-        ran = notebook.as_run(cell)
-        same = [i for i, source in enumerate(runs) if source == ran]
-        if same and ran not in run_by_grader:  # else a cell edited since it was saved, or one the grader runs
-            side = "" if where is None else "above" if same[0] < where else "below"
-            return Defined(called, name, f"the cell {side + ' the exercise cell ' if side else ''}that begins "
-                                         f"`{_first_line(sources[same[0]])}`")
+
+    def in_words(i: int) -> str:
+        side = "" if where is None else "above" if i < where else "below"
+        return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(sources[i])}`"
+    for code in defined:
+        same = [i for i, source in enumerate(runs) if source == notebook.as_run(code.cell)]
+        if same and runs[same[0]] not in run_by_grader:  # else a cell edited since it was saved, or one the grader runs
+            return code, f"defined by {in_words(same[0])}"
+    for code in (code for code in defined if code.renamed):
+        binders = [i for i, source in enumerate(sources) if code.called in notebook.bound_names(source)]
+        if binders and runs[binders[-1]] not in run_by_grader:
+            return code, f"bound to it by {in_words(binders[-1])}"
     return None
 
 
@@ -506,16 +517,22 @@ def _as_graded(exercise: Exercise, fn: Any) -> tuple[notebook.Notebook, list[str
 
 def _defined(exercise: Exercise, fn: Any) -> list[Defined]:
     """The notebook cells that defined ``fn``'s code, as the kernel ran them, each with what the exercise calls the
-    code and its own name: ``fn`` itself (``accept_branch``, ``my_accept``), a class by the cell of its first method
-    (``Int4Packer``, ``MyPacker``), and each method patched into the class from elsewhere (``Int4Packer.unpack``,
-    ``my_unpack``). Code of a file is left out."""
+    code and its own name: ``fn`` itself (``accept_branch``, ``my_accept``), a class by the cells of its own
+    methods (``Int4Packer``, ``MyPacker``), and each method patched into the class from elsewhere
+    (``Int4Packer.unpack``, ``my_unpack``). Code of a file is left out."""
     if isinstance(fn, type):
         named = [(exercise.function, fn.__name__, f) if f.__qualname__.startswith(f"{fn.__qualname__}.")
-                 else (f"{exercise.function}.{attr}", f.__name__, f) for attr, f in methods_of(fn).items()]
+                 else (f"{exercise.function}.{attr}", _own_name(f), f) for attr, f in methods_of(fn).items()]
     else:
-        named = [(exercise.function, getattr(f, "__name__", exercise.function), f) for f in functions_of(fn)]
+        named = [(exercise.function, _own_name(f), f) for f in functions_of(fn)]
     cells = [Defined(called, name, _cell_of(f)) for called, name, f in named]
     return list(dict.fromkeys(defined for defined in cells if defined.cell is not None))
+
+
+def _own_name(function: Any) -> str:
+    """A function's name as a student would say it: ``my_accept``, ``Other.unpack`` for another class's method,
+    ``a lambda``."""
+    return "a lambda" if function.__name__ == "<lambda>" else function.__qualname__.replace(".<locals>", "")
 
 
 def _up_to(exercise: Exercise) -> list[Exercise]:

@@ -77,7 +77,8 @@ def as_run(source: str) -> str:
 
 def bound_names(code: str) -> set[str]:
     """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
-    functions, classes and assignments (not the names local to a function or a comprehension). IPython's own
+    functions, classes and assignments (not the names local to a function or a comprehension), and the
+    attributes it assigns to a name's object, dotted (``Int4Packer.unpack = ...``: ``Int4Packer.unpack``). IPython's own
     syntax is read as IPython runs it: ``files = !ls`` binds ``files``, and the code that ``%time``, ``%prun``,
     ``%%time``, ``%%capture`` and ``%%prun`` run binds its names; other magics bind none. A cell that does
     not parse binds none."""
@@ -133,3 +134,8 @@ class _Binder(ast.NodeVisitor):
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Store):
             self.names.add(node.id)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):  # Int4Packer.unpack = ...
+            self.names.add(f"{node.value.id}.{node.attr}")
+        self.generic_visit(node)

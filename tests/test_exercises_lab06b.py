@@ -48,6 +48,16 @@ def test_a_vectorised_int4_row_dot_with_fp16_weights_passes():
     assert run_cases(get("ex06b.1"), int4_row_dot).status == PASSED
 
 
+def test_zero_points_made_uint8_fail_at_the_first_asymmetric_case_with_a_hint_that_names_the_wraparound():
+    """The codes kept as uint8 and the zero points made uint8 to match: a code below its zero point wraps."""
+    def in_uint8(packed_row, scales_row, zeros_row, x, group_size):
+        codes = torch.stack([packed_row & 0x0F, packed_row >> 4], -1).flatten()
+        zeros = torch.full_like(scales_row, 8) if zeros_row is None else zeros_row
+        group = torch.arange(len(codes)) // group_size
+        return ((codes - zeros.to(torch.uint8)[group]).float() * scales_row[group].float()) @ x
+    fails("ex06b.1", in_uint8, "one group of 64", "in uint8 a code below its zero point wraps around")
+
+
 def test_the_zero_point_summed_over_the_whole_row_fails_at_the_first_case_of_several_groups():
     """The background's fused form, s (sum of c x - z sum of x) per group, with the row's sum of x for every group."""
     def whole_row(packed_row, scales_row, zeros_row, x, group_size):
@@ -62,8 +72,8 @@ def test_lab06b_awq_search_mistakes_fail(root):
     planted = "a planted salient channel"
     mistakes = [
         ("(rows / s)", "(rows * s)", planted, "alpha: you chose 0, where every scale is 1"),
-        ("(rows / s)", "rows", planted, "x not divided, makes every alpha > 0 worse"),
-        ("quantize(weight * s, scheme)", "quantize(weight / s, scheme)", planted, "the weight rounded is W diag(s)"),
+        ("(rows / s)", "rows", planted, "or x not divided: every alpha > 0 then scores worse than RTN"),
+        ("quantize(weight * s, scheme)", "quantize(weight / s, scheme)", planted, "(W divided by s, or x not"),
         ("error < best[0]", "error > best[0]", planted, "alpha: 1 gives an output error of"),
         ("quantize(weight * s, scheme)", "quantize(weight, scheme)", planted, "it is W diag(s), W's columns times s"),
         ("s = s / (s.max() * s.min()).sqrt()", "s = s", "the planted layer again", "divided by sqrt(max(s) * min(s))"),

@@ -736,31 +736,32 @@ def test_the_inline_check_fails_a_function_defined_by_a_cell_the_grader_skips(ro
 
 
 UNPACK = "        return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)\n"
-PATCHED = "\n\ndef my_unpack(packed):\n" + UNPACK[4:] + "\n\nInt4Packer.unpack = staticmethod(my_unpack)\n"
+MY_UNPACK = "\n\ndef my_unpack(packed):\n" + UNPACK[4:]
+PATCH = "Int4Packer.unpack = staticmethod(my_unpack)\n"
 
 
-@pytest.mark.parametrize("in_the_exercise_cell, says, graded", [
-    (False, "Int4Packer.unpack here is my_unpack, which was defined by the cell below the exercise cell that begins "
-     "`import torch`", "failed"),  # the grader keeps the stub
-    (True, "[PASS] ex06.2", "passed"),  # patched in by the exercise cell, which the grader runs
+@pytest.mark.parametrize("in_the_exercise_cell, below, says, graded", [
+    ("", "import torch" + MY_UNPACK + "\n\n" + PATCH, "Int4Packer.unpack here is my_unpack, which was defined by the "
+     "cell below the exercise cell that begins `import torch`", "failed"),  # the grader keeps the stub
+    (MY_UNPACK, PATCH, "Int4Packer.unpack here is my_unpack, which was bound to it by the cell below the exercise "
+     "cell that begins `Int4Packer.unpack = staticmethod(my_unpack)`", "failed"),  # defined where graded, bound not
+    (MY_UNPACK + "\n\n" + PATCH, "", "[PASS] ex06.2", "passed"),  # patched in by the exercise cell, which is graded
 ])
 def test_the_inline_check_fails_a_method_patched_in_by_a_cell_the_grader_skips(root, tmp_path, in_the_exercise_cell,
-                                                                               says, graded):
+                                                                               below, says, graded):
     """ex06.2's class with its ``unpack`` a stub, and a working one patched in (``Int4Packer.unpack = ...``): every
-    case passes in the kernel, but where a cell below the exercise cell patches it, the grader keeps the stub. The
-    check fails it, naming the method, the function and the cell; patched in by the exercise cell itself, it passes
-    (the grader runs that cell)."""
+    case passes in the kernel, but where a cell below the exercise cell defines the function or does the patching,
+    the grader keeps the stub. The check fails it, naming the method, the function and the cell; patched in by the
+    exercise cell itself, it passes (the grader runs that cell)."""
     solved = next(c for c in notebook.read(root / "solutions/06_int4_quantization.ipynb")["cells"]
                   if notebook.exercise_id(c) == "ex06.2")
     assert UNPACK in notebook.source(solved)
     stubbed = notebook.source(solved).replace(UNPACK, '        raise NotImplementedError("ex06.2")\n')
 
-    def code(source, cell=None):
-        return {**(cell or {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}),
-                "source": source}
-    patches = [{**solved, "source": stubbed + PATCHED}] if in_the_exercise_cell else [
-        {**solved, "source": stubbed}, code("import torch" + PATCHED)]
-    cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}}, *patches,
+    def code(source):
+        return {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": source}
+    cells = [{**code("import labkit"), "metadata": {"tags": ["setup"]}},
+             {**solved, "source": stubbed + in_the_exercise_cell}, *([code(below)] if below else []),
              code('labkit.check("ex06.2", Int4Packer)')]
     notebook.write({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, tmp_path / "06_mine.ipynb")
     printed = _run_in_a_kernel(tmp_path, "06_mine.ipynb")
@@ -773,6 +774,7 @@ def test_bound_names_are_a_cells_top_level_names():
             "class C:\n    z = 2\nx, (y, *w) = 1, (2, 3)\nfor i in range(3):\n    k = i\nq = [j for j in range(3)]\n"
             "try:\n    pass\nexcept ValueError as e:\n    pass\nlam = lambda r: r\n")
     assert notebook.bound_names(code) == {"np", "os", "t", "medusa", "f", "C", "x", "y", "w", "i", "k", "q", "e", "lam"}
+    assert notebook.bound_names("Int4Packer.unpack = f\nobj.a.b = 1\n") == {"Int4Packer.unpack"}  # a patch
     assert notebook.bound_names("def broken(:\n") == set()
     assert notebook.bound_names("%%capture out\nimport math\nz = 3") == {"out", "math", "z"}  # run here
     assert notebook.bound_names("%%timeit\nq = 1") == set()  # run in a namespace of its own

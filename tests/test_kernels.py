@@ -602,3 +602,16 @@ def test_a_cpu_without_vector_extensions_gets_its_own_correct_build(tmp_path):
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512"):
         assert "-mavx2 -mfma" in (paged_decode_cpu_module.build_directory() / "build.ninja").read_text()
+
+
+def test_each_copy_of_labkit_builds_its_operators_in_a_folder_of_its_own(monkeypatch):
+    """Two copies of labkit on one machine (a student's checkout, an instructor's grading copy) build in folders of
+    their own, since a build records its source's path and a build from another path starts again; one copy
+    finds its own folder every time."""
+    from labkit.kernels import cpp_build
+    here = cpp_build.build_directory("labkit_op")
+    assert cpp_build.build_directory("labkit_op") == here
+    monkeypatch.setattr(cpp_build, "__file__", "/elsewhere/labkit/kernels/cpp_build.py")
+    there = cpp_build.build_directory("labkit_op")
+    assert there != here and there.parent == here.parent
+    assert there.name.rsplit("-", 1)[-1] == here.name.rsplit("-", 1)[-1]  # the same CPU capability

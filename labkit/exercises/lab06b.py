@@ -85,8 +85,8 @@ def _row_cases() -> list[Case]:
         _row_case("one group of 64, asymmetric: a zero point of its own", *_random_row(64, Scheme(4, 64), 1), 64,
                   "one group whose zero point is not 0: a weight is (code - zero) * scale, the zero point "
                   "subtracted from the code before the scale multiplies (it is a code, not a weight: code * "
-                  "scale - zero is wrong), and never left out; and subtracted in floats or Python ints, not in uint8, "
-                  "where a code below its zero point wraps around (3 - 8 is 251)"),
+                  "scale - zero is wrong), and never left out; and subtracted in floats or Python ints: in uint8 a code "
+                  "below its zero point wraps around"),
         _row_case("g32, 128 columns: four groups, each its own scale and zero", *_random_row(128, Scheme(4, 32), 2),
                   32,
                   "each group of 32 columns has its own scale and zero point. A weight's group is its column // "
@@ -150,10 +150,9 @@ def _planted(weight: Tensor, x: Tensor, scheme: Scheme, grid: int, channel: int,
         if k == 0:
             raise AssertionError(f"alpha: you chose 0, where every scale is 1: plain RTN, output error "
                                  f"{errors[0]:.4f}; alpha = {best / grid:g} brings it down to {errors[best]:.4f}. "
-                                 "Your search scored every alpha above 0 worse than RTN, as a search whose scaling "
-                                 "runs the wrong way does: the weight rounded is W diag(s) (column j times s_j) and "
-                                 "the input is x / s, so that (x / s) Q(W diag(s))^T is x W^T but for the rounding; "
-                                 "W divided by s, or x not divided, makes every alpha > 0 worse")
+                                 "A search keeps 0 when its scaling runs the wrong way (W divided by s, or x not "
+                                 "divided: every alpha > 0 then scores worse than RTN), or when it never compares "
+                                 "the alphas (a return inside the loop, an error that is NaN)")
         if errors[k] > errors[best]:
             raise AssertionError(f"alpha: {alpha:g} gives an output error of {errors[k]:.4f}, but alpha = "
                                  f"{best / grid:g} gives less, {errors[best]:.4f} (plain RTN, alpha = 0: "

@@ -285,8 +285,9 @@ def _too_large(pad_batch: Callable[..., Any]) -> None:
         got = pad_batch(tokens, positions, sizes)
     except ValueError as error:
         if "20" not in str(error):
-            raise AssertionError(f"20 rows with buckets {sizes}: a ValueError, but its message, {str(error)!r}, does "
-                               "not say what went wrong: name the batch's size (20) and the buckets") from None
+            raise AssertionError(f"20 rows with buckets {sizes}: a ValueError, but its message, {str(error)!r}, "
+                                 "does not say what went wrong: name the batch's size (20), and the buckets "
+                                 "too") from None
         return
     shape = tuple(got[0].shape) if isinstance(got, tuple) and got and isinstance(got[0], Tensor) else got
     raise AssertionError(f"20 rows with buckets {sizes}: expected a ValueError (no bucket holds them), got {shape!r}")

@@ -14,7 +14,8 @@ times as long on an AVX-512 machine (``benchmarks/paged_decode_cpu.py``, in BENC
 build folder is named after them, so that machines of different kinds sharing a home folder each
 build their own, and after the copy of labkit that builds it, so that two copies on one machine (a
 student's checkout and an instructor's grading copy) do not rebuild over each other: a build
-records its source's path, and a build from another path starts again.
+records its source's path, and a build from another path starts again. A copy's folders stay
+after the copy is deleted, under a MB each (``~/.cache/torch_extensions``: delete them by hand).
 """
 from __future__ import annotations
 
