@@ -30,6 +30,17 @@ def test_lab06_plausible_mistakes_fail():
         return codes, scale, float(2 ** (bits - 1)), (codes.float() - 2 ** (bits - 1)) * scale
     fails("ex06.1", symmetric_over_8, "64 weights, 4 bits, symmetric", "over 2^(bits-1) - 1 = 7 levels")
 
+    def divides_in_place(w, bits, symmetric):  # w.float() of a float32 tensor is w itself, not a copy
+        codes, scale, zero, w_hat = reference_group(w.clone(), bits, symmetric)
+        w /= scale
+        return codes, scale, zero, w_hat
+    fails("ex06.1", divides_in_place, "64 weights, 4 bits, asymmetric", "changed its argument")
+
+    class Concatenated:  # every low nibble, then every high one: not interleaved
+        pack = staticmethod(pack_int4)
+        unpack = staticmethod(lambda packed: torch.cat([packed & 0x0F, packed >> 4], -1))
+    fails("ex06.2", Concatenated, "unpack: known bytes", "not every low nibble, then every high one")
+
     def grid(w, bits, symmetric, hi=lambda w: w.max().clamp(min=0), top=lambda w: w.abs().max(), exact_zero=False,
              clamp=True):
         """ex06.1 as the spec says, but for the part a keyword replaces (each call below makes one slip)."""
@@ -57,7 +68,8 @@ def test_lab06_plausible_mistakes_fail():
                             else pack_int4(codes))
         unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
     result = fails("ex06.2", Swapped, "pack: known bytes", "0x21 holds 1 low and 2 high")
-    assert "(even code in the low nibble): at index [0] expected 33, got 18" in result.message, result.message
+    assert "(even code in the low nibble): expected the bytes [0x21, 0x43], got [0x12, 0x34]" in result.message, \
+        result.message  # in hex, where the swapped nibbles show
 
     class UnpackOnly:  # unpack written, pack still the stub: attempted, and told what to write next
         @staticmethod

@@ -303,20 +303,22 @@ def test_all_drafts_are_checked_for_every_k():
 def test_speculation_html_colours_every_token_by_kind():
     from labkit.viz import speculation_html
 
-    rounds = [Round((1, 2), 2, 3), Round((4, 5), 1, 6), Round((), 0, 7)]
+    rounds = [Round((1, 2), 2, 3), Round((4, 5), 1, 6), Round((8, 9, 10), 0, 11), Round((), 0, 7)]
     text = speculation_html(rounds, lambda t: f"<{t}>")
     body = text.split("</div>", 1)[1]
     kinds = [part.split('"', 1)[0] for part in body.split('title="')[1:]]
-    assert kinds == ["accepted", "accepted", "bonus", "accepted", "rejected", "target", "target"]
+    assert kinds == ["accepted", "accepted", "bonus", "accepted", "rejected", "target",
+                     "rejected", "unchecked", "unchecked", "target", "target"]  # after a rejection: unjudged
     assert "&lt;5&gt;" in body and "<5>" not in body
 
 
 def test_a_rejected_newline_is_shown_without_breaking_the_line():
     from labkit.viz import speculation_html
 
-    body = speculation_html([Round((1,), 0, 2), Round((1,), 1, 3)], lambda t: "\n" if t == 1 else "x")
+    body = speculation_html([Round((1,), 0, 2), Round((1,), 1, 3), Round((4, 1), 0, 5)],
+                            lambda t: "\n" if t == 1 else "x")
     body = body.split("</div>", 1)[1]
-    assert body.count("↵") == 2 and body.count("<br>") == 1  # only the accepted newline ends a line
+    assert body.count("↵") == 3 and body.count("<br>") == 1  # only the accepted newline ends a line
 
 
 def _steps(v: dict[int, float], spread: float) -> dict[str, Timing]:

@@ -13,8 +13,9 @@ def _rule_cases() -> list[Case]:
     p_rand, q_rand = torch.rand(2, 50, generator=generator).softmax(-1)
     pairs = [
         ("the target likes the token less than the draft: accepted half the time", (p, q, 1),
-         "p[token] = 0.3 is below q[token] = 0.6, so the acceptance is their ratio, a Python float below 1; the "
-         "residual keeps only the tokens where p exceeds q, scaled to sum to 1"),
+         "the acceptance probability: p[token] = 0.3 is below q[token] = 0.6, so it is their ratio, a Python "
+         "float below 1. The residual: only the tokens where p exceeds q keep mass, max(p - q, 0), scaled to sum "
+         "to 1"),
         ("the target likes it more: always accepted", (p, q, 0),
          "p[token] is above q[token]: their ratio exceeds 1, but an acceptance is a probability and stops at 1"),
         ("a token the target would never write: never accepted", (p, q, 3),
@@ -59,9 +60,10 @@ def _verify_cases() -> list[Case]:
 def _gain_cases() -> list[Case]:
     settings = [
         ("a = 0.8, k = 4, free draft", (0.8, 4, 0.0),
-         "a round costs k draft steps of c target steps each plus one target step, the verification, so with a free "
-         "draft (c = 0) the speedup equals the tokens per call. Those count the target's own token, which every "
-         "call emits, and each draft token with the chance that it and every draft before it are accepted"),
+         "tokens_per_call: the target's own token, which every call emits, plus each draft token with the chance "
+         "that it and every draft before it are accepted (a^1 for the first, up to a^k). The speedup: a round costs "
+         "k draft steps of c target steps each plus one target step, the verification, so with a free draft "
+         "(c = 0) it equals the tokens per call"),
         ("a = 0.6, k = 3, draft at 1/10 of the target", (0.6, 3, 0.1),
          "a round costs k draft steps of c target steps each, plus one verification costing one target step"),
         ("a perfect draft: k + 1 tokens per call", (1.0, 5, 0.05),

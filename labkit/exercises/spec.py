@@ -195,7 +195,7 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
         if expected.is_floating_point() or expected.is_complex():
             if _right_in_another_dtype(got, expected, rtol, atol):
                 raise _wrong_dtype(got, expected)
-            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+            _assert_close(got, expected, rtol, atol)
         else:
             assert_equal_tensors(got, expected)
     elif isinstance(expected, bool) or not isinstance(expected, (int, float, tuple, list, dict)):
@@ -233,6 +233,29 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
             moved = ", ".join(f"index {i} holds what belongs at index {j}" for i, j in enumerate(order) if i != j)
             raise SaysWhatToDo(f"the items are right, but in another order ({moved}): return them in the order the "
                                "spec gives") from None
+
+
+SHOWN_VALUES = 16  # a wrong float tensor of at most this many values is shown whole, beside the expected one
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
+    """torch.testing.assert_close, whose message for a small tensor of the right shape and dtype is both tensors'
+    values (torch's names only the greatest differences); any other message is torch's."""
+    try:
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    except AssertionError:
+        if got.shape != expected.shape or got.dtype != expected.dtype or expected.numel() > SHOWN_VALUES:
+            raise
+        close = torch.isclose(got.detach().cpu(), expected.detach().cpu(), rtol=rtol, atol=atol)
+        raise AssertionError(f"expected {_values(expected)}, got {_values(got)} ({int((~close).sum())} of "
+                             f"{expected.numel()} values differ)") from None
+
+
+def _values(tensor: torch.Tensor) -> str:
+    """A small float tensor's values, four significant digits each, nested as the tensor is."""
+    def shown(values: Any) -> str:
+        return f"[{', '.join(map(shown, values))}]" if isinstance(values, list) else f"{values:.4g}"
+    return shown(tensor.detach().cpu().double().tolist())
 
 
 def _listed_matches(got: Any, expected: Sequence[Any], rtol: float, atol: float) -> bool:
