@@ -336,7 +336,8 @@ class SpeculationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Draft tokens accepted over draft tokens checked: the a of (1 - a^(k+1)) / (1 - a)."""
+        """Draft tokens accepted over draft tokens judged (in each round, those up to and including the first
+        rejected; the drafts after it are thrown away unjudged): the a of (1 - a^(k+1)) / (1 - a)."""
         reached, accepted = self.position_counts()
         return sum(accepted) / sum(reached) if sum(reached) else 0.0
 

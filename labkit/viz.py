@@ -213,7 +213,7 @@ def plot_pipeline_timeline(timeline: Sequence[Piece], title: str = "", ax: Axes 
 SPECULATION_STYLES = {  # how each kind of token is shown in a speculative run's text
     "accepted": "background:#c8e6c9",  # drafted, and the target agreed
     "rejected": "background:#ffcdd2;text-decoration:line-through",  # drafted, the first the target disagreed with
-    "unchecked": "background:#eeeeee;color:#757575;text-decoration:line-through",  # drafted after a rejected one,
+    "unjudged": "background:#eeeeee;color:#757575;text-decoration:line-through",  # drafted after a rejected one,
     # thrown away unjudged (not counted in the acceptance rate)
     "target": "background:#ffe0b2",  # the target's own token: after a rejection, or with nothing drafted
     "bonus": "background:#bbdefb",  # the target's token after all drafts were accepted
@@ -221,22 +221,23 @@ SPECULATION_STYLES = {  # how each kind of token is shown in a speculative run's
 
 
 def speculation_html(rounds: Sequence, decode) -> str:
-    """A speculative run's text as HTML, each token coloured by how it came about (a legend
-    first); ``rounds`` are ``labkit.speculative.Round``s, ``decode`` maps a token id to its text."""
+    """A speculative run's text as HTML, each token coloured by how it came about (a legend of
+    the kinds it has first); ``rounds`` are ``labkit.speculative.Round``s, ``decode`` maps a token id to its text."""
     def span(token: int, kind: str) -> str:
         # a token thrown away never enters the text, so its newline is shown but does not break the line
-        newline = "↵" if kind in ("rejected", "unchecked") else "↵<br>"
+        newline = "↵" if kind in ("rejected", "unjudged") else "↵<br>"
         text = html.escape(decode(token)).replace("\n", newline).replace(" ", "&nbsp;")
         return f'<span style="{SPECULATION_STYLES[kind]}" title="{kind}">{text}</span>'
-    legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>'
-                      for kind, style in SPECULATION_STYLES.items())
     body = []
     for r in rounds:
         body += [span(t, "accepted") for t in r.draft[:r.accepted]]
         body += [span(t, "rejected") for t in r.draft[r.accepted:r.accepted + 1]]
-        body += [span(t, "unchecked") for t in r.draft[r.accepted + 1:]]
+        body += [span(t, "unjudged") for t in r.draft[r.accepted + 1:]]
         body.append(span(r.token, "bonus" if r.bonus else "target"))
-    return f'<div>{legend}</div><div style="font-family:monospace;line-height:1.6">{"".join(body)}</div>'
+    text = "".join(body)
+    legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>'  # the kinds this run has
+                      for kind, style in SPECULATION_STYLES.items() if f'title="{kind}"' in text)
+    return f'<div>{legend}</div><div style="font-family:monospace;line-height:1.6">{text}</div>'
 
 
 def tree_layout(parents: Sequence[int]) -> list[tuple[float, float]]:

@@ -228,6 +228,26 @@ def test_a_function_that_is_not_callable_fails():
     assert run_cases(get("ex00.1"), 42).status == FAILED
 
 
+def test_a_small_wrong_float_tensor_is_shown_whole_to_the_digits_that_tell_it_apart():
+    """A wrong float tensor of up to 32 values: its first wrong index, how many differ and by how much at most,
+    and both tensors whole, in as many significant digits as tell every differing pair apart (four where four
+    do; more where a slip of 1e-5 would read as the same number). Anything else keeps torch's message: a larger
+    tensor, another shape, a complex one."""
+    expected = torch.tensor([0.25, 0.0, 0.75])
+    with pytest.raises(AssertionError) as raised:
+        assert_matches(torch.tensor([0.5, 0.0, 0.5]), expected, 1e-5, 1e-6)
+    assert str(raised.value) == ("at index [0] expected 0.25, got 0.5 (2 of 3 values differ; largest difference "
+                                 "0.25)\n    expected [0.25, 0, 0.75]\n    got      [0.5, 0, 0.5]")
+    with pytest.raises(AssertionError, match=r"expected 0.714286, got 0.714293 .*\n    expected \[0.714286, 0\]"):
+        assert_matches(torch.tensor([5 / 7 + 7e-6, 0.0]), torch.tensor([5 / 7, 0.0]), 1e-6, 1e-9)
+    with pytest.raises(AssertionError, match=r"at index \[\] expected 0.7, got 0.5 \(1 of 1 values differ"):
+        assert_matches(torch.tensor(0.5), torch.tensor(0.7), 1e-6, 1e-9)  # 0-d
+    for got, wanted in [(torch.zeros(40), torch.ones(40)), (torch.zeros(2), torch.ones(3)),
+                        (torch.zeros(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))]:
+        with pytest.raises(AssertionError, match="Tensor-likes are not close|shape|do not match"):
+            assert_matches(got, wanted, 1e-6, 1e-9)  # torch's own message
+
+
 def test_assert_matches_compares_by_kind():
     import numpy as np
 

@@ -68,7 +68,7 @@ def test_lab06_plausible_mistakes_fail():
                             else pack_int4(codes))
         unpack = staticmethod(lambda packed: unpack_int4(packed.flip(-1)).flip(-1))
     result = fails("ex06.2", Swapped, "pack: known bytes", "0x21 holds 1 low and 2 high")
-    assert "(even code in the low nibble): expected the bytes [0x21, 0x43], got [0x12, 0x34]" in result.message, \
+    assert "(the code at an even position in the low nibble): expected the bytes [0x21, 0x43], got [0x12, 0x34]" in result.message, \
         result.message  # in hex, where the swapped nibbles show
 
     class UnpackOnly:  # unpack written, pack still the stub: attempted, and told what to write next

@@ -308,7 +308,10 @@ def test_speculation_html_colours_every_token_by_kind():
     body = text.split("</div>", 1)[1]
     kinds = [part.split('"', 1)[0] for part in body.split('title="')[1:]]
     assert kinds == ["accepted", "accepted", "bonus", "accepted", "rejected", "target",
-                     "rejected", "unchecked", "unchecked", "target", "target"]  # after a rejection: unjudged
+                     "rejected", "unjudged", "unjudged", "target", "target"]  # after a rejection: unjudged
+    assert text.split("</div>", 1)[0].count("<span") == 5  # a legend of the five kinds it has
+    only_accepted = speculation_html([Round((1, 2), 2, 3)], str).split("</div>", 1)[0]
+    assert "accepted" in only_accepted and "rejected" not in only_accepted and "unjudged" not in only_accepted
     assert "&lt;5&gt;" in body and "<5>" not in body
 
 

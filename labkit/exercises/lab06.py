@@ -98,7 +98,7 @@ def _packing_cases() -> list[Scenario]:
 
     def packs(packer: Any) -> None:
         _expect(packer.pack(torch.tensor([1, 2, 3, 4], dtype=torch.uint8)), torch.tensor([0x21, 0x43]).byte(),
-                "pack([1, 2, 3, 4]) (even code in the low nibble)", in_hex=True)
+                "pack([1, 2, 3, 4]) (the code at an even position in the low nibble)", in_hex=True)
 
     def unpacks(packer: Any) -> None:  # a case of its own: an unpack written before pack passes it
         _expect(packer.unpack(torch.tensor([0x21, 0xF0], dtype=torch.uint8)), torch.tensor([1, 2, 0, 15]).byte(),
@@ -123,8 +123,8 @@ def _packing_cases() -> list[Scenario]:
             Scenario("unpack: known bytes", unpacks,
                      hint="two bytes back into four codes, worked out by hand: the low 4 bits first (0x21 gives 1, "
                           "then 2), byte by byte, interleaved (byte 0's low and high, then byte 1's: not every low "
-                          "nibble, then every high one). 0xF0 is 240 as uint8 but -16 as int8, where >> 4 keeps the sign (-1, not 15): "
-                          "shift the bytes as uint8"),
+                          "nibble, then every high one). 0xF0 is 240 as uint8 but -16 as int8, where >> 4 keeps the "
+                          "sign (-1, not 15): shift the bytes as uint8"),
             Scenario("a matrix, there and back", round_trip,
                      hint="[5, 64] codes, packed row by row along the last dimension, then unpacked: the result "
                           "keeps the leading dimensions, and pack must not change the tensor it was given. Every "

@@ -235,27 +235,53 @@ def assert_matches(got: Any, expected: Any, rtol: float, atol: float) -> None:
                                "spec gives") from None
 
 
-SHOWN_VALUES = 16  # a wrong float tensor of at most this many values is shown whole, beside the expected one
+SHOWN_VALUES = 32  # a wrong tensor of at most this many values is shown whole, beside the expected one
 
 
 def _assert_close(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-    """torch.testing.assert_close, whose message for a small tensor of the right shape and dtype is both tensors'
-    values (torch's names only the greatest differences); any other message is torch's."""
+    """torch.testing.assert_close, whose message for a small real tensor of the right shape, dtype, device and
+    layout is ``_differ``'s, both tensors' values (torch's names only the greatest difference); any other message is
+    torch's."""
     try:
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     except AssertionError:
-        if got.shape != expected.shape or got.dtype != expected.dtype or expected.numel() > SHOWN_VALUES:
+        alike = (got.shape == expected.shape and got.dtype == expected.dtype and got.device == expected.device
+                 and got.layout == expected.layout == torch.strided and not expected.is_complex())
+        if not alike or expected.numel() > SHOWN_VALUES:
             raise
-        close = torch.isclose(got.detach().cpu(), expected.detach().cpu(), rtol=rtol, atol=atol)
-        raise AssertionError(f"expected {_values(expected)}, got {_values(got)} ({int((~close).sum())} of "
-                             f"{expected.numel()} values differ)") from None
+        wrong = ~torch.isclose(got.detach(), expected.detach(), rtol=rtol, atol=atol)
+        if not wrong.any():  # torch saw another difference: its message says which
+            raise
+        largest = (got.detach() - expected.detach()).abs()[wrong].max().item()
+        raise AssertionError(_differ(got, expected, wrong, f"largest difference {largest:.3g}")) from None
 
 
-def _values(tensor: torch.Tensor) -> str:
-    """A small float tensor's values, four significant digits each, nested as the tensor is."""
+def _differ(got: torch.Tensor, expected: torch.Tensor, wrong: torch.Tensor, note: str = "") -> str:
+    """Where two tensors of one shape differ first, how many values differ (and ``note``), and both tensors whole
+    when they are small, floats in as many significant digits as tell each differing pair apart."""
+    at = tuple(wrong.nonzero()[0].tolist())
+    shown, written = _written(got.detach().cpu(), expected.detach().cpu(), wrong.cpu())
+    both = (f"\n    expected {shown(expected.detach().cpu().tolist())}\n    got      {shown(got.detach().cpu().tolist())}"
+            if wrong.numel() <= SHOWN_VALUES else "")
+    counted = f"{int(wrong.sum())} of {wrong.numel()} values differ" + (f"; {note}" if note else "")
+    return (f"at index {list(at)} expected {written(expected[at].item())}, got {written(got[at].item())} "
+            f"({counted}){both}")
+
+
+def _written(got: torch.Tensor, expected: torch.Tensor, wrong: torch.Tensor) -> tuple[Callable, Callable]:
+    """How to write the values of two tensors: integers as they are; floats to the fewest significant digits (4 at
+    least) at which every differing pair reads differently. A formatter of nested lists, and one of a number."""
+    digits = 4
+    if expected.is_floating_point():
+        pairs = list(zip(got[wrong].double().tolist(), expected[wrong].double().tolist()))
+        digits = next((d for d in (4, 6, 9) if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)), 17)
+
+    def written(value: Any) -> str:
+        return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
     def shown(values: Any) -> str:
-        return f"[{', '.join(map(shown, values))}]" if isinstance(values, list) else f"{values:.4g}"
-    return shown(tensor.detach().cpu().double().tolist())
+        return f"[{', '.join(map(shown, values))}]" if isinstance(values, list) else written(values)
+    return shown, written
 
 
 def _listed_matches(got: Any, expected: Sequence[Any], rtol: float, atol: float) -> bool:
@@ -350,10 +376,7 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
                              f"{list(got.shape)} of {_name(got.dtype)}")
     wrong = got.cpu() != expected.cpu()
     if wrong.any():
-        at = tuple(wrong.nonzero()[0].tolist())
-        both = f"\n    expected {expected.tolist()}\n    got      {got.tolist()}" if wrong.numel() <= 32 else ""
-        raise AssertionError(f"at index {list(at)} expected {expected[at].item()}, got {got[at].item()} "
-                             f"({int(wrong.sum())} of {wrong.numel()} values differ){both}")
+        raise AssertionError(_differ(got.cpu(), expected.cpu(), wrong))
 
 
 def _wrong_dtype(got: torch.Tensor, expected: torch.Tensor) -> WrongType:
