@@ -131,6 +131,28 @@ def test_ex01_3_the_solution_passes_with_a_cache_of_p_plus_n_minus_1_positions()
     assert run_cases(get("ex01.3"), loop()).status == PASSED
 
 
+def test_ex01_3_the_trained_models_case_catches_wrong_positions_by_itself():
+    """The case on the shipped draft model checks what its hint promises: decode positions one off either way, or
+    a new cache at every step, change its tokens (its first prompt, ending in a newline, gave 24 newlines
+    whatever the positions)."""
+    case = next(c for c in get("ex01.3").cases() if c.label.startswith("the shipped draft model"))
+    case.run(loop())
+
+    def new_cache_each_step(model, prompt, new_tokens):
+        generated, tokens, positions = [], torch.tensor([prompt]), torch.arange(len(prompt))[None]
+        with torch.no_grad():
+            for step in range(new_tokens):
+                cache = ContiguousKVCache(model.config, 1, len(prompt) + new_tokens)
+                generated.append(int(model(tokens, plan=cache.plan(positions))[0, -1].argmax()))
+                tokens, positions = torch.tensor([[generated[-1]]]), torch.tensor([[len(prompt) + step]])
+        return generated
+    for wrong in (loop(first_decode_position=1, room=0), loop(first_decode_position=-1), new_cache_each_step):
+        with pytest.raises(AssertionError):
+            case.run(wrong)
+    result, hint = failure("ex01.3", new_cache_each_step, MHA_RUN)
+    assert "a new cache each step forgets the prompt" in hint, hint
+
+
 def test_ex01_3_plausible_mistakes_fail_with_the_hint_they_need():
     def naive(model, prompt, new_tokens):  # right tokens, no cache: the whole sequence again at every step
         ids = list(prompt)

@@ -37,18 +37,22 @@ def test_lab04_plausible_mistakes_fail():
     result = fails("ex04.1", skips_ahead, "out of blocks: first come, first served", "the requests behind it wait too")
     assert 0 < result.passed < result.total
 
-    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False):
+    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False, late_budget=False):
         """admit, but reserving ``reserve(request)``, scheduling ``run(request) - cached`` tokens, trying a
-        request only if ``fits``, and (``counts_scheduled``) counting this call's admissions twice in the cap."""
+        request only if ``fits``, (``counts_scheduled``) counting this call's admissions twice in the cap, and
+        (``late_budget``) checking the budget only after giving a request its blocks."""
         def wrong(waiting, running, allocator, budget, max_num_seqs):
             scheduled = []
-            while waiting and budget > 0 and len(running) + counts_scheduled * len(scheduled) < max_num_seqs:
+            while waiting and (late_budget or budget > 0) and len(running) + counts_scheduled * len(scheduled) < \
+                    max_num_seqs:
                 request = waiting[0]
                 if not fits(allocator, request):
                     break
                 try:
                     cached = allocator.add_sequence(request.request_id, reserve(request))
                 except OutOfBlocks:
+                    break
+                if budget <= 0:  # reached only late: the blocks given, no budget left
                     break
                 n = min(len(run(request)) - cached, budget)
                 waiting.popleft()
@@ -69,6 +73,9 @@ def test_lab04_plausible_mistakes_fail():
         result = run_cases(get("ex04.1"), wrong)
         assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, label
 
+    fails("ex04.1", admit_with(tokens, tokens, late_budget=True), "one token of budget left",
+          "r2 waits but still holds blocks")  # blocks given, then no budget found
+
     def oldest(waiting, running, allocator):
         return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
     result = fails("ex04.2", oldest, "three running", "returned should be request run2, got request run0")
@@ -79,7 +86,7 @@ def test_lab04_plausible_mistakes_fail():
         victim.num_computed, victim.status, victim.preemptions = 0, "waiting", victim.preemptions + 1
         waiting.appendleft(victim)
         return victim
-    fails("ex04.2", keeps_blocks, "three running", "free blocks should be 29, got 26")
+    fails("ex04.2", keeps_blocks, "three running", "run2 waits but still holds blocks")
 
     def forgets_output(waiting, running, allocator):  # the victim loses the tokens it generated
         victim = preempt_newest(waiting, running, allocator)

@@ -68,7 +68,7 @@ def _attention_cases() -> list[Case]:
          "dim=2), in that order), and the query attends over all 8. With head_dim 1 the scale 1/sqrt(head_dim) is "
          "1 (head_dim is the last dimension of q, not the number of tokens), so if the caches come out right, the "
          "softmax's axis is what is left: it runs over the keys (the last axis of the scores [batch, heads, 1, "
-         "S + 1]), not over the single query"),
+         "S + 1]), not over the single query. No mask either: the new query sees all S + 1 keys"),
         ("MHA: 4 query heads, 4 KV heads, 7 cached tokens", (1, 4, 4, 7, 16),
          "the scores are q . k divided by sqrt(head_dim) (4 here) before the softmax"),
         ("GQA: 8 query heads share 2 KV heads, batch of 2", (2, 8, 2, 5, 32),
@@ -115,14 +115,15 @@ def _generate_cases() -> list[Case]:
     runs = [
         ("MHA random model, 3-token prompt, 12 new tokens", random_model(4, 4, seed=0), [5, 17, 3], 12,
          "the prompt goes in once, at positions 0..P-1, and its last logits give the first new token; then each call "
-         "feeds only the newest token, at the next position (P, P+1, ...): N new tokens take N calls, because the "
-         "last new token is never fed back, so the cache holds P + N - 1 positions, not fewer"),
+         "feeds only the newest token, at the next position (P, P+1, ...), through the one cache made before the "
+         "loop (a new cache each step forgets the prompt): N new tokens take N calls, because the last new token "
+         "is never fed back, so the cache holds P + N - 1 positions, not fewer"),
         ("GQA random model, 1-token prompt, 20 new tokens", random_model(8, 2, seed=1), [42], 20,
          "a one-token prompt: the prefill is a single token at position 0, and the first decode step's token sits at "
          "position 1; the cache must have room for every position the model is fed"),
         ("one new token: the prefill alone", random_model(4, 1, seed=2), [1, 2, 3, 4], 1,
          "one new token: the argmax of the prefill's last logits is the whole answer, so no decode call may run"),
-        ("the shipped draft model on Python code", draft, tokenizer.encode("def add(a, b):\n").ids, 24,
+        ("the shipped draft model on Python code", draft, tokenizer.encode("def add(a, b):\n    return").ids, 24,
          "a trained model on real text, 24 tokens: every token must equal naive greedy generation's; where the first "
          "one differs, look at that step's input token and position"),
     ]
@@ -155,7 +156,8 @@ EXERCISES = [
         id="ex01.3", title="The cached generation loop", points=2, function="cached_generate",
         cases=_generate_cases, timeout_s=120,
         recipe="The cache must hold every position the model is fed: the P prompt tokens and each new token but "
-             "the last (never fed back), so P + N - 1 positions. Prefill: run the whole prompt at positions "
+             "the last (never fed back), so P + N - 1 positions: make it once, before the loop, and pass a plan of "
+             "that same cache to every call. Prefill: run the whole prompt at positions "
              "0..P-1 through a plan of the cache and take the argmax of the last position's logits. Then, "
              "N - 1 times, feed only the newest token at the next position (P, P+1, ...) and take the argmax again.",
     ),

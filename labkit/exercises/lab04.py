@@ -33,8 +33,8 @@ def _summary(state: State, result: Any) -> tuple:
     waiting, running, allocator = state
     allocator.check()
     requests = list(waiting) + running
-    return (_returned(result), [r.request_id for r in waiting], [r.request_id for r in running], allocator.num_free,
-            {s: len(t) for s, t in allocator.tables.items()},
+    return (_returned(result), [r.request_id for r in waiting], [r.request_id for r in running],
+            {s: len(t) for s, t in allocator.tables.items()}, allocator.num_free,
             {r.request_id: (r.num_computed, r.status, r.preemptions, r.output) for r in requests})
 
 
@@ -52,8 +52,8 @@ def _returned(result: Any) -> Any:
     return f"{_short(result)}, of type {type(result).__name__}"
 
 
-_FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "free blocks", "blocks per sequence",
-           "each request's (num_computed, status, preemptions, output)")
+_FIELDS = ("returned", "waiting (ids, front first)", "running (ids)", "blocks per sequence", "free blocks",
+           "each request's (num_computed, status, preemptions, output)")  # which sequence holds blocks, then how many
 
 
 def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: Callable[..., Any],
@@ -68,6 +68,12 @@ def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: C
         if isinstance(result, list) and any(isinstance(item, tuple) and item[1:] == (0,) for item in result):
             raise SaysWhatToDo("a request admitted with 0 tokens scheduled: once the budget is spent, admit no one "
                                "(the loop runs while the budget is above 0)")
+        waiting, _, allocator = state
+        if held := [r.request_id for r in waiting if r.request_id in allocator.tables]:
+            raise SaysWhatToDo(f"{', '.join(held)} {'waits' if len(held) == 1 else 'wait'} but still "
+                               f"hold{'s' * (len(held) == 1)} blocks: a request given blocks must be admitted "
+                               "(check the budget and the cap before add_sequence), and one sent back to waiting must "
+                               "give its blocks back (allocator.free)")
         got = _summary(state, result)
         for name, want, have in zip(_FIELDS, expected, got):
             if want != have:
