@@ -133,8 +133,8 @@ def test_ex01_3_the_solution_passes_with_a_cache_of_p_plus_n_minus_1_positions()
 
 def test_ex01_3_the_trained_models_case_catches_wrong_positions_by_itself():
     """The case on the shipped draft model checks what its hint promises: decode positions one off either way, or
-    a new cache at every step, change its tokens (its first prompt, ending in a newline, gave 24 newlines
-    whatever the positions)."""
+    a new cache at every step, change its tokens (its first prompt, ending in a newline, gave 24 newlines, the
+    same with decode positions one early)."""
     case = next(c for c in get("ex01.3").cases() if c.label.startswith("the shipped draft model"))
     case.run(loop())
 

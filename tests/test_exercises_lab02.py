@@ -101,6 +101,7 @@ def test_ex02_3_reference_counts_are_ints_and_a_float_count_fails():
         max(0.0, (utilization * memory - weights) // per_sequence))
     result = run_cases(get("ex02.3"), floored)
     assert result.status == FAILED and "expected a whole number, an int" in result.message, result.message
+    assert "where an input is a float, // gives a float too: round down with math.floor" in result.message  # its case
     rounded = lambda memory, utilization, weights, per_sequence: (
         max(0, round((utilization * memory - weights) / per_sequence)))
     result = fails("ex02.3", rounded, "Mistral-7B on an L4", "only a few sequences fit: round down")  # 1.5 and up

@@ -37,15 +37,17 @@ def test_lab04_plausible_mistakes_fail():
     result = fails("ex04.1", skips_ahead, "out of blocks: first come, first served", "the requests behind it wait too")
     assert 0 < result.passed < result.total
 
-    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False, late_budget=False):
+    def admit_with(reserve, run, fits=lambda allocator, request: True, counts_scheduled=False, late_budget=False,
+                   takes_off=True):
         """admit, but reserving ``reserve(request)``, scheduling ``run(request) - cached`` tokens, trying a
-        request only if ``fits``, (``counts_scheduled``) counting this call's admissions twice in the cap, and
-        (``late_budget``) checking the budget only after giving a request its blocks."""
+        request only if ``fits``, (``counts_scheduled``) counting this call's admissions twice in the cap,
+        (``late_budget``) checking the budget only after giving a request its blocks, and (``takes_off``)
+        taking an admitted request off waiting."""
         def wrong(waiting, running, allocator, budget, max_num_seqs):
             scheduled = []
-            while waiting and (late_budget or budget > 0) and len(running) + counts_scheduled * len(scheduled) < \
-                    max_num_seqs:
-                request = waiting[0]
+            for request in list(waiting):
+                if not (late_budget or budget > 0) or len(running) + counts_scheduled * len(scheduled) >= max_num_seqs:
+                    break
                 if not fits(allocator, request):
                     break
                 try:
@@ -55,7 +57,8 @@ def test_lab04_plausible_mistakes_fail():
                 if budget <= 0:  # reached only late: the blocks given, no budget left
                     break
                 n = min(len(run(request)) - cached, budget)
-                waiting.popleft()
+                if takes_off:
+                    waiting.popleft()
                 request.num_computed, request.status = cached, "running"
                 running.append(request)
                 scheduled.append((request, n))
@@ -74,7 +77,9 @@ def test_lab04_plausible_mistakes_fail():
         assert result.status == FAILED and result.passed == result.total - 1 and case in result.message, label
 
     fails("ex04.1", admit_with(tokens, tokens, late_budget=True), "one token of budget left",
-          "r2 waits but still holds blocks")  # blocks given, then no budget found
+          "r2 waits but still holds blocks: a request given blocks must be admitted")  # then no budget found
+    fails("ex04.1", admit_with(tokens, tokens, takes_off=False), "three prompts that all fit",
+          "r0, r1, r2 are both waiting and running: take them off waiting")
 
     def oldest(waiting, running, allocator):
         return preempt_newest(waiting, running[::-1], allocator) and running.pop(0)
@@ -86,7 +91,8 @@ def test_lab04_plausible_mistakes_fail():
         victim.num_computed, victim.status, victim.preemptions = 0, "waiting", victim.preemptions + 1
         waiting.appendleft(victim)
         return victim
-    fails("ex04.2", keeps_blocks, "three running", "run2 waits but still holds blocks")
+    fails("ex04.2", keeps_blocks, "three running", "run2 waits but still holds blocks: a request sent back to "
+          "waiting must give its blocks back")
 
     def forgets_output(waiting, running, allocator):  # the victim loses the tokens it generated
         victim = preempt_newest(waiting, running, allocator)

@@ -68,17 +68,29 @@ def _scenario(label: str, build: Callable[[], tuple[State, tuple]], reference: C
         if isinstance(result, list) and any(isinstance(item, tuple) and item[1:] == (0,) for item in result):
             raise SaysWhatToDo("a request admitted with 0 tokens scheduled: once the budget is spent, admit no one "
                                "(the loop runs while the budget is above 0)")
-        waiting, _, allocator = state
-        if held := [r.request_id for r in waiting if r.request_id in allocator.tables]:
-            raise SaysWhatToDo(f"{', '.join(held)} {'waits' if len(held) == 1 else 'wait'} but still "
-                               f"hold{'s' * (len(held) == 1)} blocks: a request given blocks must be admitted "
-                               "(check the budget and the cap before add_sequence), and one sent back to waiting must "
-                               "give its blocks back (allocator.free)")
+        _refuse_waiting_with_blocks(*state, reference)
         got = _summary(state, result)
         for name, want, have in zip(_FIELDS, expected, got):
             if want != have:
                 raise AssertionError(f"{name} should be {want}, got {have}")  # check names the case
     return Scenario(label, play, hint=hint)
+
+
+_HELD = {admit: "a request given blocks must be admitted: check the budget and the cap before add_sequence",
+         preempt_newest: "a request sent back to waiting must give its blocks back: allocator.free(request_id)"}
+
+
+def _refuse_waiting_with_blocks(waiting: deque, running: list, allocator: BlockAllocator,
+                                reference: Callable[..., Any]) -> None:
+    """SaysWhatToDo where a request left waiting holds blocks (which of the exercise's steps leaks them:
+    ``_HELD``), or sits in both queues; nothing where no waiting request holds blocks."""
+    runs = {r.request_id for r in running}
+    if both := [str(r.request_id) for r in waiting if r.request_id in runs]:
+        raise SaysWhatToDo(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} both waiting and running: take "
+                           f"{'it' if len(both) == 1 else 'them'} off waiting (waiting.popleft())")
+    if held := [str(r.request_id) for r in waiting if r.request_id in allocator.tables]:
+        raise SaysWhatToDo(f"{', '.join(held)} {'waits' if len(held) == 1 else 'wait'} but still "
+                           f"hold{'s' * (len(held) == 1)} blocks: {_HELD[reference]}")
 
 
 def _admit_cases() -> list[Scenario]:

@@ -344,8 +344,9 @@ def _assert_number(got: Any, expected: int | float, rtol: float, atol: float) ->
                         "right; turn it into a number with .item()")
     if isinstance(expected, int) and not isinstance(value, numbers.Integral):
         raise WrongType(f"expected a whole number, an int ({expected}), got {type(value).__name__} {value!r}: the value "
-                        "is right, but the spec asks for an int: keep the arithmetic in ints (// on ints, no /: a "
-                        "float on the way is exact only below 2^53, and // on a float gives a float too)")
+                        "is right, but the spec asks for an int: where every input is an int, keep the arithmetic "
+                        "in ints (//, not /: a float on the way is exact only below 2^53); where an input is a float, "
+                        "// gives a float too: round down with math.floor(...) or int(...)")
 
 
 def _the_number_inside(got: Any, expected: int | float, rtol: float, atol: float) -> bool:
