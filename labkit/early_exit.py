@@ -205,9 +205,11 @@ def verify_step(target: Transformer, exit_layer: int, k: int, context: int) -> C
 
 class RoundCosts(NamedTuple):
     """A round's passes in full decode steps: ``draft[L']``, one draft step through exit L' (c), and
-    ``verify[L', k]``, the verification call of k drafts from exit L' (v), for the k timed."""
+    ``verify[L', k]``, the verification call of k drafts from exit L' (v), for the k timed; ``noisy``: the
+    timings among them whose runs spread widely (a busy machine), by label ("full", "draft 3", "verify 3 4")."""
     draft: dict[int, float]
     verify: dict[tuple[int, int], float]
+    noisy: tuple[str, ...] = ()
 
     def v(self, exit_layer: int, k: int) -> float:
         """The verification of ``k`` drafts from ``exit_layer``: as timed, or on the straight line
@@ -230,7 +232,8 @@ def round_costs(target: Transformer, exit_layers: Sequence[int], ks: Sequence[in
                 warmup: int = 2) -> RoundCosts:
     """Per exit layer, the median time of a draft step, and per exit layer and k in ``ks``, that of a
     verification call, each over that of a full decode step, all timed in turn after ``context``
-    cached tokens: the c and v of E / (k c + v) (``RoundCosts.v`` reads v between the k timed)."""
+    cached tokens: the c and v of E / (k c + v) (``RoundCosts.v`` reads v between the k timed), and which
+    timings spread widely."""
     steps = {"full": decode_step(target, context)}
     steps |= {f"draft {layer}": draft_step(target, layer, context, (adapters or {}).get(layer))
               for layer in exit_layers}
@@ -238,7 +241,8 @@ def round_costs(target: Transformer, exit_layers: Sequence[int], ks: Sequence[in
     timings = alternate(steps, warmup=warmup, repeats=repeats, device=target.device)
     full = timings["full"].median_s
     return RoundCosts({layer: timings[f"draft {layer}"].median_s / full for layer in exit_layers},
-                      {(layer, k): timings[f"verify {layer} {k}"].median_s / full for layer in exit_layers for k in ks})
+                      {(layer, k): timings[f"verify {layer} {k}"].median_s / full for layer in exit_layers for k in ks},
+                      tuple(label for label, timing in timings.items() if timing.noisy))
 
 
 def best_exit(agreement: Mapping[int, float], costs: RoundCosts | Mapping[int, float],

@@ -221,6 +221,8 @@ def test_round_costs_and_best_exit():
     costs = round_costs(target, [1, 3], ks=[1, 4], context=16, repeats=3)
     assert list(costs.draft) == [1, 3] and all(0 < c for c in costs.draft.values())
     assert sorted(costs.verify) == [(1, 1), (1, 4), (3, 1), (3, 4)] and all(0 < v for v in costs.verify.values())
+    labels = {"full", "draft 1", "draft 3", "verify 1 1", "verify 1 4", "verify 3 1", "verify 3 4"}
+    assert set(costs.noisy) <= labels  # the timings that spread widely, by label
     for k in (0, 5):  # outside the k timed: no guess
         with pytest.raises(ValueError, match=f"k={k} from exit 1: its verification was timed at k in \\[1, 4\\]"):
             costs.v(1, k)

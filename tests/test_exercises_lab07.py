@@ -52,7 +52,10 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
                                             RAGGED, "the output is wrong, and a load read past a tensor: 32 "
                                                     "elements outside the tensors; the first: V[0, 0, 40, 0]"),
     "the running maximum dropped": ((("m_new = tl.maximum(m_i, tl.max(scores, 1))", "m_new = tl.max(scores, 1)"),),
-                                    PREFIX, "a NaN in the running state comes from -inf - (-inf)"),
+                                    PREFIX, "in the running state, from -inf - (-inf)"),
+    "the causal mask hides the query's own key": (
+        (("keys[None, :] <= position[:, None]", "keys[None, :] < position[:, None]"),),
+        "causal, 4 query heads", "a row that sees no key at all"),
 }
 
 

@@ -41,7 +41,8 @@ def _online_cases() -> list[Case | Scenario]:
                   "own: its row maximum, the sum of exp(scores - that maximum), and those weights times values; "
                   "acc stays unnormalised (not divided by l: that happens once, after the last tile); "
                   "a NaN here comes from -inf - (-inf), taken where it should not be, or from exp of a positive "
-                  "difference overflowing to inf, times a sum of 0 (the factor is exp(m - m_new), at most 1)"),
+                  "difference overflowing to inf, times a sum of 0 (the factor is exp(m - m_new), at most 1). The "
+                  "scores come scaled already: an m below the tile's largest score means they were scaled again"),
         Case("a tile with larger scores: the running sum and output are rescaled", (*first, larger, values[8:16]),
              online_softmax_update(*first, larger, values[8:16]), rtol=1e-5, atol=1e-6,
              hint="every row's maximum grows here: l and acc were summed as exp(s - old m) and must be multiplied by "
@@ -120,10 +121,13 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
 
 
 _MASK_EACH_LOAD = "Mask each load to the lanes inside the tensor: keys < S and dims < HEAD_DIM"
-_NAN_IN_THE_STATE = ("NaN in the output, though every load stayed inside its tensor: a NaN in the running state comes "
-                     "from -inf - (-inf), where a row's keys in a tile are all masked and the maximum is the tile's "
-                     "alone (the running maximum is tl.maximum(m_i, the tile's), finite once a key was seen), or from "
-                     "tl.exp2 of a positive difference, inf times a sum of 0 (alpha = tl.exp2(m_i - m_new), at most 1)")
+_NAN_IN_THE_STATE = ("NaN in the output, though every load stayed inside its tensor: a NaN comes from a masked load "
+                     "without other=0.0 (its masked lanes are NaN in this check), from a row that sees no key at all "
+                     "(a causal mask that hides the query's own position: keys <= position, not <), or, in the "
+                     "running state, from -inf - (-inf), where a row's keys in a tile are all masked and the maximum "
+                     "is the tile's alone (the running maximum is tl.maximum(m_i, the tile's), finite once a key was "
+                     "seen), or from tl.exp2 of a positive difference, inf times a sum of 0 (alpha = tl.exp2(m_i - "
+                     "m_new), at most 1)")
 
 
 def _strays(strays: list[str]) -> str:
@@ -140,7 +144,8 @@ def _kernel_cases() -> list[Scenario]:
          "one tile to the next: l_i and acc multiplied by alpha before the tile's terms are added, and m_i, "
          "l_i and acc set to their new values at the end of each step. An error in tl.dot about its dimensions "
          "is a load's shape: the keys' tile is loaded transposed, [head dim, keys] (dims down, keys across), "
-         "so that tl.dot(q, k_t) is [queries, keys], while the values' tile is [keys, head dim]"),
+         "so that tl.dot(q, k_t) is [queries, keys], while the values' tile is [keys, head dim]. And the tile's "
+         "keys are start + cols: start already counts keys, BLOCK_N at a time (not start * BLOCK_N)"),
         ("40 queries and keys, not causal: neither a multiple of the 16-wide tile", (1, 2, 2, 40, 40, 32), False,
          "the last key tile runs past S: its keys at or past S must be -inf in the scores and masked in both "
          "loads, the key load and the value load, with other=0.0: a lane masked without it is undefined (on a "
@@ -150,7 +155,7 @@ def _kernel_cases() -> list[Scenario]:
          "taken over its own scores (tl.max over axis 1, the keys), and the running state must stay finite"),
         ("causal, 4 query heads per KV head (GQA), 33 tokens", (1, 4, 1, 33, 33, 16), True,
          "causal: a key later than the query's position must be -inf, in the tiles on the diagonal, which are "
-         "partly masked even where they lie inside S"),
+         "partly masked even where they lie inside S; a query sees its own key (keys <= position)"),
         ("causal prefill after a cached prefix: 20 queries, 45 keys, head dim 48", (2, 2, 1, 20, 45, 48), True,
          "the queries are the last 20 of 45 positions: compare keys with position (rows + S - T), not with the "
          "row index; the head of 48 is padded to a block of 64, so dims past HEAD_DIM must be masked, with other=0.0 "

@@ -1,7 +1,7 @@
 """Paged attention for decoding, in Triton: one new query per sequence, keys and values read
 through the block table straight from the paged cache's pools.
 
-The reference (``labkit.paged.paged_attention``) first gathers each sequence's blocks into a
+The reference (``labkit.paged_attention.paged_attention``) first gathers each sequence's blocks into a
 contiguous ``[B, n_kv_heads, L, d]`` copy and then attends; this kernel never makes the copy.
 One program serves one (sequence, KV head): the ``group`` query heads that share that KV head
 (GQA) are its rows, so each key and value is read once for all of them. It walks the sequence
@@ -71,7 +71,7 @@ def decode_tile(block_size: int, dim: int, dtype: torch.dtype) -> int:
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
                  scale: float | None = None, ranges: bool = True) -> Tensor:
-    """What ``labkit.paged.paged_attention`` computes, without gathering: ``q`` ``[B, n_heads, d]``
+    """What ``labkit.paged_attention.paged_attention`` computes, without gathering: ``q`` ``[B, n_heads, d]``
     attends to the first ``lengths[b]`` keys and values of sequence b, read from the pools
     ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables`` ``[B, max_blocks]``.
     ``ranges=False`` skips checking the block ids and lengths, which reads them on the host: what a

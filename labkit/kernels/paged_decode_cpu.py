@@ -43,7 +43,7 @@ def build(verbose: bool = False) -> str:
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
                      scale: float | None = None) -> Tensor:
-    """What ``labkit.paged.paged_attention`` computes, without gathering, on the CPU in fp32:
+    """What ``labkit.paged_attention.paged_attention`` computes, without gathering, on the CPU in fp32:
     ``q`` ``[B, n_heads, d]`` attends to the first ``lengths[b]`` keys and values of sequence b,
     read from the pools ``[num_blocks, block_size, n_kv_heads, d]`` through ``block_tables``
     ``[B, max_blocks]``: only the entries a sequence reads, its first ceil(lengths[b] / block_size),
