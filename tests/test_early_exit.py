@@ -221,8 +221,7 @@ def test_round_costs_and_best_exit():
     costs = round_costs(target, [1, 3], ks=[1, 4], context=16, repeats=3)
     assert list(costs.draft) == [1, 3] and all(0 < c for c in costs.draft.values())
     assert sorted(costs.verify) == [(1, 1), (1, 4), (3, 1), (3, 4)] and all(0 < v for v in costs.verify.values())
-    labels = {"full", "draft 1", "draft 3", "verify 1 1", "verify 1 4", "verify 3 1", "verify 3 4"}
-    assert set(costs.noisy) <= labels  # the timings that spread widely, by label
+    assert set(costs.noisy) <= {"full", "draft 1", "draft 3", "verify 1 1", "verify 1 4", "verify 3 1", "verify 3 4"}
     for k in (0, 5):  # outside the k timed: no guess
         with pytest.raises(ValueError, match=f"k={k} from exit 1: its verification was timed at k in \\[1, 4\\]"):
             costs.v(1, k)
@@ -260,3 +259,17 @@ def test_bad_arguments_are_named():
         run(1, [1], SamplingParams(), 4, stats=SpeculationStats(2))
     with pytest.raises(ValueError, match=r"exit_layers=\[5\] must be ints in 1..n_layers=2"):
         exit_agreement(target, [5], [])
+
+
+@pytest.mark.parametrize("spread, noisy", [(False, ()), (True, ("draft 3",))])
+def test_round_costs_names_the_timings_that_spread_widely(monkeypatch, spread, noisy):
+    """round_costs says which of its timings spread widely (a busy machine), by label, and none when all ran
+    steadily: timings made up here, every label steady but one."""
+    from labkit import early_exit
+    from labkit.bench import Timing
+
+    def made_up(steps, **_):
+        return {label: Timing(label, "cpu", (1.0, 1.0, 3.0, 3.0) if spread and label == "draft 3" else
+                              (1.0, 1.0, 1.0, 1.0)) for label in steps}
+    monkeypatch.setattr(early_exit, "alternate", made_up)
+    assert round_costs(layered_model(4), [1, 3], ks=[1, 4], context=16, repeats=3).noisy == noisy

@@ -1,6 +1,8 @@
 """Exercises of notebook 07: plausible mistakes fail, with a hint that helps."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
     "acc is not rescaled": ((("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),), WHOLE_TILES,
                             RUNNING_STATE),
     "m_i is not updated": ((("        m_i = m_new\n", ""),), WHOLE_TILES, RUNNING_STATE),
+    "the tile's keys from start * BLOCK_N": ((("keys = start + cols", "keys = start * BLOCK_N + cols"),), WHOLE_TILES,
+                                             "keys are start + cols"),
     "exp of scores in log2 units": ((("p = tl.exp2(scores", "p = tl.exp(scores"),
                                      ("alpha = tl.exp2(", "alpha = tl.exp(")), WHOLE_TILES,
                                     "tl.exp2 of differences, not tl.exp"),
@@ -52,10 +56,10 @@ KERNEL_MISTAKES = {  # what: ((right, wrong) replacements, the case it must fail
                                             RAGGED, "the output is wrong, and a load read past a tensor: 32 "
                                                     "elements outside the tensors; the first: V[0, 0, 40, 0]"),
     "the running maximum dropped": ((("m_new = tl.maximum(m_i, tl.max(scores, 1))", "m_new = tl.max(scores, 1)"),),
-                                    PREFIX, "in the running state, from -inf - (-inf)"),
+                                    PREFIX, "in the running state, -inf - (-inf)"),
     "the causal mask hides the query's own key": (
         (("keys[None, :] <= position[:, None]", "keys[None, :] < position[:, None]"),),
-        "causal, 4 query heads", "a row that sees no key at all"),
+        GQA, "a row that sees no key at all"),
 }
 
 
@@ -71,6 +75,10 @@ def test_ex07_1_mistakes_fail_first_where_their_hint_names_them():
         m_new, l_new, acc_new = solution("ex07.1")(m, l, acc, scores, values)
         return m_new, l_new, acc_new / l_new[:, None]
     fails("ex07.1", normalised, "the first tile", "acc stays unnormalised")
+
+    def scaled_again(m, l, acc, scores, values):  # the scores come scaled: divided by sqrt(d) once more
+        return solution("ex07.1")(m, l, acc, scores / math.sqrt(values.shape[-1]), values)
+    fails("ex07.1", scaled_again, "the first tile", "they were scaled again")
 
 
 # caught by watching the loads, which only Triton's interpreter allows: on a GPU the check passes them

@@ -121,13 +121,13 @@ def _run_kernel(kernel: Any, shape: tuple[int, int, int, int, int, int], causal:
 
 
 _MASK_EACH_LOAD = "Mask each load to the lanes inside the tensor: keys < S and dims < HEAD_DIM"
-_NAN_IN_THE_STATE = ("NaN in the output, though every load stayed inside its tensor: a NaN comes from a masked load "
-                     "without other=0.0 (its masked lanes are NaN in this check), from a row that sees no key at all "
-                     "(a causal mask that hides the query's own position: keys <= position, not <), or, in the "
-                     "running state, from -inf - (-inf), where a row's keys in a tile are all masked and the maximum "
-                     "is the tile's alone (the running maximum is tl.maximum(m_i, the tile's), finite once a key was "
-                     "seen), or from tl.exp2 of a positive difference, inf times a sum of 0 (alpha = tl.exp2(m_i - "
-                     "m_new), at most 1)")
+_NAN_IN_THE_STATE = ("NaN in the output, though every load stayed inside its tensor. A NaN comes from: a masked load "
+                     "without other=0.0 (in the interpreter this check makes its masked lanes NaN; on a GPU they are "
+                     "undefined); a row that sees no key at all (a causal mask that hides the query's own position: "
+                     "keys <= position, not <); in the running state, -inf - (-inf), where a row's keys in a tile are "
+                     "all masked and the maximum is the tile's alone (the running maximum is tl.maximum(m_i, the "
+                     "tile's), finite once a key was seen); or tl.exp2 of a positive difference, inf times a sum of 0 "
+                     "(alpha = tl.exp2(m_i - m_new), at most 1)")
 
 
 def _strays(strays: list[str]) -> str:
