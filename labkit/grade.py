@@ -489,9 +489,10 @@ def skipped_cell_of(exercise: Exercise, fn: Any) -> tuple[Defined, str] | None:
         side = "" if where is None else "above" if i < where else "below"
         return f"the cell {side + ' the exercise cell ' if side else ''}that begins `{_first_line(sources[i])}`"
     for code in defined:
-        same = [i for i, source in enumerate(runs) if source == notebook.as_run(code.cell)]
-        if same and runs[same[0]] not in run_by_grader:  # else a cell edited since it was saved, or one the grader runs
-            return code, f"defined by {in_words(same[0])}"
+        ran = notebook.as_run(code.cell)
+        first = next((i for i, source in enumerate(runs) if source == ran), None)
+        if first is not None and ran not in run_by_grader:  # else edited since it was saved, or run by the grader
+            return code, f"defined by {in_words(first)}"
     for code in (code for code in defined if code.renamed):
         binders = [i for i, source in enumerate(sources) if code.called in notebook.bound_names(source)]
         if binders and runs[binders[-1]] not in run_by_grader:

@@ -78,8 +78,8 @@ def as_run(source: str) -> str:
 def bound_names(code: str) -> set[str]:
     """The names a cell's code binds at its top level, as the notebook's namespace gets them: imports,
     functions, classes and assignments (not the names local to a function or a comprehension), and the
-    attributes it assigns to a name's object, dotted (``Int4Packer.unpack = ...``: ``Int4Packer.unpack``). IPython's own
-    syntax is read as IPython runs it: ``files = !ls`` binds ``files``, and the code that ``%time``, ``%prun``,
+    attributes it assigns to a name's object, dotted (``Int4Packer.unpack = ...``: ``Int4Packer.unpack``).
+    IPython's own syntax is read as IPython runs it: ``files = !ls`` binds ``files``, and the code that ``%time``, ``%prun``,
     ``%%time``, ``%%capture`` and ``%%prun`` run binds its names; other magics bind none. A cell that does
     not parse binds none."""
     first, _, body = code.lstrip().partition("\n")

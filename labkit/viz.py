@@ -228,15 +228,16 @@ def speculation_html(rounds: Sequence, decode) -> str:
         newline = "↵" if kind in ("rejected", "unjudged") else "↵<br>"
         text = html.escape(decode(token)).replace("\n", newline).replace(" ", "&nbsp;")
         return f'<span style="{SPECULATION_STYLES[kind]}" title="{kind}">{text}</span>'
-    body = []
+    tokens = []  # (token, kind), in the order they came
     for r in rounds:
-        body += [span(t, "accepted") for t in r.draft[:r.accepted]]
-        body += [span(t, "rejected") for t in r.draft[r.accepted:r.accepted + 1]]
-        body += [span(t, "unjudged") for t in r.draft[r.accepted + 1:]]
-        body.append(span(r.token, "bonus" if r.bonus else "target"))
-    text = "".join(body)
+        tokens += [(t, "accepted") for t in r.draft[:r.accepted]]
+        tokens += [(t, "rejected") for t in r.draft[r.accepted:r.accepted + 1]]
+        tokens += [(t, "unjudged") for t in r.draft[r.accepted + 1:]]
+        tokens.append((r.token, "bonus" if r.bonus else "target"))
+    kinds = {kind for _, kind in tokens}
     legend = " ".join(f'<span style="{style};padding:0 4px">{kind}</span>'  # the kinds this run has
-                      for kind, style in SPECULATION_STYLES.items() if f'title="{kind}"' in text)
+                      for kind, style in SPECULATION_STYLES.items() if kind in kinds)
+    text = "".join(span(token, kind) for token, kind in tokens)
     return f'<div>{legend}</div><div style="font-family:monospace;line-height:1.6">{text}</div>'
 
 

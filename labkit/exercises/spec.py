@@ -259,9 +259,10 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: 
 def _differ(got: torch.Tensor, expected: torch.Tensor, wrong: torch.Tensor, note: str = "") -> str:
     """Where two tensors of one shape differ first, how many values differ (and ``note``), and both tensors whole
     when they are small, floats in as many significant digits as tell each differing pair apart."""
+    got, expected, wrong = (t.detach().cpu() for t in (got, expected, wrong))
     at = tuple(wrong.nonzero()[0].tolist())
-    shown, written = _written(got.detach().cpu(), expected.detach().cpu(), wrong.cpu())
-    both = (f"\n    expected {shown(expected.detach().cpu().tolist())}\n    got      {shown(got.detach().cpu().tolist())}"
+    shown, written = _written(got, expected, wrong)
+    both = (f"\n    expected {shown(expected.tolist())}\n    got      {shown(got.tolist())}"
             if wrong.numel() <= SHOWN_VALUES else "")
     counted = f"{int(wrong.sum())} of {wrong.numel()} values differ" + (f"; {note}" if note else "")
     return (f"at index {list(at)} expected {written(expected[at].item())}, got {written(got[at].item())} "
@@ -378,7 +379,7 @@ def assert_equal_tensors(got: torch.Tensor, expected: torch.Tensor) -> None:
                              f"{list(got.shape)} of {_name(got.dtype)}")
     wrong = got.cpu() != expected.cpu()
     if wrong.any():
-        raise AssertionError(_differ(got.cpu(), expected.cpu(), wrong))
+        raise AssertionError(_differ(got, expected, wrong))
 
 
 def _wrong_dtype(got: torch.Tensor, expected: torch.Tensor) -> WrongType:
